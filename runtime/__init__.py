@@ -1,0 +1,1 @@
+"""The draft-verify loop, samplers, drafters and one session adapter per backend."""

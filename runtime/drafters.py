@@ -1,0 +1,135 @@
+"""Drafters: they propose the next few tokens; the target decides which to keep.
+
+Every drafter answers one call, `propose(context, hidden, k, sampler)`:
+- context: all tokens so far (prompt + generated); the last one is not yet in the target's cache.
+- hidden: the target's hidden states [n, D] for the positions it processed in its last call and
+  kept (the prompt after prefill; the accepted inputs after a verify) — what an MTP head reads.
+  Drafters with `needs_hidden = False` get None, and the loop does not ask the target for them.
+- k: the most tokens to propose (fewer, or none, is fine).
+Drafters keep whatever state they like between calls, but must cope with any context: the loop
+may rewind (a new prompt) or extend it by any number of tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from mtp_edge.errors import UserError
+from mtp_edge.runtime.sampling import Sampler
+from mtp_edge.runtime.session import Session, prefill
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    # probs[i] is the distribution tokens[i] was drawn from; None means chosen deterministically
+    # (greedy or lookup), which rejection sampling treats as a one-hot distribution.
+    probs: torch.Tensor | None = None
+
+
+class Drafter(Protocol):
+    name: str
+    needs_hidden: bool
+
+    def propose(
+        self, context: list[int], hidden: torch.Tensor | None, k: int, sampler: Sampler
+    ) -> Draft: ...
+
+
+class NgramDrafter:
+    """Prompt lookup: find the latest earlier occurrence of the context's last n tokens and
+    propose what followed it. Free to run, strong on text that repeats its input (code edits,
+    summaries, extraction), silent elsewhere."""
+
+    name = "ngram"
+    needs_hidden = False
+
+    def __init__(self, max_n: int = 3, min_n: int = 1):
+        if not 1 <= min_n <= max_n:
+            raise UserError(f"n-gram sizes need 1 <= min <= max, got min {min_n}, max {max_n}")
+        self.max_n, self.min_n = max_n, min_n
+
+    def propose(self, context, hidden, k, sampler) -> Draft:
+        tokens = np.asarray(context)
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            # Candidate starts: every window of n tokens that ends before the last token.
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
+            hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+            if len(hits):
+                start = hits[-1] + n
+                return Draft(tokens[start : start + k].tolist())
+        return Draft([])
+
+
+class DraftModelDrafter:
+    """A separate small LM with the target's vocabulary and its own static KV cache.
+
+    It remembers which tokens its cache holds; on each call it keeps the longest prefix shared
+    with the new context and feeds the rest (rejected drafts are overwritten, never copied).
+    Drafting stops early when the drafter's own probability of its token falls below
+    `min_confidence` (0 = always draft k).
+    """
+
+    name = "draft-lm"
+    needs_hidden = False
+
+    def __init__(self, session: Session, min_confidence: float = 0.0):
+        if not 0 <= min_confidence < 1:
+            raise UserError(f"draft confidence threshold must be in [0, 1), got {min_confidence}")
+        self.session = session
+        self.min_confidence = min_confidence
+        self.cached: list[int] = []
+
+    def _feed(self, context: list[int]) -> torch.Tensor:
+        """Bring the cache up to `context`; returns the logits after its last token."""
+        keep = 0
+        limit = min(len(self.cached), len(context) - 1)  # always re-feed at least the last token
+        while keep < limit and self.cached[keep] == context[keep]:
+            keep += 1
+        logits = prefill(self.session, context[keep:], keep)
+        self.cached = list(context)
+        return logits[-1]
+
+    def propose(self, context, hidden, k, sampler) -> Draft:
+        k = min(k, self.session.max_seq_len - len(context))
+        if k <= 0:
+            return Draft([])
+        logits = self._feed(context)
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        while True:
+            if sampler.greedy:
+                q = torch.softmax(logits.to(torch.float64), -1)
+            else:
+                q = sampler.probs(logits)
+            # Decide before drawing: a stop rule that looked at the drawn token would bias the
+            # tokens that are kept away from q, and rejection sampling needs them drawn from q.
+            if tokens and q.max() < self.min_confidence:
+                break
+            token = int(torch.argmax(q)) if sampler.greedy else sampler.sample(q)
+            tokens.append(token)
+            probs.append(q)
+            if len(tokens) == k:
+                break
+            logits = self.session.forward([token], len(self.cached))[-1]
+            self.cached.append(token)
+        return Draft(tokens, None if sampler.greedy else torch.stack(probs))
+
+
+def check_same_vocabulary(
+    target_tokens: dict, draft_tokens: dict, target_vocab: int, draft_vocab: int
+):
+    """A drafter's token ids mean nothing to the target unless both vocabularies are identical.
+
+    target_tokens/draft_tokens map token strings to ids; *_vocab are the models' logit widths.
+    """
+    if target_vocab != draft_vocab or target_tokens != draft_tokens:
+        raise UserError(
+            f"the draft model's vocabulary ({draft_vocab} logits) differs from the target's "
+            f"({target_vocab} logits): use a draft model with the target's tokenizer "
+            "(same family), or --drafter ngram"
+        )

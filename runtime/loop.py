@@ -1,0 +1,201 @@
+"""The speculative decoding loop: prefill, then repeat {draft k, verify k+1 in one call, accept}.
+
+Plain decoding is the same loop with no drafter (every verify call carries one token), so plain
+and speculative output go through exactly the same code and can be compared token for token.
+
+Invariant between steps: `context` holds every token so far; the target's cache holds all of
+them but the last, which is fed (with the drafts behind it) at position `pos` by the next call.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from mtp_edge.errors import UserError
+from mtp_edge.runtime.drafters import Draft, Drafter
+from mtp_edge.runtime.sampling import Sampler, SamplingParams, accept_greedy, accept_sampling
+from mtp_edge.runtime.session import Session, prefill
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = 128
+    k: int = 4  # most tokens drafted per step
+    adaptive_k: bool = False  # grow k by 2 after a fully accepted step, shrink by 1 otherwise
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    eos_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise UserError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if self.k < 0:
+            raise UserError(f"--k must be >= 0, got {self.k}")
+
+
+@dataclass
+class GenerationStats:
+    generated_tokens: int = 0
+    verify_steps: int = 0  # target calls after prefill
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # steps that kept draft i
+    drafted_per_position: list[int] = field(default_factory=list)  # steps that drafted i
+    ttft_ms: float = 0.0
+    decode_seconds: float = 0.0  # everything after the first token
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Tokens emitted per verify step, the bonus token included (1.0 for plain decoding)."""
+        return (self.generated_tokens - 1) / self.verify_steps if self.verify_steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        steps = self.generated_tokens - 1
+        return steps / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "generated_tokens": self.generated_tokens,
+            "verify_steps": self.verify_steps,
+            "tau": round(self.tau, 4),
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "ttft_ms": round(self.ttft_ms, 3),
+            "decode_tokens_per_s": round(self.decode_tokens_per_s, 3),
+            "accepted_per_position": self.accepted_per_position,
+            "drafted_per_position": self.drafted_per_position,
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "draft_ms": round(self.draft_seconds * 1e3, 3),
+            "verify_ms": round(self.verify_seconds * 1e3, 3),
+        }
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # generated tokens; an eos token that stopped generation is left out
+    stop_reason: str  # eos | stop_string | max_tokens | context_full
+    stats: GenerationStats
+    # For each generated token, the gap between the target's two best logits where it was
+    # chosen: where greedy speculative and plain output differ, this shows whether the first
+    # difference is a numerical near-tie.
+    top2_gaps: list[float] = field(default_factory=list)
+
+
+def generate(
+    target: Session,
+    prompt: list[int],
+    drafter: Drafter | None,
+    config: GenerationConfig,
+    detokenize: Callable[[list[int]], str] | None = None,
+    on_tokens: Callable[[list[int]], None] | None = None,
+) -> GenerationResult:
+    """Generate from `prompt` with `target`, drafting with `drafter` (None: plain decoding).
+
+    `detokenize` is needed for stop strings; `on_tokens` receives tokens as they are emitted.
+    """
+    if not prompt:
+        raise UserError("the prompt is empty: give at least one token of text")
+    if len(prompt) >= target.max_seq_len:
+        raise UserError(
+            f"the prompt has {len(prompt)} tokens but the context holds {target.max_seq_len}: "
+            "shorten the prompt or raise --max-seq-len"
+        )
+    if config.stop_strings and detokenize is None:
+        raise ValueError("stop strings need a detokenize function")
+    sampler = Sampler(config.sampling)
+    wants_hidden = drafter is not None and drafter.needs_hidden
+    k_max = config.k if drafter is not None else 0
+    k_now = k_max
+    stats = GenerationStats(accepted_per_position=[0] * k_max, drafted_per_position=[0] * k_max)
+    generated: list[int] = []
+    gaps: list[float] = []
+
+    def emit(new_tokens: list[int], logits: torch.Tensor) -> str | None:
+        """Append tokens one by one, exactly as plain decoding would; returns a stop reason."""
+        top2 = torch.topk(logits.float(), 2, dim=-1).values
+        for i, token in enumerate(new_tokens):
+            if token in config.eos_ids:
+                return "eos"
+            generated.append(token)
+            gaps.append(float(top2[i, 0] - top2[i, 1]))
+            if on_tokens is not None:
+                on_tokens([token])
+            if config.stop_strings:
+                tail = detokenize(generated[-64:])
+                if any(s in tail for s in config.stop_strings):
+                    return "stop_string"
+            if len(generated) >= config.max_new_tokens:
+                return "max_tokens"
+        return None
+
+    # Prefill: the whole prompt in chunks; its last logits give the first token.
+    start = time.perf_counter()
+    out = prefill(target, prompt, 0, return_hidden=wants_hidden)
+    logits, hidden = out if wants_hidden else (out, None)
+    first = sampler.pick(logits[-1])
+    stats.ttft_ms = (time.perf_counter() - start) * 1e3
+    decode_start = time.perf_counter()
+    stop = emit([first], logits[-1:])
+    context = prompt + [first]
+    pos = len(prompt)
+
+    while stop is None:
+        room = target.max_seq_len - pos  # free slots: the pending token plus any drafts
+        if room < 1:
+            stop = "context_full"
+            break
+        k = min(k_now, room - 1, config.max_new_tokens - len(generated) - 1)
+
+        t0 = time.perf_counter()
+        draft = drafter.propose(context, hidden, k, sampler) if k > 0 else Draft([])
+        draft_tokens = draft.tokens[:k]
+        t1 = time.perf_counter()
+        out = target.forward([context[-1]] + draft_tokens, pos, return_hidden=wants_hidden)
+        logits, hidden = out if wants_hidden else (out, None)
+        if sampler.greedy:
+            n, next_token = accept_greedy(logits, draft_tokens)
+        else:
+            probs = None if draft.probs is None else draft.probs[: len(draft_tokens)]
+            n, next_token = accept_sampling(logits, draft_tokens, probs, sampler)
+        t2 = time.perf_counter()
+
+        stats.draft_seconds += t1 - t0
+        stats.verify_seconds += t2 - t1
+        stats.verify_steps += 1
+        stats.drafted_tokens += len(draft_tokens)
+        stats.accepted_tokens += n
+        for i in range(len(draft_tokens)):
+            stats.drafted_per_position[i] += 1
+            stats.accepted_per_position[i] += i < n
+        if config.adaptive_k and draft_tokens:
+            k_now = min(k_max, k_now + 2) if n == len(draft_tokens) else max(1, k_now - 1)
+
+        new_tokens = draft_tokens[:n] + [next_token]
+        stop = emit(new_tokens, logits[: n + 1])
+        context += new_tokens
+        pos += n + 1
+        if hidden is not None:
+            hidden = hidden[: n + 1]
+
+    stats.decode_seconds = time.perf_counter() - decode_start
+    stats.generated_tokens = len(generated)
+    return GenerationResult(generated, stop, stats, gaps)
+
+
+def first_divergence(plain: list[int], spec: list[int]) -> int | None:
+    """Index of the first token where two outputs differ (None if identical)."""
+    for i, (a, b) in enumerate(zip(plain, spec, strict=False)):
+        if a != b:
+            return i
+    return None if len(plain) == len(spec) else min(len(plain), len(spec))

@@ -1,0 +1,66 @@
+"""The session interface every backend implements, and the eager PyTorch session.
+
+A session owns one model and its static KV cache. `forward(tokens, start)` writes the tokens'
+K/V at positions start.. and returns their logits; writing at a position that held a rejected
+draft simply overwrites it, so there is no rollback call.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from mtp_edge.model import Transformer
+
+
+class Session(Protocol):
+    name: str  # backend name, e.g. "eager"
+    vocab_size: int
+    max_seq_len: int  # positions the static cache holds
+    max_chunk: int  # most tokens one forward call accepts (prefill is split into such chunks)
+
+    def forward(
+        self, tokens: list[int], start: int, return_hidden: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """logits [T, V] for tokens at positions start..start+T-1 (and hidden [T, D])."""
+        ...
+
+
+def prefill(session: Session, tokens: list[int], start: int = 0, return_hidden: bool = False):
+    """Run `tokens` through `session` in chunks: the last chunk's logits (and all hidden)."""
+    hidden = []
+    logits = None
+    for i in range(0, len(tokens), session.max_chunk):
+        out = session.forward(tokens[i : i + session.max_chunk], start + i, return_hidden)
+        if return_hidden:
+            logits, h = out
+            hidden.append(h)
+        else:
+            logits = out
+    return (logits, torch.cat(hidden)) if return_hidden else logits
+
+
+class EagerSession:
+    """The PyTorch model itself: the reference every other backend is compared with."""
+
+    name = "eager"
+
+    def __init__(self, model: Transformer, max_seq_len: int, max_chunk: int = 128):
+        self.model = model
+        if model.max_seq_len != max_seq_len:
+            model.setup_cache(max_seq_len)
+        self.vocab_size = model.config.vocab_size
+        self.max_seq_len = max_seq_len
+        self.max_chunk = max_chunk
+
+    @torch.inference_mode()
+    def forward(self, tokens: list[int], start: int, return_hidden: bool = False):
+        end = start + len(tokens)
+        if end > self.max_seq_len:
+            raise ValueError(f"positions up to {end} exceed the cache of {self.max_seq_len}")
+        ids = torch.tensor([tokens], dtype=torch.long)
+        out = self.model(ids, torch.tensor([start]), return_hidden=return_hidden, kv_len=end)
+        if return_hidden:
+            return out[0][0], out[1][0]
+        return out[0]

@@ -1,0 +1,116 @@
+"""Speculative sampling preserves the target's distribution (and a broken residual is caught)."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from tiny import tiny_model
+
+from mtp_edge.errors import UserError
+from mtp_edge.runtime import sampling
+from mtp_edge.runtime.drafters import DraftModelDrafter
+from mtp_edge.runtime.loop import GenerationConfig, generate
+from mtp_edge.runtime.sampling import Sampler, SamplingParams
+from mtp_edge.runtime.session import EagerSession
+
+VOCAB = 4
+NEW = 4  # the first token comes from prefill, the next two from drafts, the last is a bonus
+PROMPT = [1, 2, 3]
+SAMPLES = 20_000
+PARAMS = dict(temperature=0.9, top_k=3)
+
+
+def exact_distribution(target: EagerSession, params: SamplingParams) -> dict:
+    """P(t1..t4 | prompt) under the target alone, by enumerating every sequence."""
+    sampler = Sampler(params)
+    dist = {}
+    for seq in itertools.product(range(VOCAB), repeat=NEW):
+        logits = target.forward(PROMPT + list(seq[:-1]), 0)[len(PROMPT) - 1 :]
+        probs = sampler.probs(logits)
+        dist[seq] = float(torch.prod(probs[torch.arange(NEW), torch.tensor(seq)]))
+    return dist
+
+
+def speculative_counts(target: EagerSession, drafter_model) -> Counter:
+    drafter = DraftModelDrafter(EagerSession(drafter_model, 32))
+    counts = Counter()
+    for seed in range(SAMPLES):
+        config = GenerationConfig(
+            max_new_tokens=NEW, k=2, sampling=SamplingParams(seed=seed, **PARAMS)
+        )
+        counts[tuple(generate(target, PROMPT, drafter, config).token_ids)] += 1
+    return counts
+
+
+def chi_square_pvalue(counts: Counter, dist: dict) -> float:
+    observed, expected = [], []
+    pooled_obs = pooled_exp = 0.0
+    for seq, p in dist.items():
+        if p == 0:
+            assert counts[seq] == 0, f"sampled {seq}, which the target gives probability 0"
+        elif p * SAMPLES < 5:  # pool rare cells so the chi-square approximation holds
+            pooled_obs += counts[seq]
+            pooled_exp += p * SAMPLES
+        else:
+            observed.append(counts[seq])
+            expected.append(p * SAMPLES)
+    if pooled_exp > 0:
+        observed.append(pooled_obs)
+        expected.append(pooled_exp)
+    scale = sum(observed) / sum(expected)
+    return chisquare(observed, [e * scale for e in expected]).pvalue
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = EagerSession(tiny_model(seed=11, vocab=VOCAB, hidden_size=16, num_layers=1), 32)
+    drafter = tiny_model(seed=12, vocab=VOCAB, hidden_size=16, num_layers=1)
+    return target, drafter
+
+
+def test_speculative_samples_follow_the_target_distribution(models):
+    target, drafter = models
+    dist = exact_distribution(target, SamplingParams(**PARAMS))
+    counts = speculative_counts(target, drafter)
+    assert sum(counts.values()) == SAMPLES
+    assert chi_square_pvalue(counts, dist) > 1e-3
+
+
+def test_the_check_catches_a_missing_residual(models, monkeypatch):
+    """Resampling from p instead of norm(max(p - q, 0)) after a rejection biases the output."""
+    target, drafter = models
+    dist = exact_distribution(target, SamplingParams(**PARAMS))
+    monkeypatch.setattr(sampling, "residual", lambda p, q: p)
+    counts = speculative_counts(target, drafter)
+    assert chi_square_pvalue(counts, dist) < 1e-6
+
+
+def test_top_k_and_top_p_filtering():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    p = Sampler(SamplingParams(temperature=1.0, top_k=2)).probs(logits)
+    assert (p[2:] == 0).all() and torch.isclose(p[:2].sum(), torch.tensor(1.0, dtype=p.dtype))
+    full = torch.softmax(logits.double(), -1)
+    p = Sampler(SamplingParams(temperature=1.0, top_p=0.7)).probs(logits)
+    # keep the smallest prefix of the sorted tokens whose mass reaches 0.7
+    keep = int((torch.cumsum(full, 0) < 0.7).sum()) + 1
+    assert (p[keep:] == 0).all() and (p[:keep] > 0).all()
+    torch.testing.assert_close(p[:keep], full[:keep] / full[:keep].sum())
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(temperature=-0.1), "--temperature"),
+        (dict(top_k=-1), "--top-k"),
+        (dict(top_p=0.0), "--top-p"),
+        (dict(top_p=1.5), "--top-p"),
+        (dict(temperature=float("nan")), "--temperature"),
+    ],
+)
+def test_invalid_sampling_values(kwargs, message):
+    with pytest.raises(UserError, match=message):
+        SamplingParams(**kwargs)

@@ -1,0 +1,77 @@
+"""Tiny random models for the tests: a transformers reference, and ours with its weights."""
+
+from __future__ import annotations
+
+import torch
+
+from mtp_edge.config import ModelConfig
+from mtp_edge.model import Transformer
+
+
+def hf_reference(arch: str, tied: bool = False, vocab: int = 97, seed: int = 0, **overrides):
+    """A transformers model of `arch` with random weights (std 0.2, so logits are far from flat)."""
+    import transformers
+
+    classes = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }
+    config_cls, model_cls = classes[arch]
+    settings = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    settings.update(overrides)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**settings)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    return model
+
+
+def ours_from_hf(reference, dtype=torch.float32, max_seq_len: int = 256) -> Transformer:
+    config = ModelConfig.from_hf(reference.config.to_dict())
+    state = {k.removeprefix("model."): v for k, v in reference.state_dict().items()}
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    model = Transformer.from_state_dict(config, state, dtype)
+    model.setup_cache(max_seq_len)
+    return model
+
+
+def tiny_model(
+    seed: int = 0, vocab: int = 64, dtype=torch.float64, max_seq_len: int = 256, **overrides
+) -> Transformer:
+    """One of ours with random weights, no transformers involved (fast, for loop tests)."""
+    config = ModelConfig(
+        arch="llama",
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        max_position_embeddings=4096,
+    )
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    torch.manual_seed(seed)
+    model = Transformer(config).to(dtype).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    model.setup_cache(max_seq_len)
+    return model
