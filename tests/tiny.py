@@ -75,3 +75,26 @@ def tiny_model(
             p.normal_(0, 0.3)
     model.setup_cache(max_seq_len)
     return model
+
+
+def byte_level_tokenizer(vocab: int = 97):
+    """A tiny byte-level BPE tokenizer with `vocab` tokens (the tiny models' vocabulary size)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    chars = [chr(c) for c in range(ord("a"), ord("z") + 1)] + ["Ġ", ".", ",", "!", "?"]
+    merges = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("e", "r"), ("Ġ", "a")]
+    tokens = specials + chars + ["".join(m) for m in merges]
+    tokens += [f"<extra_{i}>" for i in range(vocab - len(tokens))]
+    backend = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    return backend
+
+
+def save_hf_dir(reference, directory, vocab: int = 97, **save_options):
+    """A Hugging Face model directory: safetensors weights, config.json and tokenizer.json."""
+    reference.save_pretrained(directory, safe_serialization=True, **save_options)
+    byte_level_tokenizer(vocab).save(str(directory / "tokenizer.json"))
+    return directory
