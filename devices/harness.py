@@ -1,0 +1,236 @@
+"""The measurement behind `mtp-bench`: plain vs speculative greedy decoding on one backend.
+
+For every prompt both runs use the same session (same weights, same kernels), so the speedup is
+the drafter's alone, and the outputs must be identical (lossless) or differ first at a numerical
+near-tie, which the report demonstrates with the plain run's top-2 logit gap there.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from mtp_edge.errors import UserError
+from mtp_edge.runtime.drafters import Drafter
+from mtp_edge.runtime.loop import GenerationConfig, GenerationResult, first_divergence, generate
+from mtp_edge.runtime.session import Session
+
+# A (k+1)-token verify and single-token steps sum in different orders; in float32 through 30
+# layers their logits differ by up to ~1e-3. A first divergence where the plain run's two best
+# logits are closer than this is a tie broken by rounding, not a bug.
+NEAR_TIE = 0.02
+
+
+@dataclass
+class Prompt:
+    id: str
+    category: str
+    prompt: str
+    max_new_tokens: int
+
+
+def load_prompts(path: str | Path | None = None) -> list[Prompt]:
+    """Prompts from a JSONL file ({"id", "category", "prompt", "max_new_tokens"} per line);
+    the built-in suite when no path is given."""
+    if path is None:
+        text = resources.files("mtp_edge").joinpath("prompts.jsonl").read_text()
+        where = "the built-in suite"
+    else:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise UserError(f"cannot read prompts file {path}: {e.strerror}") from None
+        where = str(path)
+    prompts = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            prompts.append(
+                Prompt(
+                    str(row["id"]),
+                    str(row.get("category", "default")),
+                    str(row["prompt"]),
+                    int(row.get("max_new_tokens", 128)),
+                )
+            )
+        except (ValueError, KeyError, TypeError) as e:
+            raise UserError(
+                f"{where} line {n}: expected JSON with id, category, prompt, max_new_tokens ({e})"
+            ) from None
+    if not prompts:
+        raise UserError(f"{where} holds no prompts")
+    return prompts
+
+
+def _rate(tokens: int, seconds: float) -> float:
+    return tokens / seconds if seconds > 0 else 0.0
+
+
+def _decode_tokens(result: GenerationResult) -> int:
+    return max(result.stats.generated_tokens - 1, 0)
+
+
+def compare_runs(plain: GenerationResult, spec: GenerationResult) -> dict:
+    """Per-prompt verdict: identical, or the first divergence and whether it is a near-tie."""
+    j = first_divergence(plain.token_ids, spec.token_ids)
+    if j is None:
+        return {"identical": True, "first_divergence": None, "top2_gap": None, "near_tie": None}
+    gap = plain.top2_gaps[j] if j < len(plain.top2_gaps) else None
+    near_tie = gap is not None and gap < NEAR_TIE
+    return {"identical": False, "first_divergence": j, "top2_gap": gap, "near_tie": near_tie}
+
+
+def run_suite(
+    session: Session,
+    encode: Callable[[str], list[int]],
+    drafter: Drafter | None,
+    prompts: list[Prompt],
+    config: GenerationConfig,
+    max_new_tokens: int | None = None,
+    repeat: int = 1,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
+    """Run every prompt plain and speculative (greedy), `repeat` times; returns the report body."""
+    rows = []
+    totals = {"ar_tokens": 0, "ar_s": 0.0, "spec_tokens": 0, "spec_s": 0.0}
+    steps = drafted = accepted = 0
+    accepted_pos = [0] * config.k
+    drafted_pos = [0] * config.k
+    ttft_ar, ttft_spec = [], []
+    for i, p in enumerate(prompts):
+        prompt_ids = encode(p.prompt)
+        cfg = GenerationConfig(
+            max_new_tokens=max_new_tokens or p.max_new_tokens,
+            k=config.k,
+            adaptive_k=config.adaptive_k,
+            sampling=config.sampling,
+            eos_ids=config.eos_ids,
+        )
+        ar_rates, spec_rates = [], []
+        for _ in range(repeat):
+            # Interleaved, so that machine drift affects both alike.
+            plain = generate(session, prompt_ids, None, cfg)
+            spec = generate(session, prompt_ids, drafter, cfg)
+            ar_rates.append(plain.stats.decode_tokens_per_s)
+            spec_rates.append(spec.stats.decode_tokens_per_s)
+            totals["ar_tokens"] += _decode_tokens(plain)
+            totals["ar_s"] += plain.stats.decode_seconds
+            totals["spec_tokens"] += _decode_tokens(spec)
+            totals["spec_s"] += spec.stats.decode_seconds
+            ttft_ar.append(plain.stats.ttft_ms)
+            ttft_spec.append(spec.stats.ttft_ms)
+        s = spec.stats
+        steps += s.verify_steps
+        drafted += s.drafted_tokens
+        accepted += s.accepted_tokens
+        for j in range(config.k):
+            accepted_pos[j] += s.accepted_per_position[j] if j < len(s.accepted_per_position) else 0
+            drafted_pos[j] += s.drafted_per_position[j] if j < len(s.drafted_per_position) else 0
+        row = {
+            "id": p.id,
+            "category": p.category,
+            "prompt_tokens": len(prompt_ids),
+            "ar_tokens": plain.stats.generated_tokens,
+            "spec_tokens": s.generated_tokens,
+            "ar_tokens_per_s": round(statistics.median(ar_rates), 3),
+            "spec_tokens_per_s": round(statistics.median(spec_rates), 3),
+            "speedup": round(_rate(statistics.median(spec_rates), statistics.median(ar_rates)), 4),
+            "tau": round(s.tau, 4),
+            "acceptance_rate": round(s.acceptance_rate, 4),
+            "verify_steps": s.verify_steps,
+            "draft_ms_per_step": round(s.draft_seconds * 1e3 / max(s.verify_steps, 1), 4),
+            "verify_ms_per_step": round(s.verify_seconds * 1e3 / max(s.verify_steps, 1), 4),
+            "ar_ms_per_step": round(
+                plain.stats.verify_seconds * 1e3 / max(plain.stats.verify_steps, 1), 4
+            ),
+            "stop_reason_ar": plain.stop_reason,
+            "stop_reason_spec": spec.stop_reason,
+            **compare_runs(plain, spec),
+        }
+        rows.append(row)
+        if progress:
+            progress(
+                f"[{i + 1}/{len(prompts)}] {p.id}: plain {row['ar_tokens_per_s']:.1f} tok/s, "
+                f"spec {row['spec_tokens_per_s']:.1f} tok/s, tau {row['tau']:.2f}, "
+                f"{'identical' if row['identical'] else 'DIFFERS'}"
+            )
+    ar = _rate(totals["ar_tokens"], totals["ar_s"])
+    sp = _rate(totals["spec_tokens"], totals["spec_s"])
+    divergent = [r for r in rows if not r["identical"]]
+    summary = {
+        "prompts": len(rows),
+        "lossless": all(r["near_tie"] for r in divergent),
+        "divergences": len(divergent),
+        "near_tie_divergences": sum(1 for r in divergent if r["near_tie"]),
+        "near_tie_tolerance": NEAR_TIE,
+        "ar_tokens_per_s": round(ar, 3),
+        "spec_tokens_per_s": round(sp, 3),
+        "speedup": round(_rate(sp, ar), 4),
+        "tau": round(sum(r["spec_tokens"] - 1 for r in rows) / max(steps, 1), 4),
+        "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
+        "acceptance_by_position": [
+            round(a / d, 4) if d else None for a, d in zip(accepted_pos, drafted_pos, strict=True)
+        ],
+        "ttft_ms_ar": round(statistics.median(ttft_ar), 3),
+        "ttft_ms_spec": round(statistics.median(ttft_spec), 3),
+        "peak_rss_mb": round(peak_rss_mb(), 1),
+    }
+    return {"summary": summary, "per_category": per_category(rows), "prompts": rows}
+
+
+def per_category(rows: list[dict]) -> dict:
+    out = {}
+    for category in sorted({r["category"] for r in rows}):
+        group = [r for r in rows if r["category"] == category]
+        ar = statistics.median(r["ar_tokens_per_s"] for r in group)
+        sp = statistics.median(r["spec_tokens_per_s"] for r in group)
+        out[category] = {
+            "prompts": len(group),
+            "ar_tokens_per_s": round(ar, 3),
+            "spec_tokens_per_s": round(sp, 3),
+            "speedup": round(statistics.median(r["speedup"] for r in group), 4),
+            "tau": round(statistics.median(r["tau"] for r in group), 4),
+            "identical": sum(r["identical"] for r in group),
+        }
+    return out
+
+
+def peak_rss_mb() -> float:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 1024 / (1024 if sys.platform == "darwin" else 1)
+
+
+def to_markdown(report: dict) -> str:
+    s = report["summary"]
+    lines = [
+        f"# mtp-bench: {report.get('bundle') or report.get('model')}",
+        "",
+        f"backend **{report.get('backend')}**, drafter **{report.get('drafter')}**, "
+        f"k={report.get('k')}, {s['prompts']} prompts, greedy",
+        "",
+        "| plain tok/s | speculative tok/s | speedup | tau | acceptance | lossless |",
+        "|---|---|---|---|---|---|",
+        f"| {s['ar_tokens_per_s']:.1f} | {s['spec_tokens_per_s']:.1f} | {s['speedup']:.2f}x "
+        f"| {s['tau']:.2f} | {s['acceptance_rate']:.2f} | {s['lossless']} "
+        f"({s['divergences']} divergences, {s['near_tie_divergences']} near-ties) |",
+        "",
+        "| category | prompts | plain tok/s | spec tok/s | speedup | tau | identical |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, c in report["per_category"].items():
+        lines.append(
+            f"| {name} | {c['prompts']} | {c['ar_tokens_per_s']:.1f} | "
+            f"{c['spec_tokens_per_s']:.1f} | {c['speedup']:.2f}x | {c['tau']:.2f} | "
+            f"{c['identical']}/{c['prompts']} |"
+        )
+    if report.get("command"):
+        lines += ["", f"Command: `{report['command']}`"]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,295 @@
+"""Command-line entry points. User errors print one line and exit 2; nothing prints a traceback."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+
+import click
+import torch
+
+from mtp_edge.errors import UserError
+
+
+class OneLineErrors(click.Command):
+    """A click command whose usage errors and UserErrors print as one `error: ...` line."""
+
+    def main(self, *args, **kwargs):
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except click.exceptions.Exit as e:
+            sys.exit(e.exit_code)
+        except click.ClickException as e:
+            click.echo(f"error: {e.format_message()} (see --help)", err=True)
+            sys.exit(2)
+        except UserError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+        except (KeyboardInterrupt, click.exceptions.Abort):
+            click.echo("error: interrupted", err=True)
+            sys.exit(130)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+def build_drafter(spec: str, target, max_seq_len: int, ngram: tuple[int, int], confidence: float):
+    """`none`, `ngram`, or a path to a draft model with the target's vocabulary."""
+    from mtp_edge.checkpoints import load_model
+    from mtp_edge.runtime.drafters import DraftModelDrafter, NgramDrafter, check_same_vocabulary
+    from mtp_edge.runtime.session import EagerSession
+
+    if spec == "none":
+        return None
+    if spec == "ngram":
+        return NgramDrafter(max_n=ngram[1], min_n=ngram[0])
+    if target is None:
+        raise UserError(f"--drafter {spec}: a bundle runs its own drafter, or none, or ngram")
+    draft = load_model(spec)
+    check_same_vocabulary(
+        target.tokenizer.backend.get_vocab(),
+        draft.tokenizer.backend.get_vocab(),
+        target.config.vocab_size,
+        draft.config.vocab_size,
+    )
+    return DraftModelDrafter(EagerSession(draft.model, max_seq_len), min_confidence=confidence)
+
+
+def parse_ngram_sizes(text: str) -> tuple[int, int]:
+    try:
+        low, _, high = text.partition("-")
+        sizes = (int(low), int(high or low))
+    except ValueError:
+        raise UserError(f"--ngram-sizes takes MIN-MAX such as 1-3, got {text!r}") from None
+    return sizes
+
+
+def drafter_options(f):
+    """Options shared by the commands that decode: target model, drafter and its settings."""
+    options = [
+        click.option(
+            "--model",
+            "model_spec",
+            default="default",
+            show_default=True,
+            help="HF directory, .gguf file, or 'default' (SmolLM2-135M-Instruct).",
+        ),
+        click.option(
+            "--bundle", default=None, help="Run an exported bundle (mtp-export) instead of --model."
+        ),
+        click.option(
+            "--drafter",
+            default=None,
+            help="none | ngram | path to a draft model with the target's vocabulary "
+            "(default: the bundle's drafter, else ngram).",
+        ),
+        click.option(
+            "--k", default=None, type=int, help="Most tokens drafted per step (default: 4)."
+        ),
+        click.option(
+            "--adaptive-k",
+            is_flag=True,
+            help="Grow k after a fully accepted step, shrink it after a miss.",
+        ),
+        click.option(
+            "--ngram-sizes", default="1-3", show_default=True, help="n-gram drafter: MIN-MAX n."
+        ),
+        click.option(
+            "--draft-confidence",
+            default=0.0,
+            show_default=True,
+            help="Draft model: stop drafting when its best probability falls below.",
+        ),
+        click.option(
+            "--max-seq-len", default=2048, show_default=True, help="Static KV cache length."
+        ),
+        click.option("--no-chat-template", is_flag=True, help="Feed prompts as raw text."),
+        click.option("--threads", default=0, help="CPU threads (0 = all cores)."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+@dataclass
+class Setup:
+    """A loaded target, its session and drafter: what `run` and `bench` decode with."""
+
+    name: str
+    tokenizer: object
+    session: object
+    drafter: object
+    config: object  # GenerationConfig
+    chat: bool
+    bundle: str | None
+
+    def encode(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode_prompt(prompt, chat=self.chat)
+
+
+def setup(opts: dict, sampling=None, max_new_tokens: int = 128, stop_strings=()) -> Setup:
+    """Load the target (a model on the eager backend, or a bundle) and its drafter.
+
+    `opts` holds the values of the `drafter_options` flags.
+    """
+    from mtp_edge.checkpoints import load_model
+    from mtp_edge.runtime.loop import GenerationConfig
+    from mtp_edge.runtime.sampling import SamplingParams
+    from mtp_edge.runtime.session import EagerSession
+
+    if opts["threads"]:
+        torch.set_num_threads(opts["threads"])
+    ngram = parse_ngram_sizes(opts["ngram_sizes"])
+    max_seq_len, drafter, k = opts["max_seq_len"], opts["drafter"], opts["k"]
+    if max_seq_len < 2:
+        raise UserError(f"--max-seq-len must be >= 2, got {max_seq_len}")
+    if opts["bundle"] is not None:
+        from mtp_edge.runtime.bundle import open_bundle, target_session
+
+        if opts["model_spec"] != "default":
+            raise UserError("give either --model or --bundle, not both")
+        bundle = open_bundle(opts["bundle"])
+        m = bundle.manifest
+        session = target_session(bundle)
+        tokenizer, name, target = bundle.tokenizer, m.model_name, None
+        drafter = drafter or m.drafter.get("kind", "none")
+        k = m.drafter.get("k") if k is None else k
+    else:
+        target = load_model(opts["model_spec"])
+        tokenizer, name = target.tokenizer, target.name
+        max_seq_len = min(max_seq_len, target.config.max_position_embeddings)
+        session = EagerSession(target.model, max_seq_len)
+        drafter = drafter or "ngram"
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        k=4 if k is None else k,
+        adaptive_k=opts["adaptive_k"],
+        sampling=sampling or SamplingParams(),
+        stop_strings=tuple(stop_strings),
+        eos_ids=tuple(tokenizer.eos_ids),
+    )
+    draft = build_drafter(drafter, target, session.max_seq_len, ngram, opts["draft_confidence"])
+    chat = not opts["no_chat_template"]
+    return Setup(name, tokenizer, session, draft, config, chat, opts["bundle"])
+
+
+@click.command(cls=OneLineErrors)
+@drafter_options
+@click.option(
+    "--prompt", required=True, help="The user message (raw text with --no-chat-template)."
+)
+@click.option("--max-new-tokens", default=128, show_default=True)
+@click.option("--temperature", default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-k", default=0, show_default=True, help="0 = off.")
+@click.option("--top-p", default=1.0, show_default=True, help="1 = off.")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--stop", "stop_strings", multiple=True, help="Stop at this text (repeatable).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+def run(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_strings, as_json, **opts):
+    """Generate text with speculative decoding."""
+    from mtp_edge.runtime.loop import generate
+    from mtp_edge.runtime.sampling import SamplingParams
+
+    sampling = SamplingParams(temperature, top_k, top_p, seed)
+    ctx = setup(opts, sampling, max_new_tokens, stop_strings)
+    tokenizer = ctx.tokenizer
+    prompt_ids = ctx.encode(prompt)
+
+    stream = None
+    if not as_json:
+        printed = [0]
+        streamed: list[int] = []
+
+        def stream(tokens):
+            streamed.extend(tokens)
+            text = tokenizer.decode(streamed)
+            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                click.echo(text[printed[0] :], nl=False)
+                printed[0] = len(text)
+
+    result = generate(ctx.session, prompt_ids, ctx.drafter, ctx.config, tokenizer.decode, stream)
+    text = tokenizer.decode(result.token_ids)
+    for s in stop_strings:
+        if s in text:
+            text = text[: text.index(s)]
+    if as_json:
+        out = {
+            "text": text,
+            "token_ids": result.token_ids,
+            "stop_reason": result.stop_reason,
+            "stats": result.stats.to_dict(),
+        }
+        click.echo(json.dumps(out))
+    else:
+        s = result.stats
+        click.echo("")
+        click.echo(
+            f"[{result.stop_reason}] {s.generated_tokens} tokens, "
+            f"{s.decode_tokens_per_s:.1f} tok/s, "
+            f"tau {s.tau:.2f}, acceptance {s.acceptance_rate:.2f}, ttft {s.ttft_ms:.0f} ms",
+            err=True,
+        )
+
+
+@click.command(cls=OneLineErrors)
+@drafter_options
+@click.option(
+    "--prompts",
+    "prompts_path",
+    default=None,
+    help="JSONL prompts file (default: the built-in suite).",
+)
+@click.option("--repeat", default=1, show_default=True, help="Runs per prompt (medians).")
+@click.option(
+    "--max-new-tokens", default=None, type=int, help="Override every prompt's max_new_tokens."
+)
+@click.option("--json", "json_out", default=None, help="Write the JSON report here.")
+@click.option("--markdown", "markdown_out", default=None, help="Write a Markdown summary here.")
+def bench(prompts_path, repeat, max_new_tokens, json_out, markdown_out, **opts):
+    """Plain vs speculative greedy decoding on the same backend, over a prompt suite."""
+    from mtp_edge.devices.harness import load_prompts, run_suite, to_markdown
+
+    if repeat < 1:
+        raise UserError(f"--repeat must be >= 1, got {repeat}")
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    prompts = load_prompts(prompts_path)
+    ctx = setup(opts)
+    body = run_suite(
+        ctx.session,
+        ctx.encode,
+        ctx.drafter,
+        prompts,
+        ctx.config,
+        max_new_tokens,
+        repeat,
+        progress=lambda line: click.echo(line, err=True),
+    )
+    report = {
+        "bundle": ctx.bundle,
+        "model": ctx.name,
+        "backend": ctx.session.name,
+        "drafter": "none" if ctx.drafter is None else ctx.drafter.name,
+        "k": ctx.config.k,
+        "threads": torch.get_num_threads(),
+        "command": " ".join(["mtp-bench", *sys.argv[1:]]),
+        **body,
+    }
+    markdown = to_markdown(report)
+    write_atomic(json_out, json.dumps(report, indent=2) + "\n")
+    write_atomic(markdown_out, markdown)
+    click.echo(markdown)
+    if not report["summary"]["lossless"]:
+        raise UserError("speculative output diverged from plain output beyond a near-tie: a bug")
+
+
+def write_atomic(path: str | None, text: str) -> None:
+    """Write via a temporary file and rename, so a reader never sees half a report."""
+    if path is None:
+        return
+    from pathlib import Path
+
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(target)

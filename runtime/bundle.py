@@ -1,0 +1,37 @@
+"""Opening a bundle: check its manifest, then build the session for its backend and its drafter."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from mtp_edge.errors import UserError
+from mtp_edge.manifest import Manifest
+from mtp_edge.runtime.session import Session
+from mtp_edge.tokenizer import Tokenizer
+
+
+@dataclass
+class Bundle:
+    path: Path
+    manifest: Manifest
+    tokenizer: Tokenizer
+
+
+def open_bundle(path: str | Path) -> Bundle:
+    path = Path(path)
+    manifest = Manifest.load(path)
+    return Bundle(path, manifest, Tokenizer.load(path))
+
+
+def target_session(bundle: Bundle) -> Session:
+    m = bundle.manifest
+    file = bundle.path / m.models["target"].file
+    if m.backend == "executorch":
+        from mtp_edge.runtime.executorch_session import ExecuTorchSession
+
+        return ExecuTorchSession(file, m.max_seq_len, m.vocab_size, m.max_chunk)
+    if m.backend == "coreml" and sys.platform != "darwin":
+        raise UserError("Core ML bundles run only on macOS/iOS: use an android or onnx bundle here")
+    raise UserError(f"bundle backend '{m.backend}' is not supported by this runtime")
