@@ -162,6 +162,9 @@ def run_suite(
                 f"spec {row['spec_tokens_per_s']:.1f} tok/s, tau {row['tau']:.2f}, "
                 f"{'identical' if row['identical'] else 'DIFFERS'}"
             )
+    ar_step = statistics.median(r["ar_ms_per_step"] for r in rows)
+    verify_step = statistics.median(r["verify_ms_per_step"] for r in rows)
+    draft_step = statistics.median(r["draft_ms_per_step"] for r in rows)
     ar = _rate(totals["ar_tokens"], totals["ar_s"])
     sp = _rate(totals["spec_tokens"], totals["spec_s"])
     divergent = [r for r in rows if not r["identical"]]
@@ -179,6 +182,12 @@ def run_suite(
         "acceptance_by_position": [
             round(a / d, 4) if d else None for a, d in zip(accepted_pos, drafted_pos, strict=True)
         ],
+        # What speculation costs per step, against one plain decoding step (medians of prompts):
+        "ar_ms_per_step": round(ar_step, 4),
+        "verify_ms_per_step": round(verify_step, 4),
+        "verify_over_decode": round(_rate(verify_step, ar_step), 4),
+        "draft_ms_per_step": round(draft_step, 4),
+        "draft_over_decode": round(_rate(draft_step, ar_step), 4),
         "ttft_ms_ar": round(statistics.median(ttft_ar), 3),
         "ttft_ms_spec": round(statistics.median(ttft_spec), 3),
         "peak_rss_mb": round(peak_rss_mb(), 1),
@@ -216,10 +225,12 @@ def to_markdown(report: dict) -> str:
         f"backend **{report.get('backend')}**, drafter **{report.get('drafter')}**, "
         f"k={report.get('k')}, {s['prompts']} prompts, greedy",
         "",
-        "| plain tok/s | speculative tok/s | speedup | tau | acceptance | lossless |",
-        "|---|---|---|---|---|---|",
+        "| plain tok/s | speculative tok/s | speedup | tau | acceptance | verify/decode "
+        "| draft/decode | lossless |",
+        "|---|---|---|---|---|---|---|---|",
         f"| {s['ar_tokens_per_s']:.1f} | {s['spec_tokens_per_s']:.1f} | {s['speedup']:.2f}x "
-        f"| {s['tau']:.2f} | {s['acceptance_rate']:.2f} | {s['lossless']} "
+        f"| {s['tau']:.2f} | {s['acceptance_rate']:.2f} | {s['verify_over_decode']:.2f} "
+        f"| {s['draft_over_decode']:.3f} | {s['lossless']} "
         f"({s['divergences']} divergences, {s['near_tie_divergences']} near-ties) |",
         "",
         "| category | prompts | plain tok/s | spec tok/s | speedup | tau | identical |",
@@ -231,6 +242,13 @@ def to_markdown(report: dict) -> str:
             f"{c['spec_tokens_per_s']:.1f} | {c['speedup']:.2f}x | {c['tau']:.2f} | "
             f"{c['identical']}/{c['prompts']} |"
         )
+    peer = report.get("peer_textllmrunner")
+    if peer:
+        lines += [
+            "",
+            "Peer baseline, ExecuTorch TextLLMRunner on the same target .pte (plain): "
+            + (f"{peer['tokens_per_s']:.1f} tok/s" if "error" not in peer else peer["error"]),
+        ]
     if report.get("command"):
         lines += ["", f"Command: `{report['command']}`"]
     return "\n".join(lines) + "\n"

@@ -125,6 +125,12 @@ class Setup:
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer.encode_prompt(prompt, chat=self.chat)
 
+    def render(self, prompt: str) -> str:
+        """The prompt as text, as a runner that tokenizes by itself must receive it."""
+        if self.chat and self.tokenizer.chat_template is not None:
+            return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        return prompt
+
 
 def setup(opts: dict, sampling=None, max_new_tokens: int = 128, stop_strings=()) -> Setup:
     """Load the target (a model on the eager backend, or a bundle) and its drafter.
@@ -274,6 +280,19 @@ def bench(prompts_path, repeat, max_new_tokens, json_out, markdown_out, **opts):
         "command": " ".join(["mtp-bench", *sys.argv[1:]]),
         **body,
     }
+    if ctx.bundle is not None and ctx.session.name == "executorch":
+        from pathlib import Path
+
+        from mtp_edge.devices.peer import textllmrunner_baseline
+
+        click.echo(
+            "[peer] ExecuTorch TextLLMRunner, plain decoding of the same target .pte", err=True
+        )
+        bundle_dir = Path(ctx.bundle)
+        runs = [(ctx.render(p.prompt), max_new_tokens or p.max_new_tokens) for p in prompts]
+        report["peer_textllmrunner"] = textllmrunner_baseline(
+            bundle_dir / "target.pte", bundle_dir / "tokenizer.json", runs
+        )
     markdown = to_markdown(report)
     write_atomic(json_out, json.dumps(report, indent=2) + "\n")
     write_atomic(markdown_out, markdown)
@@ -293,3 +312,166 @@ def write_atomic(path: str | None, text: str) -> None:
     tmp = target.with_name(f".{target.name}.tmp")
     tmp.write_text(text)
     tmp.replace(target)
+
+
+@click.command(cls=OneLineErrors)
+@click.option(
+    "--target",
+    "target_name",
+    default="android",
+    show_default=True,
+    help="android (ExecuTorch .pte, XNNPACK) | coreml | onnx.",
+)
+@click.option(
+    "--model",
+    "model_spec",
+    default="default",
+    show_default=True,
+    help="HF directory, .gguf file, or 'default' (SmolLM2-135M-Instruct).",
+)
+@click.option(
+    "--drafter",
+    default="ngram",
+    show_default=True,
+    help="none | ngram | mtp | path to a draft model with the target's vocabulary.",
+)
+@click.option("--k", default=4, show_default=True, help="Tokens drafted per step.")
+@click.option(
+    "--quant",
+    default=None,
+    help="Target weights: 8da4w | 8da8w | int8 | int4 | fp32 (default: the fastest "
+    "for speculative decoding, see benchmarks/).",
+)
+@click.option(
+    "--group-size",
+    default=None,
+    type=int,
+    help="Quantization group size (0 = one scale per output channel).",
+)
+@click.option("--embedding-quant", default="8w", show_default=True, help="8w | 4w | none.")
+@click.option("--draft-quant", default=None, help="Drafter weights (default: as --quant).")
+@click.option("--max-seq-len", default=2048, show_default=True, help="Static KV cache length.")
+@click.option("--out", default=None, help="Bundle directory (default: bundles/<model>-<target>).")
+@click.option(
+    "--quality-tokens",
+    default=1024,
+    show_default=True,
+    help="Held-out tokens for the perplexity check (0 = skip).",
+)
+def export(
+    target_name,
+    model_spec,
+    drafter,
+    k,
+    quant,
+    group_size,
+    embedding_quant,
+    draft_quant,
+    max_seq_len,
+    out,
+    quality_tokens,
+):
+    """Quantize a target (and its drafter) and export them as one bundle."""
+    from pathlib import Path
+
+    from mtp_edge.exporter.export import ExportOptions, export_bundle
+    from mtp_edge.quantize.schemes import DEFAULT_SCHEME
+
+    options = ExportOptions(
+        target=target_name,
+        model=model_spec,
+        drafter=drafter,
+        k=k,
+        quant=quant or DEFAULT_SCHEME.quant,
+        group_size=DEFAULT_SCHEME.group_size if group_size is None else group_size,
+        embedding_quant=embedding_quant,
+        draft_quant=draft_quant or quant or DEFAULT_SCHEME.quant,
+        max_seq_len=max_seq_len,
+        quality_tokens=quality_tokens,
+    )
+
+    def open_program(path: Path, seq_len: int):
+        from mtp_edge.runtime.executorch_session import ExecuTorchSession
+
+        return ExecuTorchSession(path, seq_len, 0, options.max_chunk).forward
+
+    bundle, manifest = export_bundle(
+        options,
+        Path(out) if out else None,
+        open_program,
+        progress=lambda line: click.echo(line, err=True),
+    )
+    click.echo(json.dumps({"bundle": str(bundle), "quality": manifest.quality}))
+
+
+@click.command(cls=OneLineErrors)
+@click.option(
+    "--model",
+    default="default",
+    show_default=True,
+    help="The frozen target: HF directory, .gguf file, or 'default'.",
+)
+@click.option(
+    "--data",
+    multiple=True,
+    help="Text files to train on (repeatable; default: offline text + the target's own responses).",
+)
+@click.option("--k", default=4, show_default=True, help="Draft steps unrolled in training.")
+@click.option("--steps", default=3000, show_default=True)
+@click.option("--batch-size", default=256, show_default=True, help="Positions per step.")
+@click.option("--lr", default=1e-3, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--resume", is_flag=True, help="Continue from the last checkpoint next to --out.")
+@click.option(
+    "--draft-vocab", default=8192, show_default=True, help="Size of the reduced draft vocabulary."
+)
+@click.option(
+    "--gen-tokens",
+    default=100_000,
+    show_default=True,
+    help="Response tokens the target writes for the default corpus.",
+)
+@click.option(
+    "--raw-tokens",
+    default=50_000,
+    show_default=True,
+    help="Tokens of offline text for the default corpus.",
+)
+@click.option("--threads", default=0, help="CPU threads (0 = torch's default).")
+@click.option("--out", required=True, help="Output heads file (.safetensors).")
+def train(
+    model,
+    data,
+    k,
+    steps,
+    batch_size,
+    lr,
+    seed,
+    resume,
+    draft_vocab,
+    gen_tokens,
+    raw_tokens,
+    threads,
+    out,
+):
+    """Train MTP draft heads for a target by self-distillation (runs under torchrun too)."""
+    from mtp_edge.train import TrainOptions, train_heads
+
+    options = TrainOptions(
+        out=out,
+        model=model,
+        data=tuple(data),
+        k=k,
+        steps=steps,
+        batch_size=batch_size,
+        lr=lr,
+        seed=seed,
+        resume=resume,
+        draft_vocab=draft_vocab,
+        gen_tokens=gen_tokens,
+        raw_tokens=raw_tokens,
+        threads=threads,
+    )
+    summary = train_heads(options, progress=lambda line: click.echo(line, err=True))
+    if summary:
+        click.echo(json.dumps(summary))

@@ -1,0 +1,54 @@
+"""Writing bundles so that an interrupted export leaves nothing half-written under its name.
+
+Everything is written into a temporary sibling directory, hashed into the manifest, then renamed
+into place; on any failure (Ctrl-C included) the temporary directory is removed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from mtp_edge.errors import UserError
+from mtp_edge.manifest import Manifest, sha256
+
+
+def check_writable(out: Path) -> None:
+    """Fail before hours of work, not after: the parent must exist or be creatable, and writable."""
+    parent = out.resolve().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create {parent} for --out: {e.strerror}") from None
+    if not os.access(parent, os.W_OK):
+        raise UserError(f"--out {out}: {parent} is not writable; choose another directory")
+    if out.exists() and not (out / "manifest.json").exists():
+        raise UserError(f"--out {out} exists and is not a bundle: choose another path")
+
+
+def write_bundle(out: Path, build: Callable[[Path], Manifest]) -> Manifest:
+    """Run `build(tmp_dir)`, which writes the files and returns their manifest, then publish."""
+    out = Path(out)
+    check_writable(out)
+    parent = out.resolve().parent
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=parent))
+    try:
+        manifest = build(tmp)
+        for entry in manifest.models.values():
+            entry.sha256 = sha256(tmp / entry.file)
+        manifest.save(tmp)
+        if out.exists():  # replace an older bundle: move it aside first, drop it after
+            old = out.with_name(f".{out.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest

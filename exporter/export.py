@@ -1,0 +1,164 @@
+"""`mtp-export`: load a target (and drafter), quantize, export, measure quality, write a bundle."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mtp_edge.checkpoints import LoadedModel, load_model
+from mtp_edge.errors import UserError
+from mtp_edge.manifest import TARGETS, Manifest, ModelFile
+from mtp_edge.quantize.quality import heldout_text, perplexity
+
+# forward(tokens, start) -> logits [T, V]: how the exporter runs what it exported. The CLI passes
+# the runtime's session for the target's backend, so exporter/ never imports runtime/.
+Forward = Callable[[list[int], int], torch.Tensor]
+
+
+@dataclass
+class ExportOptions:
+    target: str = "android"
+    model: str = "default"
+    drafter: str = "ngram"  # none | ngram | path to a draft model
+    k: int = 4
+    quant: str = "8da4w"
+    group_size: int = 32
+    embedding_quant: str = "8w"
+    draft_quant: str = "8da4w"
+    max_seq_len: int = 2048
+    max_chunk: int = 128  # most tokens per call: prefill chunk, and the verify width limit
+    quality_tokens: int = 1024  # held-out tokens for the perplexity check (0 = skip)
+
+
+def default_out(options: ExportOptions, model_name: str) -> Path:
+    return Path("bundles") / f"{model_name}-{options.target}"
+
+
+def eager_forward(model, max_seq_len: int) -> Forward:
+    model.setup_cache(max_seq_len)
+
+    @torch.inference_mode()
+    def forward(tokens: list[int], start: int) -> torch.Tensor:
+        ids = torch.tensor([tokens])
+        return model(ids, torch.tensor([start]), kv_len=start + len(tokens))[0]
+
+    return forward
+
+
+def load_drafter(options: ExportOptions, target: LoadedModel) -> LoadedModel | None:
+    if options.drafter in ("none", "ngram"):
+        return None
+    if options.drafter == "mtp":
+        raise UserError("--drafter mtp is not available yet: use ngram, none or a draft model")
+    draft = load_model(options.drafter)
+    if (
+        draft.config.vocab_size != target.config.vocab_size
+        or draft.tokenizer.backend.get_vocab() != target.tokenizer.backend.get_vocab()
+    ):
+        raise UserError(
+            "the draft model's vocabulary differs from the target's: use a draft model with "
+            "the target's tokenizer, or --drafter ngram"
+        )
+    return draft
+
+
+def export_bundle(
+    options: ExportOptions,
+    out: Path | None,
+    open_program: Callable[[Path, int], Forward],
+    progress: Callable[[str], None] = print,
+) -> tuple[Path, Manifest]:
+    """Export `options.model` for `options.target` into the bundle directory `out`.
+
+    `open_program(path, max_seq_len)` runs an exported file (for the quality report).
+    """
+    from mtp_edge.exporter.bundle import check_writable, write_bundle
+    from mtp_edge.exporter.executorch import export_program
+
+    if options.target not in TARGETS:
+        raise UserError(f"unknown target '{options.target}': choose one of {', '.join(TARGETS)}")
+    if options.target != "android":
+        raise UserError(f"--target {options.target} is not available yet: use --target android")
+    if options.k < 1:
+        raise UserError(f"--k must be >= 1, got {options.k}")
+    started = time.perf_counter()
+    progress(f"[load] {options.model}")
+    target = load_model(options.model)
+    draft = load_drafter(options, target)
+    out = Path(out) if out is not None else default_out(options, target.name)
+    check_writable(out)  # fail before the slow part, not after
+    config = target.config
+    max_seq_len = min(options.max_seq_len, config.max_position_embeddings)
+    tokenizer = target.tokenizer
+
+    quality: dict = {}
+    heldout: list[int] = []
+    if options.quality_tokens:
+        heldout = tokenizer.encode(heldout_text())[: options.quality_tokens]
+        progress(f"[quality] fp32 perplexity on {len(heldout)} held-out tokens")
+        quality["heldout_tokens"] = len(heldout)
+        quality["perplexity_fp32"] = round(
+            perplexity(eager_forward(target.model, max_seq_len), heldout, options.max_chunk), 4
+        )
+
+    def export_one(model, path: Path, quant: str) -> dict:
+        return export_program(
+            model,
+            path,
+            quant=quant,
+            group_size=options.group_size,
+            embedding_quant=options.embedding_quant,
+            max_seq_len=max_seq_len,
+            max_chunk=options.max_chunk,
+            bos_id=tokenizer.bos_id,
+            eos_ids=tokenizer.eos_ids,
+            progress=progress,
+        )
+
+    def build(tmp: Path) -> Manifest:
+        quant = {
+            "scheme": options.quant,
+            "group_size": options.group_size,
+            "embedding": options.embedding_quant,
+        }
+        methods = export_one(target.model, tmp / "target.pte", options.quant)
+        models = {"target": ModelFile("target.pte", "", quant, methods)}
+        drafter = {"kind": options.drafter if draft is None else "draft-lm", "k": options.k}
+        if draft is not None:
+            draft_quant = dict(quant, scheme=options.draft_quant)
+            methods = export_one(draft.model, tmp / "drafter.pte", options.draft_quant)
+            models["drafter"] = ModelFile("drafter.pte", "", draft_quant, methods)
+            drafter["model_name"] = draft.name
+        if heldout:
+            progress("[quality] exported target perplexity")
+            forward = open_program(tmp / "target.pte", max_seq_len)
+            quality["perplexity_exported"] = round(
+                perplexity(forward, heldout, options.max_chunk), 4
+            )
+            quality["perplexity_ratio"] = round(
+                quality["perplexity_exported"] / quality["perplexity_fp32"], 4
+            )
+        progress("[write] tokenizer and manifest")
+        tokenizer.save(tmp)
+        return Manifest(
+            target=options.target,
+            backend=TARGETS[options.target],
+            model_name=target.name,
+            max_seq_len=max_seq_len,
+            max_chunk=options.max_chunk,
+            vocab_size=config.vocab_size,
+            bos_id=tokenizer.bos_id,
+            eos_ids=list(tokenizer.eos_ids),
+            chat_template=tokenizer.chat_template,
+            models=models,
+            drafter=drafter,
+            quality=quality,
+        )
+
+    manifest = write_bundle(out, build)
+    progress(f"[done] {out} in {time.perf_counter() - started:.0f} s")
+    return out, manifest

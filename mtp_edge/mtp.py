@@ -1,0 +1,332 @@
+"""The MTP head: a few-percent-of-a-target-step drafter that reads the target's hidden state.
+
+One step (EAGLE / DeepSeek-V3 MTP family) takes the target's final-normed hidden state h at
+position t and the embedding of the token at t+1, and predicts the token at t+2:
+
+    x = proj([hnorm(h); enorm(emb)])          2D -> D
+    x = x + MLP(norm(x))                      num_blocks times (SwiGLU)
+    logits = lm_head(final_norm(x))           a reduced draft vocabulary, mapped to target ids
+
+and returns x as the hidden state for its next step, so k steps run recurrently on its own output.
+There is no KV cache and no attention: the context arrives through h. The token embedding is the
+target's own table (never copied into the head's file); the LM head covers only the draft
+vocabulary (`draft_ids`), because the full head of a small target (SmolLM2: 576 x 49152) alone
+costs about a fifth of a target step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from mtp_edge.config import ModelConfig
+from mtp_edge.errors import UserError
+from mtp_edge.model import RMSNorm, Transformer
+
+_METADATA_KEY = "mtp_config"
+
+
+@dataclass
+class MTPConfig:
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int  # the target's: draft ids index into it
+    draft_vocab_size: int
+    rms_norm_eps: float = 1e-6
+    num_blocks: int = 1
+    # Native heads only: the block's attention evaluated over the current position alone, which
+    # reduces to one D x D linear map (softmax over a single key is 1).
+    self_only_attention: bool = False
+    target_name: str = ""
+    target_hash: str = ""
+    k: int = 4  # draft steps the head was trained for
+    recipe: dict = field(default_factory=dict)  # how it was made, for the record
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> MTPConfig:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in known})
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MTPBlock(nn.Module):
+    """A decoder block without attention over other positions: x + MLP(norm(x))."""
+
+    def __init__(self, c: MTPConfig):
+        super().__init__()
+        self.attn_norm = self.attn = None
+        if c.self_only_attention:
+            self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+            self.attn = nn.Linear(c.hidden_size, c.hidden_size, bias=True)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
+
+    def forward(self, x):
+        if self.attn is not None:
+            x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.norm(x))
+
+
+class MTPHead(nn.Module):
+    def __init__(self, config: MTPConfig):
+        super().__init__()
+        self.config = config
+        d = config.hidden_size
+        self.hnorm = RMSNorm(d, config.rms_norm_eps)
+        self.enorm = RMSNorm(d, config.rms_norm_eps)
+        self.proj = nn.Linear(2 * d, d, bias=False)
+        self.blocks = nn.ModuleList(MTPBlock(config) for _ in range(config.num_blocks))
+        self.final_norm = RMSNorm(d, config.rms_norm_eps)
+        self.lm_head = nn.Linear(d, config.draft_vocab_size, bias=False)
+        self.register_buffer("draft_ids", torch.arange(config.draft_vocab_size))
+
+    def step(self, h: torch.Tensor, token_emb: torch.Tensor):
+        """h [N, D], token_emb [N, D] -> (draft logits [N, Vd], hidden for the next step [N, D])."""
+        x = self.proj(torch.cat((self.hnorm(h), self.enorm(token_emb)), dim=-1))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.final_norm(x)), x
+
+    def forward(self, h: torch.Tensor, token_embs: torch.Tensor) -> torch.Tensor:
+        """Unrolled steps for training: h [N, D], token_embs [N, J, D] -> logits [N, J, Vd].
+
+        Step j reads the embedding of the token at t+j, as drafting does once the draft of
+        step j-1 is right (which is the only case in which step j counts).
+        """
+        out = []
+        for j in range(token_embs.shape[1]):
+            logits, h = self.step(h, token_embs[:, j])
+            out.append(logits)
+        return torch.stack(out, dim=1)
+
+
+def target_lm_head(target: Transformer) -> torch.Tensor:
+    return target.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
+
+
+def init_from_target(head: MTPHead, target: Transformer, draft_ids: torch.Tensor) -> MTPHead:
+    """Start the draft LM head and final norm from the target's, so that the head begins in the
+    target's output space instead of learning it from scratch."""
+    with torch.no_grad():
+        head.draft_ids.copy_(draft_ids)
+        head.lm_head.weight.copy_(target_lm_head(target)[draft_ids])
+        head.final_norm.weight.copy_(target.norm.weight)
+    return head
+
+
+def target_fingerprint(target: Transformer) -> str:
+    """sha256 over the target's config and fixed slices of its embedding, final norm and LM head.
+
+    Slices are rounded to float16 so that the same weights loaded in another dtype match, while
+    a different checkpoint (or a different quantization of the same one) does not.
+    """
+    config = json.dumps(target.config.to_dict(), sort_keys=True, default=str)
+    digest = hashlib.sha256(config.encode())
+    tensors = [target.embed_tokens.weight, target.norm.weight[None]]
+    if target.lm_head is not None:
+        tensors.append(target.lm_head.weight)
+    for weight in tensors:
+        rows = torch.linspace(0, weight.shape[0] - 1, min(64, weight.shape[0])).long()
+        digest.update(weight.detach()[rows].to(torch.float16).contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def save_heads(head: MTPHead, config: MTPConfig, path: str | Path) -> None:
+    """Write `path` (fp16 safetensors, config in its metadata) and `<stem>.json` (readable)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {
+        name: t.detach().to(torch.float16 if t.is_floating_point() else t.dtype).contiguous()
+        for name, t in head.state_dict().items()
+    }
+    text = json.dumps(config.to_dict(), indent=2, sort_keys=True)
+    write_atomically(path, lambda tmp: save_file(state, str(tmp), metadata={_METADATA_KEY: text}))
+    write_atomically(heads_json_path(path), lambda tmp: tmp.write_text(text + "\n"))
+
+
+def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
+    """Write to a temporary name, then rename: an interruption leaves the previous file whole."""
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def heads_json_path(path: str | Path) -> Path:
+    return Path(path).with_suffix(".json")
+
+
+def load_heads(path: str | Path, target: Transformer, target_name: str) -> MTPHead:
+    """Read heads written by `save_heads`, refusing heads trained for another target."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"MTP heads not found: {path} (train them with mtp-train --out {path})")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            config = MTPConfig.from_dict(json.loads((f.metadata() or {})[_METADATA_KEY]))
+            state = {name: f.get_tensor(name) for name in f.keys()}
+    except (SafetensorError, OSError, KeyError, ValueError, TypeError) as e:
+        raise UserError(
+            f"{path} is not an MTP heads file ({type(e).__name__}: {e}): train it again with "
+            "mtp-train"
+        ) from None
+    c = target.config
+    if (config.hidden_size, config.vocab_size) != (c.hidden_size, c.vocab_size) or (
+        config.target_hash != target_fingerprint(target)
+    ):
+        raise UserError(
+            f"{path}: heads were trained for {config.target_name or 'another model'} "
+            f"(hidden {config.hidden_size}, vocab {config.vocab_size}), not for {target_name} "
+            f"(hidden {c.hidden_size}, vocab {c.vocab_size}); retrain with "
+            f"mtp-train --model <{target_name}> --out {path}"
+        )
+    head = MTPHead(config)
+    try:
+        head.load_state_dict(state)
+    except RuntimeError as e:
+        first = str(e).splitlines()[1:2] or [str(e)]
+        raise UserError(f"{path} does not match its own config ({first[0].strip()})") from None
+    return head.to(target.dtype).eval()
+
+
+# --- Native MTP layers shipped inside a checkpoint --------------------------------------------
+
+_DEEPSEEK_LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
+_QWEN_PREFIX = re.compile(r"^(?:model\.)?mtp\.(.+)$")
+# Both namings -> one: DeepSeek-V3 (eh_proj, enorm, hnorm, shared_head) and Qwen (fc, pre_fc_*).
+_NATIVE_NAMES = {
+    "eh_proj.weight": "fc.weight",
+    "enorm.weight": "e_norm.weight",
+    "hnorm.weight": "h_norm.weight",
+    "pre_fc_norm_embedding.weight": "e_norm.weight",
+    "pre_fc_norm_hidden.weight": "h_norm.weight",
+    "shared_head.norm.weight": "norm.weight",
+    "shared_head.head.weight": "head.weight",
+}
+
+
+def is_native_mtp_key(name: str, num_layers: int) -> bool:
+    """Whether a checkpoint tensor belongs to a native MTP module rather than to the target
+    (DeepSeek-V3 style `model.layers.{N}` with N >= num_hidden_layers, or `mtp.*`)."""
+    match = _DEEPSEEK_LAYER.match(name)
+    return bool(_QWEN_PREFIX.match(name) or (match and int(match.group(1)) >= num_layers))
+
+
+def _native_parts(state_dict: dict, num_layers: int) -> dict[str, torch.Tensor]:
+    """The first native MTP module's tensors under one naming, or {} if there is none.
+
+    Later modules are ignored: the first one runs recurrently, as DeepSeek-V3 drafts with it.
+    """
+    parts = {}
+    for name, tensor in state_dict.items():
+        layer, qwen = _DEEPSEEK_LAYER.match(name), _QWEN_PREFIX.match(name)
+        if qwen is not None:
+            rest = qwen.group(1)
+            if rest.startswith("layers.") and not rest.startswith("layers.0."):
+                continue
+            rest = rest.removeprefix("layers.0.")
+        elif layer is not None and int(layer.group(1)) == num_layers:
+            rest = layer.group(2)
+        else:
+            continue
+        parts[_NATIVE_NAMES.get(rest, rest)] = tensor
+    return parts
+
+
+def load_native_mtp(state_dict: dict, target: Transformer, target_name: str) -> MTPHead | None:
+    """Map a checkpoint's own MTP module into an MTPHead (None when it ships none).
+
+    Native modules are a full decoder block whose attention reads the MTP layer's own KV cache.
+    This head has no cache, so the attention sees only the current position: the function the
+    module computes at the first position of a sequence, an approximation everywhere else
+    (acceptance will be lower than with the module's own cache; measure it, or train heads).
+    MoE feed-forwards, MLA and gated attention are refused.
+    """
+    c: ModelConfig = target.config
+    parts = _native_parts(state_dict, c.num_layers)
+    if not parts:
+        return None
+    unsupported = [
+        (("mlp.experts.", "mlp.gate.weight", "mlp.shared_expert"), "a mixture-of-experts MLP"),
+        (("self_attn.kv_a_proj_with_mqa", "self_attn.q_a_proj"), "multi-head latent attention"),
+    ]
+    for markers, what in unsupported:
+        if any(any(m in name for m in markers) for name in parts):
+            raise UserError(
+                f"{target_name} ships native MTP layers with {what}, which the mtp drafter does "
+                f"not run: train heads for it with mtp-train --model <{target_name}>"
+            )
+    q_rows = parts["self_attn.q_proj.weight"].shape[0] if "self_attn.q_proj.weight" in parts else 0
+    if q_rows == 2 * c.num_heads * c.head_dim:
+        raise UserError(
+            f"{target_name} ships native MTP layers with gated attention, which the mtp drafter "
+            f"does not run: train heads for it with mtp-train --model <{target_name}>"
+        )
+    needed = ["fc.weight", "e_norm.weight", "h_norm.weight", "norm.weight"]
+    needed += ["input_layernorm.weight", "post_attention_layernorm.weight"]
+    needed += [f"self_attn.{p}_proj.weight" for p in "vo"]
+    needed += [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+    missing = [n for n in needed if n not in parts]
+    if missing:
+        raise UserError(f"{target_name}'s native MTP layer lacks {', '.join(missing)}")
+
+    d = c.hidden_size
+    config = MTPConfig(
+        hidden_size=d,
+        intermediate_size=parts["mlp.up_proj.weight"].shape[0],
+        vocab_size=c.vocab_size,
+        draft_vocab_size=c.vocab_size,
+        rms_norm_eps=c.rms_norm_eps,
+        self_only_attention=True,
+        target_name=target_name,
+        target_hash=target_fingerprint(target),
+        k=1,
+        recipe={"source": "native MTP weights of the checkpoint"},
+    )
+    head = MTPHead(config).to(target.dtype)
+    dtype = target.dtype
+    block = head.blocks[0]
+    # One head per query position, GQA groups sharing a value head: o_proj @ repeat(v_proj).
+    o = parts["self_attn.o_proj.weight"].to(dtype)
+    groups = c.num_heads // c.num_kv_heads
+    o_folded = o.view(d, c.num_kv_heads, groups, c.head_dim).sum(2).reshape(d, -1)
+    v_bias = parts.get("self_attn.v_proj.bias")
+    fc = parts["fc.weight"].to(dtype)
+    with torch.no_grad():
+        head.proj.weight.copy_(torch.cat((fc[:, d:], fc[:, :d]), dim=1))  # native: [emb; h]
+        head.enorm.weight.copy_(parts["e_norm.weight"])
+        head.hnorm.weight.copy_(parts["h_norm.weight"])
+        block.attn_norm.weight.copy_(parts["input_layernorm.weight"])
+        block.attn.weight.copy_(o_folded @ parts["self_attn.v_proj.weight"].to(dtype))
+        block.attn.bias.zero_()
+        if v_bias is not None:
+            block.attn.bias.copy_(o_folded @ v_bias.to(dtype))
+        block.norm.weight.copy_(parts["post_attention_layernorm.weight"])
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(block.mlp, name).weight.copy_(parts[f"mlp.{name}.weight"])
+        head.final_norm.weight.copy_(parts["norm.weight"])
+        head.lm_head.weight.copy_(parts.get("head.weight", target_lm_head(target)))
+    return head.eval()

@@ -1,0 +1,891 @@
+"""mtp-train: MTP heads for a target that has none, by self-distillation from the frozen target.
+
+Four stages, each a plain function:
+1. corpus: the user's text files; or offline text (the Python docs that ship with the interpreter
+   and stdlib sources) plus responses the target writes itself to instruction prompts built from
+   that material. What the head must predict is what the target says, so the target's own
+   writing is the best data; the responses are cached next to --out and never regenerated.
+2. labels: the frozen target, teacher-forced over each sequence: per position its final hidden
+   state and its argmax next token.
+3. draft vocabulary: the tokens the target predicts most often (the head's LM head covers only
+   these, which keeps a draft step cheap).
+4. training-time test (EAGLE-3): from every position, k unrolled steps on the head's own hidden
+   state, each scored against the target's argmax; early steps weigh more, as a later draft only
+   counts when the earlier ones were accepted.
+
+Runs under `torchrun --nproc_per_node=N` (gloo): ranks share the generation, label and train on
+their own shard of sequences, and DistributedDataParallel averages the gradients. Only rank 0
+writes files.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import math
+import os
+import random
+import re
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from mtp_edge.checkpoints import LoadedModel, load_model
+from mtp_edge.errors import UserError
+from mtp_edge.model import Transformer, rotate_half
+from mtp_edge.mtp import (
+    MTPConfig,
+    MTPHead,
+    init_from_target,
+    save_heads,
+    target_fingerprint,
+    target_lm_head,
+    write_atomically,
+)
+
+IGNORE = -100  # label of a position the loss skips (outside the draft vocabulary, or past the end)
+
+
+@dataclass
+class TrainOptions:
+    out: str = "heads.safetensors"
+    model: str = "default"
+    data: tuple[str, ...] = ()  # text files; empty: offline text + the target's own responses
+    k: int = 4  # unrolled draft steps
+    steps: int = 3000
+    batch_size: int = 256  # start positions per step (per rank)
+    lr: float = 1e-3
+    seed: int = 0
+    resume: bool = False
+    draft_vocab: int = 8192
+    num_blocks: int = 1
+    intermediate_size: int = 0  # 0: the target's
+    gen_tokens: int = 100_000  # response tokens the target writes (default corpus only)
+    gen_max_new: int = 256  # longest response
+    gen_batch: int = 16  # prompts decoded together
+    raw_tokens: int = 50_000  # tokens of offline text (default corpus only)
+    seq_len: int = 512  # longest text sequence
+    heldout: float = 0.05  # fraction of sequences held out for evaluation
+    step_decay: float = 0.8  # loss weight of draft step j is step_decay ** (j - 1)
+    weight_decay: float = 0.0
+    warmup: int = 100
+    log_every: int = 50
+    eval_every: int = 500
+    checkpoint_every: int = 500
+    eval_positions: int = 4096  # held-out start positions scored per evaluation
+    threads: int = 0  # 0: torch's default
+
+    def __post_init__(self):
+        self.data = tuple(self.data)
+        checks = [
+            (self.k >= 1, f"--k must be >= 1, got {self.k}"),
+            (self.steps >= 1, f"--steps must be >= 1, got {self.steps}"),
+            (self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}"),
+            (self.lr > 0, f"--lr must be > 0, got {self.lr}"),
+            (self.draft_vocab >= 1, f"--draft-vocab must be >= 1, got {self.draft_vocab}"),
+            (self.num_blocks >= 1, f"--num-blocks must be >= 1, got {self.num_blocks}"),
+            (0 < self.heldout < 1, f"--heldout must be in (0, 1), got {self.heldout}"),
+            (self.seq_len >= 2, f"--seq-len must be >= 2, got {self.seq_len}"),
+            (self.gen_batch >= 1, f"--gen-batch must be >= 1, got {self.gen_batch}"),
+            (self.gen_tokens >= 0 and self.raw_tokens >= 0, "token budgets must be >= 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise UserError(message)
+
+    def recipe(self) -> dict:
+        """What the heads file records about how it was made (file names, not local paths)."""
+        values = asdict(self)
+        for key in ("out", "resume", "threads", "log_every", "eval_every", "checkpoint_every"):
+            values.pop(key)
+        values["model"] = Path(self.model).name
+        values["data"] = [Path(p).name for p in self.data]
+        return values
+
+
+@dataclass
+class Sequence:
+    tokens: list[int]
+    start: int  # first position a draft may start from (the last prompt token of a chat turn)
+
+
+@dataclass
+class Labels:
+    """Per position of a set of sequences laid end to end."""
+
+    hidden: torch.Tensor  # [N, D] float16: the target's final-normed hidden state
+    tokens: torch.Tensor  # [N] the sequence's token
+    argmax: torch.Tensor  # [N] the target's next-token argmax
+    remaining: torch.Tensor  # [N] positions after this one in its sequence
+    starts: torch.Tensor  # [M] positions a draft may start from
+
+
+def artifact_paths(out: str | Path) -> dict[str, Path]:
+    out = Path(out)
+    return {
+        "generated": out.with_name(out.stem + ".gen.jsonl"),
+        "checkpoint": out.with_name(out.stem + ".ckpt.safetensors"),
+        "checkpoint_json": out.with_name(out.stem + ".ckpt.json"),
+    }
+
+
+# --- 1. corpus -------------------------------------------------------------------------------
+
+# Pure-Python stdlib modules: their docstrings and sources are prose and code that ship offline.
+_STDLIB_MODULES = (
+    "argparse", "ast", "base64", "bisect", "calendar", "collections", "contextlib", "copy",
+    "csv", "dataclasses", "datetime", "difflib", "enum", "fnmatch", "fractions", "functools",
+    "gettext", "glob", "heapq", "html", "ipaddress", "json", "json.decoder", "json.encoder",
+    "logging", "operator", "optparse", "pathlib", "pprint", "queue", "random", "reprlib",
+    "sched", "secrets", "shlex", "shutil", "statistics", "string", "tempfile", "textwrap",
+    "threading", "timeit", "tokenize", "traceback", "typing", "unittest.case", "urllib.parse",
+    "uuid", "warnings", "weakref", "zipfile",
+)  # fmt: skip
+
+
+def _modules() -> list:
+    found = []
+    for name in _STDLIB_MODULES:
+        try:
+            found.append(importlib.import_module(name))
+        except ImportError:
+            continue
+    return found
+
+
+def doc_topics() -> dict[str, str]:
+    """pydoc_data.topics without the topics reserved for evaluation."""
+    from pydoc_data.topics import topics
+
+    from mtp_edge.quantize.quality import HELDOUT_TOPICS
+
+    return {name: text for name, text in sorted(topics.items()) if name not in HELDOUT_TOPICS}
+
+
+def offline_texts() -> list[str]:
+    texts = list(doc_topics().values())
+    for module in _modules():
+        try:
+            texts.append(inspect.getsource(module))
+        except (OSError, TypeError):
+            continue
+    return texts
+
+
+def text_sequences(
+    texts: list[str], tokenizer, seq_len: int, budget: int | None, rng: random.Random
+) -> list[Sequence]:
+    """Blocks of about seq_len tokens, in random order, until `budget` tokens (None: all)."""
+    blocks = []
+    for text in texts:
+        for i in range(0, len(text), seq_len * 3):  # about seq_len tokens of English or code
+            blocks.append(text[i : i + seq_len * 3])
+    if budget is not None:
+        rng.shuffle(blocks)
+    sequences, total = [], 0
+    for block in blocks:
+        if budget is not None and total >= budget:
+            break
+        ids = tokenizer.encode(block)[:seq_len]
+        if len(ids) >= 2:
+            sequences.append(Sequence(ids, 0))
+            total += len(ids)
+    return sequences
+
+
+@dataclass
+class _Material:
+    paragraphs: list[str]
+    functions: list[tuple[str, str]]  # (qualified name, first docstring paragraph)
+    snippets: list[str]  # short function sources
+    topics: list[str]
+
+
+def _material() -> _Material:
+    paragraphs, topics = [], []
+    for name, text in doc_topics().items():
+        topics.append(name.replace("-", " "))
+        for para in re.split(r"\n\s*\n", text):
+            para = " ".join(para.split())
+            if 200 <= len(para) <= 1200:
+                paragraphs.append(para)
+    functions, snippets = [], []
+    for module in _modules():
+        for name, obj in sorted(vars(module).items()):
+            if name.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
+                continue
+            if not (inspect.isfunction(obj) or inspect.isclass(obj)):
+                continue
+            doc = inspect.getdoc(obj)
+            if doc:
+                functions.append((f"{module.__name__}.{name}", doc.split("\n\n")[0][:400]))
+            if inspect.isfunction(obj):
+                try:
+                    source = inspect.getsource(obj)
+                except (OSError, TypeError):
+                    continue
+                if 4 <= source.count("\n") <= 30:
+                    snippets.append(source)
+    return _Material(paragraphs, functions, snippets, topics)
+
+
+_ACTIVITIES = (
+    "learning to cook", "running a first 10k", "keeping a plant alive", "studying for exams",
+    "saving money", "starting a small garden", "learning a new language", "working from home",
+    "sleeping better", "planning a trip", "speaking in public", "writing every day",
+)  # fmt: skip
+_SUBJECTS = (
+    "a lighthouse keeper", "a robot that learns to paint", "a lost cat", "the last bookstore",
+    "a city under the sea", "a clockmaker", "two rival chefs", "a winter storm", "a tiny dragon",
+    "an old map", "the first day at a new school", "a friendly ghost",
+)  # fmt: skip
+_PEOPLE = (
+    "a student", "a busy parent", "a retiree", "a beginner", "a teenager", "a teacher",
+    "a nurse on night shifts", "someone who just moved to a new city",
+)  # fmt: skip
+_MOODS = ("funny", "sad", "hopeful", "mysterious", "calm", "exciting")
+_LANGUAGES = ("French", "Spanish", "German", "Italian", "Portuguese")
+_SENTENCES = (
+    "The meeting has been moved to Thursday afternoon.",
+    "Could you tell me where the train station is?",
+    "I would like a cup of coffee and a glass of water, please.",
+    "The weather is beautiful today, so we are going to the park.",
+    "Please remember to close the windows before you leave.",
+    "My brother is learning to play the guitar.",
+    "We need to finish this report by the end of the week.",
+    "The library opens at nine and closes at six.",
+)
+_ITEMS = ("apples", "notebooks", "tickets", "pencils", "cookies", "books", "plants", "shirts")
+
+_TEMPLATES: dict[str, tuple[str, ...]] = {
+    "explain": (
+        "Explain in simple terms what this part of the Python documentation says:\n\n{para}",
+        "What is the main idea of the following passage? Explain it with an example.\n\n{para}",
+        "Explain what this Python code does, step by step:\n\n{snippet}",
+    ),
+    "summarize": (
+        "Summarize the following text in two or three sentences:\n\n{para}",
+        "Give a one-sentence summary of this text:\n\n{para}",
+        "Summarize this passage as three bullet points:\n\n{para}",
+    ),
+    "rewrite": (
+        "Rewrite this paragraph so that a beginner can understand it:\n\n{para}",
+        "Rewrite the following text in a more concise way:\n\n{para}",
+        "Add comments to this Python function and suggest a clearer name for it:\n\n{snippet}",
+    ),
+    "qa": (
+        "What does the Python function {func} do? Its documentation says: {doc}",
+        "In Python, when would you use {func}?",
+        "What is the difference between {func} and {func2} in Python?",
+        "Answer briefly: what does the Python documentation mean by '{topic}'?",
+    ),
+    "code": (
+        "Write a short Python example that uses {func}. Its documentation says: {doc}",
+        "Write a Python function that {task}. Add a docstring and one usage example.",
+        "Write unit tests with unittest for this function:\n\n{snippet}",
+        "Find possible bugs or edge cases in this Python code and explain them:\n\n{snippet}",
+    ),
+    "math": (
+        "A shop sells {item} for ${a} each. How much do {n} {item} cost? Show your steps.",
+        "What is {a} * {b}? Explain how you computed it.",
+        "Solve for x: {a}x + {b} = {c}. Show each step.",
+        "What is {p}% of {c}? Show your reasoning.",
+        "A train travels {a} km in {n} hours. What is its average speed?",
+    ),
+    "translate": (
+        "Translate into {language}: {sentence}",
+        "Translate this sentence from the Python documentation into {language}: {docline}",
+        "Translate the following sentence into {language} and explain one word choice: {sentence}",
+    ),
+    "structured": (
+        "Return a JSON object with the keys name, module and purpose for the Python function "
+        "{func}. Its documentation says: {doc}",
+        "List three facts about {topic} in Python as a numbered list.",
+        "Make a markdown table with two columns, tip and reason, for {activity}.",
+    ),
+    "chat": (
+        "Give me {n} tips for {activity} as {who}.",
+        "I am {who} and I am nervous about {activity}. Any advice?",
+        "Write a short, friendly email to {who} about {activity}.",
+        "What are the pros and cons of {activity} for {who}?",
+    ),
+    "long-form": (
+        "Write a short {mood} story about {subject}.",
+        "Write a short essay about {activity} for {who}.",
+        "Describe {subject} in a vivid, {mood} paragraph.",
+    ),
+}
+_TASKS = (
+    "reverses the words in a sentence", "counts the vowels in a string",
+    "checks whether a number is prime", "merges two sorted lists",
+    "returns the n-th Fibonacci number", "removes duplicates from a list while keeping order",
+    "parses a date in the form YYYY-MM-DD", "finds the most common word in a text",
+    "flattens a nested list", "converts Celsius to Fahrenheit",
+    "checks whether a string is a palindrome", "groups words by their first letter",
+)  # fmt: skip
+
+
+def instruction_prompts(seed: int) -> Iterator[str]:
+    """An endless, seeded stream of instruction prompts over the offline material: the kinds of
+    request a chat model gets (explain, summarize, rewrite, answer, code, math, translate,
+    structured output, chat, long form)."""
+    m = _material()
+    rng = random.Random(seed)
+    kinds = sorted(_TEMPLATES)
+    while True:
+        template = rng.choice(_TEMPLATES[rng.choice(kinds)])
+        (func, doc), (func2, _) = rng.choice(m.functions), rng.choice(m.functions)
+        a, b = rng.randint(2, 99), rng.randint(2, 99)
+        yield template.format(
+            para=rng.choice(m.paragraphs),
+            snippet=rng.choice(m.snippets),
+            func=func,
+            func2=func2,
+            doc=doc,
+            docline=doc.split(". ")[0].rstrip(".") + ".",
+            who=rng.choice(_PEOPLE),
+            mood=rng.choice(_MOODS),
+            topic=rng.choice(m.topics),
+            task=rng.choice(_TASKS),
+            activity=rng.choice(_ACTIVITIES),
+            subject=rng.choice(_SUBJECTS),
+            language=rng.choice(_LANGUAGES),
+            sentence=rng.choice(_SENTENCES),
+            item=rng.choice(_ITEMS),
+            a=a,
+            b=b,
+            c=a * rng.randint(2, 9) + b,
+            n=rng.randint(2, 12),
+            p=rng.choice((5, 10, 15, 20, 25, 40, 75)),
+        )
+
+
+def _batched_forward(model: Transformer, tokens, cols, offsets, key_ok, caches) -> torch.Tensor:
+    """Transformer.forward with a batch dimension: tokens [B, T] at cache columns `cols` [T],
+    each row's text starting at column offsets[b]; returns the last column's logits [B, V].
+
+    A query sees the columns up to its own that hold its row's text; a padding query sees only
+    itself, so that no row of the attention is empty (an empty row would be NaN, and NaN values
+    poison even masked-out keys).
+    """
+    b, t = tokens.shape
+    end = int(cols[-1]) + 1
+    positions = (cols[None, :] - offsets[:, None]).clamp(min=0)
+    cos, sin = model.rope_cos[positions][:, None], model.rope_sin[positions][:, None]
+    keys = torch.arange(end)
+    causal = keys[None, None, :] <= cols[None, :, None]
+    itself = keys[None, None, :] == cols[None, :, None]
+    mask = (causal & (key_ok[:, None, :end] | itself))[:, None]
+    x = model.embed_tokens(tokens)
+    for layer, (k_cache, v_cache) in zip(model.layers, caches, strict=True):
+        a = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = a.q_proj(h).view(b, t, a.num_heads, a.head_dim)
+        k = a.k_proj(h).view(b, t, a.num_kv_heads, a.head_dim)
+        v = a.v_proj(h).view(b, t, a.num_kv_heads, a.head_dim)
+        if a.q_norm is not None:
+            q, k = a.q_norm(q), a.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        k_cache[:, :, cols] = k
+        v_cache[:, :, cols] = v
+        out = F.scaled_dot_product_attention(
+            q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask, enable_gqa=True
+        )
+        x = x + a.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return F.linear(model.norm(x[:, -1]), target_lm_head(model))
+
+
+@torch.inference_mode()
+def generate_batch(
+    model: Transformer, prompts: list[list[int]], max_new: int, eos_ids: list[int]
+) -> list[list[int]]:
+    """Greedy continuations of several prompts at once (eos left out).
+
+    One decode step reads the weights once for the whole batch, which is what makes writing a
+    self-distillation corpus affordable on a CPU. Prompts are left-padded to a common length.
+    """
+    c = model.config
+    longest = max(map(len, prompts))
+    total = longest + max_new
+    if model.max_seq_len < total:
+        model.setup_cache(total)
+    offsets = torch.tensor([longest - len(p) for p in prompts])
+    tokens = torch.zeros(len(prompts), longest, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        tokens[row, longest - len(prompt) :] = torch.tensor(prompt)
+    key_ok = torch.arange(total)[None, :] >= offsets[:, None]
+    shape = (len(prompts), c.num_kv_heads, total, c.head_dim)
+    caches = [
+        (torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
+        for _ in model.layers
+    ]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    done = [False] * len(prompts)
+    cols = torch.arange(longest)
+    for _ in range(max_new):
+        chosen = _batched_forward(model, tokens, cols, offsets, key_ok, caches).argmax(-1)
+        for row, token in enumerate(chosen.tolist()):
+            if not done[row]:
+                done[row] = token in eos_ids
+                if not done[row]:
+                    outputs[row].append(token)
+        if all(done):
+            break
+        tokens, cols = chosen[:, None], cols[-1:] + 1
+    return outputs
+
+
+def _read_generated(path: Path, target_hash: str) -> dict[str, dict]:
+    if not path.is_file():
+        return {}
+    cached = {}
+    for line in path.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by an interruption
+        if entry.get("target") == target_hash:
+            cached[entry["prompt"]] = entry
+    return cached
+
+
+def generated_sequences(
+    loaded: LoadedModel,
+    options: TrainOptions,
+    target_hash: str,
+    rank: int,
+    world: int,
+    progress: Callable[[str], None],
+) -> list[Sequence]:
+    """Prompt + the target's greedy response, until `gen_tokens` response tokens.
+
+    Responses are appended to the cache file as they are made, so an interrupted run (or any
+    later run with the same target and seed) continues where it stopped.
+    """
+    path = artifact_paths(options.out)["generated"]
+    cached = _read_generated(path, target_hash)
+    tokenizer = loaded.tokenizer
+    prompts = instruction_prompts(options.seed)
+    seen: set[str] = set()  # template prompts repeat; a repeat would leak into the held-out set
+    sequences: list[Sequence] = []
+    total, made, started = 0, 0, time.perf_counter()
+    while total < options.gen_tokens:
+        batch = []
+        while len(batch) < options.gen_batch * world:
+            prompt = next(prompts)
+            ids = tokenizer.encode_prompt(prompt)
+            if prompt not in seen and len(ids) <= options.seq_len:
+                seen.add(prompt)
+                batch.append((prompt, ids))
+        todo = [(p, ids) for p, ids in batch if p not in cached]
+        mine = todo[rank::world]
+        mine.sort(key=lambda item: len(item[1]))  # similar lengths pad less
+        responses = []
+        if mine:
+            outs = generate_batch(
+                loaded.model, [ids for _, ids in mine], options.gen_max_new, tokenizer.eos_ids
+            )
+            responses = [
+                {
+                    "target": target_hash,
+                    "prompt": p,
+                    "prompt_ids": ids,
+                    "response_ids": out,
+                    "response": tokenizer.decode(out),
+                }
+                for (p, ids), out in zip(mine, outs, strict=True)
+            ]
+        if world > 1:
+            gathered = [None] * world
+            dist.all_gather_object(gathered, responses)
+            responses = [entry for part in gathered for entry in part]
+        if rank == 0 and responses:
+            with open(path, "a") as f:
+                f.writelines(json.dumps(e, ensure_ascii=False) + "\n" for e in responses)
+        for entry in responses:
+            cached[entry["prompt"]] = entry
+            made += len(entry["response_ids"])
+        if not any(cached[p]["response_ids"] for p, _ in batch):
+            raise UserError(
+                f"{loaded.name} ended every response at once (eos first): it cannot write its own "
+                "training text; give text files with --data"
+            )
+        for prompt, _ in batch:
+            entry = cached[prompt]
+            if entry["response_ids"] and total < options.gen_tokens:
+                sequences.append(
+                    Sequence(
+                        entry["prompt_ids"] + entry["response_ids"], len(entry["prompt_ids"]) - 1
+                    )
+                )
+                total += len(entry["response_ids"])
+        if made:
+            rate = made / (time.perf_counter() - started)
+            progress(f"generated {total}/{options.gen_tokens} tokens ({rate:.0f} new tokens/s)")
+    return sequences
+
+
+def build_corpus(
+    loaded: LoadedModel,
+    options: TrainOptions,
+    target_hash: str,
+    rank: int,
+    world: int,
+    progress: Callable[[str], None],
+) -> list[Sequence]:
+    rng = random.Random(options.seed)
+    if options.data:
+        texts = []
+        for name in options.data:
+            try:
+                texts.append(Path(name).read_text(errors="replace"))
+            except OSError as e:
+                raise UserError(f"cannot read --data {name}: {e.strerror}") from None
+        sequences = text_sequences(texts, loaded.tokenizer, options.seq_len, None, rng)
+    else:
+        sequences = text_sequences(
+            offline_texts(), loaded.tokenizer, options.seq_len, options.raw_tokens, rng
+        )
+        sequences += generated_sequences(loaded, options, target_hash, rank, world, progress)
+    return sequences
+
+
+# --- 2. labels -------------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def label_sequences(model: Transformer, sequences: list[Sequence]) -> Labels:
+    """Run the frozen target over each sequence (one teacher-forced call through the static
+    cache) and keep, per position, its final hidden state and its argmax."""
+    longest = max(len(s.tokens) for s in sequences)
+    if model.max_seq_len < longest:
+        model.setup_cache(longest)
+    hidden, argmax, starts = [], [], []
+    offset = 0
+    for s in sequences:
+        n = len(s.tokens)
+        logits, h = model(torch.tensor([s.tokens]), torch.tensor([0]), return_hidden=True, kv_len=n)
+        hidden.append(h[0].to(torch.float16))
+        argmax.append(logits[0].argmax(-1))
+        starts.append(torch.arange(offset + s.start, offset + n - 1))  # a next token follows
+        offset += n
+    tokens = torch.tensor([t for s in sequences for t in s.tokens])
+    remaining = torch.cat([torch.arange(len(s.tokens) - 1, -1, -1) for s in sequences])
+    return Labels(torch.cat(hidden), tokens, torch.cat(argmax), remaining, torch.cat(starts))
+
+
+# --- 3. draft vocabulary ---------------------------------------------------------------------
+
+
+def draft_vocabulary(counts: torch.Tensor, size: int) -> tuple[torch.Tensor, float]:
+    """The `size` most frequent target predictions (ties: lower id) and the share they cover."""
+    size = min(size, len(counts))
+    order = torch.sort(-counts, stable=True).indices[:size]
+    ids = torch.sort(order).values
+    coverage = float(counts[ids].sum() / counts.sum().clamp(min=1))
+    return ids, coverage
+
+
+def label_counts(labels: Labels, vocab_size: int) -> torch.Tensor:
+    """How often the target predicts each token at the positions draft steps are scored on."""
+    return torch.bincount(labels.argmax[labels.starts + 1], minlength=vocab_size)
+
+
+# --- 4. training-time test -------------------------------------------------------------------
+
+
+def unrolled(model, labels: Labels, idx, embedding, k: int, to_draft: torch.Tensor):
+    """k draft steps from positions idx: logits [B, k, Vd], draft labels [B, k] and the
+    positions read [B, k] with their validity (a step past its sequence's end is invalid)."""
+    steps = torch.arange(1, k + 1)
+    valid = steps[None, :] <= labels.remaining[idx][:, None]
+    offsets = torch.where(valid, idx[:, None] + steps, idx[:, None])
+    embs = F.embedding(labels.tokens[offsets], embedding)
+    logits = model(labels.hidden[idx].to(embedding.dtype), embs)
+    targets = to_draft[labels.argmax[offsets]].masked_fill(~valid, IGNORE)
+    return logits, targets, offsets, valid
+
+
+def step_losses(logits: torch.Tensor, targets: torch.Tensor):
+    """Summed cross-entropy [k] and counted labels [k] per draft step."""
+    ce = F.cross_entropy(
+        logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="none"
+    )
+    return ce.view_as(targets).sum(0), (targets != IGNORE).sum(0)
+
+
+def weighted_loss(sums, counts, weights) -> torch.Tensor:
+    return (weights * sums / counts.clamp(min=1)).sum() / weights.sum()
+
+
+@torch.no_grad()
+def evaluate(
+    head: MTPHead,
+    labels: Labels,
+    positions: torch.Tensor,
+    embedding: torch.Tensor,
+    k: int,
+    to_draft: torch.Tensor,
+    weights: torch.Tensor,
+    world: int,
+) -> dict:
+    """Held-out loss and acceptance per draft position.
+
+    Draft step j from a position counts as accepted when it and every earlier step equal the
+    target's argmax. On text the target wrote (greedy), the steps read exactly the tokens
+    drafting would feed, so this is the greedy acceptance drafting will see; on other text it is
+    a teacher-forced estimate.
+    """
+    sums, counts = torch.zeros(k, dtype=torch.float64), torch.zeros(k, dtype=torch.float64)
+    hits, scored = torch.zeros(k, dtype=torch.float64), torch.zeros(k, dtype=torch.float64)
+    for idx in positions.split(1024):
+        logits, targets, offsets, valid = unrolled(head, labels, idx, embedding, k, to_draft)
+        s, c = step_losses(logits, targets)
+        sums += s
+        counts += c
+        right = (head.draft_ids[logits.argmax(-1)] == labels.argmax[offsets]) & valid
+        hits += (right.long().cumprod(1).bool() & valid).sum(0)
+        scored += valid.sum(0)
+    if world > 1:
+        for t in (sums, counts, hits, scored):
+            dist.all_reduce(t)
+    acceptance = (hits / scored.clamp(min=1)).tolist()
+    return {
+        "loss": float(weighted_loss(sums, counts, weights.to(sums.dtype))),
+        "acceptance": [round(a, 4) for a in acceptance],
+        "tau": round(1 + sum(acceptance), 4),
+    }
+
+
+def _describe(result: dict) -> str:
+    accepted = "/".join(f"{a:.2f}" for a in result["acceptance"])
+    return f"loss {result['loss']:.3f}  acceptance {accepted}  tau~{result['tau']:.2f}"
+
+
+def learning_rate(step: int, options: TrainOptions) -> float:
+    """Linear warm-up, then cosine decay to a tenth of --lr."""
+    if step < options.warmup:
+        return options.lr * (step + 1) / options.warmup
+    done = (step - options.warmup) / max(1, options.steps - options.warmup)
+    return options.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, done))))
+
+
+def save_checkpoint(path_st: Path, path_json: Path, head, optimizer, state: dict) -> None:
+    """Head and AdamW state as tensors in safetensors, scalars in JSON (no pickle)."""
+    tensors = {f"head.{n}": t.detach().contiguous() for n, t in head.state_dict().items()}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for i, p in enumerate(params):
+        for key, value in optimizer.state.get(p, {}).items():
+            tensors[f"optim.{i}.{key}"] = torch.as_tensor(value).contiguous()
+    write_atomically(path_st, lambda tmp: save_file(tensors, str(tmp)))
+    write_atomically(path_json, lambda tmp: tmp.write_text(json.dumps(state, indent=2) + "\n"))
+
+
+def load_checkpoint(path_st: Path, path_json: Path, head, optimizer) -> dict:
+    try:
+        state = json.loads(path_json.read_text())
+        with safe_open(str(path_st), framework="pt") as f:
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except (OSError, ValueError, SafetensorError) as e:
+        raise UserError(
+            f"cannot read the checkpoint {path_st}: {e}; rerun without --resume"
+        ) from None
+    head.load_state_dict({n[5:]: t for n, t in tensors.items() if n.startswith("head.")})
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for name, tensor in tensors.items():
+        if name.startswith("optim."):
+            _, i, key = name.split(".", 2)
+            optimizer.state[params[int(i)]][key] = tensor
+    return state
+
+
+def _distributed() -> tuple[int, int, bool]:
+    """(rank, world size, whether we started the process group) from torchrun's environment."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 0, 1, False
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo")
+    return dist.get_rank(), world, started
+
+
+def _split(n: int, fraction: float, seed: int, world: int) -> tuple[list[int], list[int]]:
+    """Sequence indices for training and held-out evaluation, at least one per rank each."""
+    cut = max(world, round(n * fraction))
+    if n - cut < world:
+        raise UserError(
+            f"the training text makes only {n} sequences, too few to train and hold out some "
+            f"on {world} process(es): give more text"
+        )
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    return sorted(order[cut:]), sorted(order[:cut])
+
+
+def _without_steps(recipe: dict) -> dict:
+    """A resumed run may change --steps (train longer); everything else must match."""
+    return {k: v for k, v in recipe.items() if k != "steps"}
+
+
+def train_heads(options: TrainOptions, progress: Callable[[str], None] | None = None) -> dict:
+    """Train MTP heads for options.model and write options.out (+ .json); returns a summary."""
+    began = time.perf_counter()
+    rank, world, started = _distributed()
+    try:
+        return _train(options, rank, world, progress or print, began)
+    finally:
+        if started:
+            dist.destroy_process_group()
+
+
+def _train(options, rank, world, progress, began) -> dict:
+    def say(message: str) -> None:
+        if rank == 0:
+            progress(message)
+
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    paths = artifact_paths(options.out)
+    if rank == 0:
+        Path(options.out).parent.mkdir(parents=True, exist_ok=True)
+    loaded = load_model(options.model)
+    target = loaded.model.requires_grad_(False)
+    target_hash = target_fingerprint(target)
+    c = target.config
+
+    sequences = build_corpus(loaded, options, target_hash, rank, world, say)
+    train_ids, heldout_ids = _split(len(sequences), options.heldout, options.seed, world)
+    say(f"labelling {sum(len(s.tokens) for s in sequences)} tokens in {len(sequences)} sequences")
+    train = label_sequences(target, [sequences[i] for i in train_ids[rank::world]])
+    heldout = label_sequences(target, [sequences[i] for i in heldout_ids[rank::world]])
+
+    counts = label_counts(train, c.vocab_size)
+    heldout_counts = label_counts(heldout, c.vocab_size)
+    if world > 1:
+        dist.all_reduce(counts)
+        dist.all_reduce(heldout_counts)
+    draft_ids, coverage = draft_vocabulary(counts, options.draft_vocab)
+    to_draft = torch.full((c.vocab_size,), IGNORE, dtype=torch.long)
+    to_draft[draft_ids] = torch.arange(len(draft_ids))
+    say(
+        f"draft vocabulary {len(draft_ids)} tokens: covers {coverage:.1%} of the target's "
+        f"predictions in training, "
+        f"{float(heldout_counts[draft_ids].sum() / heldout_counts.sum().clamp(min=1)):.1%} held out"
+    )
+
+    torch.manual_seed(options.seed)
+    config = MTPConfig(
+        hidden_size=c.hidden_size,
+        intermediate_size=options.intermediate_size or c.intermediate_size,
+        vocab_size=c.vocab_size,
+        draft_vocab_size=len(draft_ids),
+        rms_norm_eps=c.rms_norm_eps,
+        num_blocks=options.num_blocks,
+        target_name=loaded.name,
+        target_hash=target_hash,
+        k=options.k,
+    )
+    head = init_from_target(MTPHead(config), target, draft_ids)
+    model = head
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(head)
+    optimizer = torch.optim.AdamW(
+        head.parameters(), lr=options.lr, betas=(0.9, 0.95), weight_decay=options.weight_decay
+    )
+    weights = options.step_decay ** torch.arange(options.k, dtype=torch.float32)
+    embedding = target.embed_tokens.weight.detach()
+    spread = torch.linspace(
+        0, len(heldout.starts) - 1, min(options.eval_positions, len(heldout.starts))
+    )
+    eval_positions = heldout.starts[spread.long()]
+
+    step, history = 0, []
+    recipe = options.recipe()
+    if options.resume and paths["checkpoint"].is_file():
+        state = load_checkpoint(paths["checkpoint"], paths["checkpoint_json"], head, optimizer)
+        if (
+            _without_steps(state["recipe"]) != _without_steps(recipe)
+            or state["world_size"] != world
+        ):
+            raise UserError(
+                f"{paths['checkpoint']} was made with other options or another number of "
+                "processes: rerun with the same ones, or without --resume"
+            )
+        if not torch.equal(head.draft_ids, draft_ids):
+            raise UserError(
+                f"the training text changed since {paths['checkpoint']}: rerun without --resume"
+            )
+        step, history = state["step"], state["history"]
+        say(f"resumed at step {step}")
+    elif options.resume:
+        say(f"no checkpoint at {paths['checkpoint']}: starting from scratch")
+
+    def held_out() -> dict:
+        return evaluate(
+            head, heldout, eval_positions, embedding, options.k, to_draft, weights, world
+        )
+
+    if step == 0:
+        history.append({"step": 0, **held_out()})
+        say("step 0  held-out " + _describe(history[-1]))
+    running, last_log = [], time.perf_counter()
+    while step < options.steps:
+        # Batches depend only on (seed, rank, step), so a resumed run draws the same ones.
+        generator = torch.Generator().manual_seed(options.seed * 1_000_003 + rank * 7919 + step)
+        pick = torch.randint(len(train.starts), (options.batch_size,), generator=generator)
+        idx = train.starts[pick]
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, options)
+        logits, targets, _, _ = unrolled(model, train, idx, embedding, options.k, to_draft)
+        loss = weighted_loss(*step_losses(logits, targets), weights)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        optimizer.step()
+        running.append(float(loss.detach()))
+        step += 1
+
+        if step % options.eval_every == 0 or step == options.steps:
+            history.append({"step": step, "train_loss": sum(running) / len(running), **held_out()})
+        if rank == 0 and (step % options.checkpoint_every == 0 or step == options.steps):
+            state = {"step": step, "recipe": recipe, "world_size": world, "history": history}
+            save_checkpoint(paths["checkpoint"], paths["checkpoint_json"], head, optimizer, state)
+        if step % options.log_every == 0 or step == options.steps:
+            rate = len(running) / (time.perf_counter() - last_log)
+            line = f"step {step}/{options.steps}  loss {sum(running) / len(running):.3f}"
+            line += f"  held-out {_describe(history[-1])} (step {history[-1]['step']})"
+            say(f"{line}  lr {learning_rate(step - 1, options):.1e}  {rate:.1f} steps/s")
+            running, last_log = [], time.perf_counter()
+
+    final = history[-1]
+    summary = {
+        "out": str(options.out),
+        "target": loaded.name,
+        "steps": step,
+        "world_size": world,
+        "train_tokens": int(counts.sum()),
+        "sequences": len(sequences),
+        "draft_vocab": len(draft_ids),
+        "coverage": round(coverage, 4),
+        "heldout_loss": round(final["loss"], 4),
+        "heldout_acceptance": final["acceptance"],
+        "heldout_tau": final["tau"],
+        "seconds": round(time.perf_counter() - began, 1),
+    }
+    config.recipe = {**recipe, **{k: v for k, v in summary.items() if k != "out"}}
+    summary["history"] = history
+    if rank == 0:
+        save_heads(head, config, options.out)
+        say(f"wrote {options.out}: held-out {_describe(final)}, {summary['seconds']:.0f} s")
+    return summary

@@ -1,0 +1,1 @@
+"""Quantization schemes and their application per export target; the quality report."""

@@ -1,0 +1,481 @@
+"""MTP heads: lossless drafting (greedy, sampling), training, DDP, heads files, native weights."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from tiny import hf_reference, ours_from_hf, save_hf_dir, tiny_model
+
+from mtp_edge.checkpoints import load_model
+from mtp_edge.errors import UserError
+from mtp_edge.model import Block
+from mtp_edge.mtp import (
+    MTPConfig,
+    MTPHead,
+    init_from_target,
+    is_native_mtp_key,
+    load_heads,
+    load_native_mtp,
+    save_heads,
+    target_fingerprint,
+)
+from mtp_edge.runtime import sampling
+from mtp_edge.runtime.loop import GenerationConfig, generate
+from mtp_edge.runtime.mtp_drafter import eager_step_fn, measure_step_cost, mtp_drafter
+from mtp_edge.runtime.sampling import Sampler, SamplingParams
+from mtp_edge.runtime.session import EagerSession
+from mtp_edge.train import TrainOptions, generate_batch, train_heads
+
+WORDS = "the cat sat on a mat and then the dog ran to the park while birds sang in trees".split()
+
+
+def random_head(target, draft_ids: list[int], seed: int = 0, std: float = 0.3) -> MTPHead:
+    c = target.config
+    config = MTPConfig(c.hidden_size, 2 * c.hidden_size, c.vocab_size, len(draft_ids))
+    torch.manual_seed(seed)
+    head = MTPHead(config).to(target.dtype)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, std)
+    return init_from_target(head, target, torch.tensor(draft_ids)).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A tiny HF model directory and a text file of its vocabulary's words."""
+    root = tmp_path_factory.mktemp("mtp")
+    reference = hf_reference(
+        "llama", hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2
+    )
+    save_hf_dir(reference, root / "model")
+    rng = random.Random(0)
+    text = "\n".join(" ".join(rng.choice(WORDS) for _ in range(20)) for _ in range(300))
+    (root / "words.txt").write_text(text)
+    return root
+
+
+def options(root, **overrides) -> TrainOptions:
+    values = dict(
+        out=str(root / "heads.safetensors"),
+        model=str(root / "model"),
+        data=(str(root / "words.txt"),),
+        steps=150,
+        batch_size=64,
+        seq_len=64,
+        draft_vocab=48,
+        lr=3e-3,
+        warmup=10,
+        eval_every=50,
+        log_every=50,
+        checkpoint_every=50,
+    )
+    values.update(overrides)
+    return TrainOptions(**values)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_dir):
+    out = tiny_dir / "trained"
+    summary = train_heads(options(tiny_dir, out=str(out / "heads.safetensors")), lambda _: None)
+    return out / "heads.safetensors", summary
+
+
+# --- lossless drafting -----------------------------------------------------------------------
+
+
+def test_training_decreases_heldout_loss(trained):
+    path, summary = trained
+    losses = [entry["loss"] for entry in summary["history"]]
+    assert losses[-1] < 0.6 * losses[0]
+    assert summary["heldout_tau"] > summary["history"][0]["tau"]
+    assert path.is_file() and path.with_suffix(".json").is_file()
+    config = json.loads(path.with_suffix(".json").read_text())
+    assert (
+        config["k"] == 4 and config["recipe"]["heldout_acceptance"] == summary["heldout_acceptance"]
+    )
+
+
+@pytest.mark.parametrize("head_kind", ["untrained", "trained"])
+def test_greedy_mtp_equals_plain_float64(tiny_dir, trained, head_kind):
+    target = load_model(str(tiny_dir / "model"), dtype=torch.float64)
+    model = target.model
+    if head_kind == "trained":
+        head = load_heads(trained[0], model, target.name)
+    else:  # a reduced vocabulary that misses tokens the target picks
+        head = random_head(model, list(range(0, model.config.vocab_size, 2)))
+    session = EagerSession(model, 160, max_chunk=16)
+    rng = random.Random(1)
+    accepted = 0
+    for k, confidence, n in itertools.product((1, 3, 5), (0.0, 0.3), range(3)):
+        prompt = target.tokenizer.encode(" ".join(rng.choice(WORDS) for _ in range(3 + 4 * n)))
+        config = GenerationConfig(max_new_tokens=30 + 7 * n, k=k)
+        plain = generate(session, prompt, None, config)
+        spec = generate(session, prompt, mtp_drafter(head, model.embed_tokens, confidence), config)
+        assert spec.token_ids == plain.token_ids
+        assert spec.stop_reason == plain.stop_reason
+        accepted += spec.stats.accepted_tokens
+    if head_kind == "trained":
+        assert accepted > 0
+
+
+SAMPLE_VOCAB, NEW, PROMPT = 4, 4, [1, 2, 3]
+SAMPLE_PARAMS = dict(temperature=0.9, top_k=3)
+
+
+def exact_distribution(session, params) -> dict:
+    """P(t1..t4 | prompt) under the target alone, by enumerating every sequence."""
+    sampler = Sampler(params)
+    dist = {}
+    for seq in itertools.product(range(SAMPLE_VOCAB), repeat=NEW):
+        logits = session.forward(PROMPT + list(seq[:-1]), 0)[len(PROMPT) - 1 :]
+        probs = sampler.probs(logits)
+        dist[seq] = float(torch.prod(probs[torch.arange(NEW), torch.tensor(seq)]))
+    return dist
+
+
+def chi_square_pvalue(counts: Counter, dist: dict, samples: int) -> float:
+    observed, expected, pooled_obs, pooled_exp = [], [], 0.0, 0.0
+    for seq, p in dist.items():
+        if p == 0:
+            assert counts[seq] == 0, f"sampled {seq}, which the target gives probability 0"
+        elif p * samples < 5:  # pool rare cells so the chi-square approximation holds
+            pooled_obs += counts[seq]
+            pooled_exp += p * samples
+        else:
+            observed.append(counts[seq])
+            expected.append(p * samples)
+    if pooled_exp > 0:
+        observed.append(pooled_obs)
+        expected.append(pooled_exp)
+    scale = sum(observed) / sum(expected)
+    return chisquare(observed, [e * scale for e in expected]).pvalue
+
+
+def sampled_counts(samples: int) -> tuple[Counter, dict, int]:
+    target = tiny_model(seed=11, vocab=SAMPLE_VOCAB, hidden_size=16, num_layers=1)
+    session = EagerSession(target, 32)
+    dist = exact_distribution(session, SamplingParams(**SAMPLE_PARAMS))
+    # Token 1 is outside the draft vocabulary: q is zero there and the residual must supply it.
+    drafter = mtp_drafter(random_head(target, [0, 2, 3], seed=3, std=0.5), target.embed_tokens)
+    counts, accepted = Counter(), 0
+    for seed in range(samples):
+        config = GenerationConfig(
+            max_new_tokens=NEW, k=2, sampling=SamplingParams(seed=seed, **SAMPLE_PARAMS)
+        )
+        result = generate(session, PROMPT, drafter, config)
+        counts[tuple(result.token_ids)] += 1
+        accepted += result.stats.accepted_tokens
+    return counts, dist, accepted
+
+
+SAMPLES = 5000
+
+
+def test_mtp_sampling_follows_the_target_distribution():
+    counts, dist, accepted = sampled_counts(SAMPLES)
+    assert accepted > SAMPLES // 2  # the drafts are used, not just rejected
+    assert chi_square_pvalue(counts, dist, SAMPLES) > 1e-3
+
+
+def test_the_sampling_check_has_power(monkeypatch):
+    """Resampling from p instead of the residual after a rejection must be caught."""
+    monkeypatch.setattr(sampling, "residual", lambda p, q: p)
+    counts, dist, _ = sampled_counts(SAMPLES)
+    assert chi_square_pvalue(counts, dist, SAMPLES) < 1e-6
+
+
+def test_drafter_probs_are_full_vocabulary_and_stop_before_drawing():
+    target = tiny_model(seed=2, vocab=16)
+    head = random_head(target, [1, 4, 5, 9])
+    hidden = torch.randn(3, 32, dtype=torch.float64)
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=0))
+    draft = mtp_drafter(head, target.embed_tokens).propose([3, 7], hidden, 4, sampler)
+    assert len(draft.tokens) == 4 and draft.probs.shape == (4, 16)
+    outside = torch.ones(16, dtype=torch.bool)
+    outside[[1, 4, 5, 9]] = False
+    assert (draft.probs[:, outside] == 0).all()
+    torch.testing.assert_close(draft.probs.sum(-1), torch.ones(4, dtype=torch.float64))
+    assert all(draft.probs[i, t] > 0 for i, t in enumerate(draft.tokens))
+    # A confidence above anything q reaches: nothing is drafted (the rule never sees a token).
+    strict = mtp_drafter(head, target.embed_tokens, min_confidence=0.999)
+    assert strict.propose([3, 7], hidden, 4, sampler).tokens == []
+    greedy = Sampler(SamplingParams())
+    assert strict.propose([3, 7], hidden, 4, greedy).tokens == []
+
+
+def test_draft_step_cost_is_measured():
+    target = tiny_model(seed=0, vocab=48)
+    head = random_head(target, list(range(24)))
+    cost = measure_step_cost(
+        eager_step_fn(head, target.embed_tokens), EagerSession(target, 16), 32, torch.float64
+    )
+    print(f"tiny model: draft step {cost['draft_ms']:.3f} ms, target step {cost['target_ms']:.3f}")
+    assert cost["draft_ms"] > 0 and cost["target_ms"] > 0 and cost["ratio"] > 0
+
+
+# --- training --------------------------------------------------------------------------------
+
+
+def test_batched_generation_equals_the_loop():
+    model = tiny_model(seed=3, vocab=48)
+    prompts = [[5, 9, 2], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [7], [4, 4, 4, 4, 20]]
+    outs = generate_batch(model, prompts, 25, eos_ids=[3])
+    for prompt, out in zip(prompts, outs, strict=True):
+        config = GenerationConfig(max_new_tokens=25, eos_ids=(3,))
+        assert out == generate(EagerSession(model, 256), prompt, None, config).token_ids
+
+
+def test_default_corpus_is_written_by_the_target_and_cached(tiny_dir, monkeypatch):
+    quality = pytest.importorskip("mtp_edge.quantize.quality")
+    from mtp_edge import train
+
+    assert not set(quality.HELDOUT_TOPICS) & set(train.doc_topics())
+    loaded = load_model(str(tiny_dir / "model"))
+    settings = dict(data=(), gen_tokens=100, gen_max_new=12, gen_batch=3, raw_tokens=300)
+    opts = options(tiny_dir, out=str(tiny_dir / "corpus" / "heads.safetensors"), **settings)
+    (tiny_dir / "corpus").mkdir()
+    sequences = train.build_corpus(loaded, opts, "hash", 0, 1, print)
+    raw = [s for s in sequences if s.start == 0]
+    written = [s for s in sequences if s.start > 0]
+    assert sum(len(s.tokens) for s in raw) >= 300
+    assert sum(len(s.tokens) - s.start - 1 for s in written) >= 100
+    session = EagerSession(loaded.model, 512)
+    for s in written[:3]:
+        prompt, response = s.tokens[: s.start + 1], s.tokens[s.start + 1 :]
+        config = GenerationConfig(max_new_tokens=12, eos_ids=tuple(loaded.tokenizer.eos_ids))
+        assert generate(session, prompt, None, config).token_ids == response
+
+    def no_generation(*args):
+        raise AssertionError("the cached responses were generated again")
+
+    monkeypatch.setattr(train, "generate_batch", no_generation)
+    again = train.build_corpus(loaded, opts, "hash", 0, 1, print)
+    assert [s.tokens for s in again] == [s.tokens for s in sequences]
+
+
+def test_resume_continues_exactly(tiny_dir):
+    straight = tiny_dir / "straight" / "heads.safetensors"
+    train_heads(options(tiny_dir, out=str(straight), steps=20, checkpoint_every=10), print)
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupt_at_step_10(line):
+        if line.startswith("step 10/"):
+            raise Interrupted
+
+    resumed = tiny_dir / "resumed" / "heads.safetensors"
+    settings = dict(out=str(resumed), steps=20, checkpoint_every=10, log_every=10)
+    with pytest.raises(Interrupted):
+        train_heads(options(tiny_dir, **settings), interrupt_at_step_10)
+    assert not resumed.exists()
+    lines = []
+    train_heads(options(tiny_dir, resume=True, **settings), lines.append)
+    assert "resumed at step 10" in lines
+    model = load_model(str(tiny_dir / "model")).model
+    a, b = load_heads(straight, model, "tiny"), load_heads(resumed, model, "tiny")
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert torch.equal(x, y), name
+    with pytest.raises(UserError, match="other options"):
+        train_heads(options(tiny_dir, resume=True, lr=1e-2, **settings), lines.append)
+
+
+DDP_SCRIPT = """
+import json, os, sys
+from mtp_edge.train import TrainOptions, train_heads
+summary = train_heads(TrainOptions(**json.loads(sys.argv[1])), print)
+if os.environ["RANK"] == "0":
+    with open(sys.argv[2], "w") as f:
+        json.dump(summary, f)
+"""
+
+
+def test_ddp_with_two_processes(tiny_dir, trained, tmp_path):
+    (tmp_path / "ddp.py").write_text(textwrap.dedent(DDP_SCRIPT))
+    settings = {**vars(options(tiny_dir, out=str(tmp_path / "heads.safetensors"), steps=40))}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc_per_node", "2", str(tmp_path / "ddp.py")]
+    command += [json.dumps(settings), str(tmp_path / "summary.json")]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["world_size"] == 2 and math.isfinite(summary["heldout_loss"])
+    assert summary["history"][-1]["loss"] < summary["history"][0]["loss"]
+    model = load_model(str(tiny_dir / "model")).model
+    ddp = load_heads(tmp_path / "heads.safetensors", model, "tiny").state_dict()
+    single = load_heads(trained[0], model, "tiny").state_dict()
+    assert {n: t.shape for n, t in ddp.items()} == {n: t.shape for n, t in single.items()}
+    assert done.stdout.count("wrote ") == 1
+
+
+# --- heads files -----------------------------------------------------------------------------
+
+
+def test_heads_round_trip_and_refuse_another_target(tiny_dir, trained, tmp_path):
+    loaded = load_model(str(tiny_dir / "model"))
+    head = load_heads(trained[0], loaded.model, loaded.name)
+    assert head.lm_head.weight.dtype == torch.float32
+    # The same weights in float64 are the same target.
+    assert target_fingerprint(loaded.model) == target_fingerprint(loaded.model.double())
+    other = ours_from_hf(
+        hf_reference(
+            "llama",
+            seed=1,
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    )
+    with pytest.raises(UserError, match=r"heads were trained for model .*retrain with mtp-train"):
+        load_heads(trained[0], other, "other-model")
+    wider = tiny_model(seed=0, vocab=97, hidden_size=48, num_heads=6, head_dim=8)
+    with pytest.raises(UserError, match=r"hidden 32, vocab 97.*not for wide"):
+        load_heads(trained[0], wider, "wide")
+    with pytest.raises(UserError, match="not found"):
+        load_heads(tmp_path / "missing.safetensors", loaded.model, loaded.name)
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(UserError, match="not an MTP heads file"):
+        load_heads(tmp_path / "junk.safetensors", loaded.model, loaded.name)
+
+
+def test_save_writes_fp16_and_json(tmp_path):
+    target = tiny_model(seed=0, vocab=48)
+    head = random_head(target, [0, 5, 7])
+    config = head.config
+    config.target_name, config.target_hash = "tiny", target_fingerprint(target)
+    save_heads(head, config, tmp_path / "h.safetensors")
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "h.safetensors"), framework="pt") as f:
+        assert f.get_tensor("proj.weight").dtype == torch.float16
+        assert f.get_tensor("draft_ids").tolist() == [0, 5, 7]
+        assert not any("embed" in name for name in f.keys())  # the embedding is the target's
+    assert json.loads((tmp_path / "h.json").read_text())["draft_vocab_size"] == 3
+    back = load_heads(tmp_path / "h.safetensors", target, "tiny")
+    torch.testing.assert_close(back.proj.weight, head.proj.weight, atol=1e-3, rtol=1e-3)
+
+
+# --- native MTP weights ----------------------------------------------------------------------
+
+
+def native_state(target, style: str, seed: int = 0) -> dict:
+    """A random native MTP module for `target` in a checkpoint's naming."""
+    c = target.config
+    d, kv = c.hidden_size, c.num_kv_heads * c.head_dim
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64) * 0.3
+
+    block = {
+        "input_layernorm.weight": 1 + rand(d),
+        "self_attn.q_proj.weight": rand(c.num_heads * c.head_dim, d),
+        "self_attn.k_proj.weight": rand(kv, d),
+        "self_attn.v_proj.weight": rand(kv, d),
+        "self_attn.o_proj.weight": rand(d, c.num_heads * c.head_dim),
+        "post_attention_layernorm.weight": 1 + rand(d),
+        "mlp.gate_proj.weight": rand(c.intermediate_size, d),
+        "mlp.up_proj.weight": rand(c.intermediate_size, d),
+        "mlp.down_proj.weight": rand(d, c.intermediate_size),
+    }
+    if style == "deepseek":
+        prefix = f"model.layers.{c.num_layers}."
+        own = {
+            "enorm.weight": 1 + rand(d),
+            "hnorm.weight": 1 + rand(d),
+            "eh_proj.weight": rand(d, 2 * d),
+            "shared_head.norm.weight": 1 + rand(d),
+            "shared_head.head.weight": rand(c.vocab_size, d),
+        }
+    else:
+        prefix = "mtp."
+        own = {
+            "pre_fc_norm_embedding.weight": 1 + rand(d),
+            "pre_fc_norm_hidden.weight": 1 + rand(d),
+            "fc.weight": rand(d, 2 * d),
+            "norm.weight": 1 + rand(d),
+        }
+        block = {f"layers.0.{name}": t for name, t in block.items()}
+    state = {"model.layers.0.mlp.up_proj.weight": rand(4, 4)}  # a target tensor: ignored
+    state.update({prefix + name: t for name, t in {**own, **block}.items()})
+    return state
+
+
+def native_reference(target, state: dict, style: str, h, emb):
+    """The native module's formula, its attention run by our own Block over one position."""
+    c = target.config
+    if style == "deepseek":
+        get = {k.split(f"layers.{c.num_layers}.", 1)[1]: v for k, v in state.items() if
+               f"layers.{c.num_layers}." in k}  # fmt: skip
+        e_norm, h_norm, fc = get["enorm.weight"], get["hnorm.weight"], get["eh_proj.weight"]
+        norm, head = get["shared_head.norm.weight"], get["shared_head.head.weight"]
+        layer = {
+            k: v for k, v in get.items() if k.startswith(("self_attn", "mlp", "input", "post"))
+        }
+    else:
+        get = {k[4:]: v for k, v in state.items() if k.startswith("mtp.")}
+        e_norm, h_norm = get["pre_fc_norm_embedding.weight"], get["pre_fc_norm_hidden.weight"]
+        fc, norm = get["fc.weight"], get["norm.weight"]
+        head = target.lm_head.weight
+        layer = {k[9:]: v for k, v in get.items() if k.startswith("layers.0.")}
+
+    def rms(x, w):
+        return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)
+
+    x = torch.cat((rms(emb, e_norm), rms(h, h_norm)), -1) @ fc.T
+    block = Block(c).double()
+    block.load_state_dict(layer)
+    block.self_attn.cache = type("Cache", (), {"update": lambda self, pos, k, v: (k, v)})()
+    one = torch.ones(1, 1, 1, c.head_dim, dtype=torch.float64)
+    out = torch.cat(
+        [block(row[None, None], torch.tensor([0]), one, 0 * one, None, None)[0] for row in x]
+    )
+    return rms(out, norm) @ head.T, out
+
+
+@pytest.mark.parametrize("style", ["deepseek", "qwen"])
+def test_native_mtp_maps_onto_the_head(style):
+    target = tiny_model(seed=5, vocab=48)
+    state = native_state(target, style)
+    head = load_native_mtp(state, target, "tiny")
+    assert head.config.self_only_attention and head.config.draft_vocab_size == 48
+    assert is_native_mtp_key(next(k for k in state if "fc" in k or "eh_proj" in k), 2)
+    assert not is_native_mtp_key("model.layers.0.mlp.up_proj.weight", 2)
+    h = torch.randn(3, 32, dtype=torch.float64)
+    emb = target.embed_tokens(torch.tensor([1, 7, 30]))
+    logits, g = head.step(h, emb)
+    want_logits, want_g = native_reference(target, state, style, h, emb)
+    torch.testing.assert_close(g, want_g)
+    torch.testing.assert_close(logits, want_logits)
+
+
+def test_native_mtp_refuses_what_it_cannot_run():
+    target = tiny_model(seed=5, vocab=48)
+    assert (
+        load_native_mtp({"model.layers.0.mlp.up_proj.weight": torch.zeros(2)}, target, "t") is None
+    )
+    moe = native_state(target, "deepseek")
+    moe["model.layers.2.mlp.experts.0.up_proj.weight"] = torch.zeros(4, 4)
+    with pytest.raises(UserError, match="mixture-of-experts.*mtp-train"):
+        load_native_mtp(moe, target, "t")
+    gated = native_state(target, "qwen")
+    gated["mtp.layers.0.self_attn.q_proj.weight"] = torch.zeros(64, 32)  # query + gate rows
+    with pytest.raises(UserError, match="gated attention"):
+        load_native_mtp(gated, target, "t")
+    partial = native_state(target, "qwen")
+    del partial["mtp.norm.weight"]
+    with pytest.raises(UserError, match="lacks norm.weight"):
+        load_native_mtp(partial, target, "t")
