@@ -1,0 +1,1 @@
+"""Exporters, one module per target, and the bundle writer."""
