@@ -35,6 +35,9 @@ def write_bundle(out: Path, build: Callable[[Path], Manifest]) -> Manifest:
     check_writable(out)
     parent = out.resolve().parent
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; a bundle is an ordinary directory
     try:
         manifest = build(tmp)
         for entry in manifest.models.values():

@@ -13,6 +13,7 @@ from mtp_edge.checkpoints import LoadedModel, load_model
 from mtp_edge.errors import UserError
 from mtp_edge.manifest import TARGETS, Manifest, ModelFile
 from mtp_edge.quantize.quality import heldout_text, perplexity
+from mtp_edge.quantize.schemes import QuantScheme, check_scheme
 
 # forward(tokens, start) -> logits [T, V]: how the exporter runs what it exported. The CLI passes
 # the runtime's session for the target's backend, so exporter/ never imports runtime/.
@@ -91,18 +92,25 @@ def export_bundle(
     draft = load_drafter(options, target)
     out = Path(out) if out is not None else default_out(options, target.name)
     check_writable(out)  # fail before the slow part, not after
+    check_scheme(
+        QuantScheme(options.quant, options.group_size, options.embedding_quant), target.model
+    )
+    if draft is not None:
+        scheme = QuantScheme(options.draft_quant, options.group_size, options.embedding_quant)
+        check_scheme(scheme, draft.model)
     config = target.config
     max_seq_len = min(options.max_seq_len, config.max_position_embeddings)
+    max_chunk = min(options.max_chunk, max_seq_len)
     tokenizer = target.tokenizer
 
     quality: dict = {}
     heldout: list[int] = []
     if options.quality_tokens:
-        heldout = tokenizer.encode(heldout_text())[: options.quality_tokens]
+        heldout = tokenizer.encode(heldout_text())[: min(options.quality_tokens, max_seq_len)]
         progress(f"[quality] fp32 perplexity on {len(heldout)} held-out tokens")
         quality["heldout_tokens"] = len(heldout)
         quality["perplexity_fp32"] = round(
-            perplexity(eager_forward(target.model, max_seq_len), heldout, options.max_chunk), 4
+            perplexity(eager_forward(target.model, max_seq_len), heldout, max_chunk), 4
         )
 
     def export_one(model, path: Path, quant: str) -> dict:
@@ -113,7 +121,7 @@ def export_bundle(
             group_size=options.group_size,
             embedding_quant=options.embedding_quant,
             max_seq_len=max_seq_len,
-            max_chunk=options.max_chunk,
+            max_chunk=max_chunk,
             bos_id=tokenizer.bos_id,
             eos_ids=tokenizer.eos_ids,
             progress=progress,
@@ -136,9 +144,7 @@ def export_bundle(
         if heldout:
             progress("[quality] exported target perplexity")
             forward = open_program(tmp / "target.pte", max_seq_len)
-            quality["perplexity_exported"] = round(
-                perplexity(forward, heldout, options.max_chunk), 4
-            )
+            quality["perplexity_exported"] = round(perplexity(forward, heldout, max_chunk), 4)
             quality["perplexity_ratio"] = round(
                 quality["perplexity_exported"] / quality["perplexity_fp32"], 4
             )
@@ -149,7 +155,7 @@ def export_bundle(
             backend=TARGETS[options.target],
             model_name=target.name,
             max_seq_len=max_seq_len,
-            max_chunk=options.max_chunk,
+            max_chunk=max_chunk,
             vocab_size=config.vocab_size,
             bos_id=tokenizer.bos_id,
             eos_ids=list(tokenizer.eos_ids),

@@ -375,17 +375,19 @@ def export(
     from pathlib import Path
 
     from mtp_edge.exporter.export import ExportOptions, export_bundle
-    from mtp_edge.quantize.schemes import DEFAULT_SCHEME
+    from mtp_edge.quantize.schemes import QuantScheme, default_group_size
 
     options = ExportOptions(
         target=target_name,
         model=model_spec,
         drafter=drafter,
         k=k,
-        quant=quant or DEFAULT_SCHEME.quant,
-        group_size=DEFAULT_SCHEME.group_size if group_size is None else group_size,
+        quant=quant or QuantScheme.linear,
+        group_size=default_group_size(quant or QuantScheme.linear)
+        if group_size is None
+        else group_size,
         embedding_quant=embedding_quant,
-        draft_quant=draft_quant or quant or DEFAULT_SCHEME.quant,
+        draft_quant=draft_quant or quant or QuantScheme.linear,
         max_seq_len=max_seq_len,
         quality_tokens=quality_tokens,
     )

@@ -1,0 +1,219 @@
+"""Export our Transformer to an ExecuTorch program for XNNPACK, in ExecuTorch's LLM conventions,
+so that ExecuTorch's own runner (TextLLMRunner) can run it too:
+
+- `forward(tokens [1, T] int64, input_pos [1] int64) -> logits [1, T, vocab] float32`, with T
+  dynamic in 1..max_chunk: prefill chunks and the verification of k+1 drafted tokens are the
+  same method;
+- the KV cache is a pair of mutable buffers per layer in the layout of ExecuTorch's custom ops,
+  [1, max_seq_len, kv_heads, head_dim], written in place by `llama.update_cache`; attention is
+  `llama.custom_sdpa`, which reads for a query at position p only the slots <= p. The slots of
+  rejected drafts are never read and the next call overwrites them: rollback costs nothing;
+- constant methods carrying the metadata the runner reads (max_seq_len, vocab size, eos ids...).
+
+model.py is not changed for export: `exportable_copy` swaps, on a copy of the model, each
+attention and norm for an export version made of ExecuTorch's custom ops and of ops that XNNPACK
+takes whole, so that each layer lowers as one XNNPACK call around the two cache ops.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+
+import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (registers torch.ops.llama)
+import torch
+import torch.nn.functional as F
+from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+from executorch.exir import (
+    EdgeCompileConfig,
+    ExecutorchBackendConfig,
+    to_edge_transform_and_lower,
+)
+from executorch.exir.passes import MemoryPlanningPass
+from executorch.exir.passes.sym_shape_eval_pass import ConstraintBasedSymShapeEvalPass
+from torch import nn
+
+from mtp_edge.errors import UserError
+from mtp_edge.model import Attention, RMSNorm, Transformer
+from mtp_edge.quantize.schemes import QuantScheme, check_scheme, quantize_model
+
+
+class CustomOpAttention(nn.Module):
+    """Our Attention (same projections and norms) on ExecuTorch's cache-update and SDPA ops."""
+
+    def __init__(self, attention: Attention, max_seq_len: int):
+        super().__init__()
+        a = attention
+        self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = a.q_proj, a.k_proj, a.v_proj, a.o_proj
+        self.q_norm, self.k_norm = a.q_norm, a.k_norm
+        self.max_seq_len = max_seq_len
+        shape = (1, max_seq_len, a.num_kv_heads, a.head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape), persistent=False)
+        # rotate_half as a matrix: XNNPACK cannot split a tensor of dynamic length, but it takes
+        # a linear layer, and multiplying by 0 and +-1 is exact.
+        half = a.head_dim // 2
+        rotate = torch.zeros(a.head_dim, a.head_dim)
+        rotate[:half, half:] = -torch.eye(half)
+        rotate[half:, :half] = torch.eye(half)
+        self.register_buffer("rotate", rotate, persistent=False)
+
+    def forward(self, x, positions, cos, sin, mask, kv_len):
+        # Reshapes name the dynamic length -1: XNNPACK takes no symbolic sizes in a reshape.
+        t = x.shape[1]
+        q = self.q_proj(x).view(1, -1, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(1, -1, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(1, -1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos.view(1, -1, 1, self.head_dim), sin.view(1, -1, 1, self.head_dim)
+        q = q * cos + F.linear(q, self.rotate) * sin
+        k = k * cos + F.linear(k, self.rotate) * sin
+        start = positions[0].item()
+        torch._check(start >= 0)
+        torch._check(start + t <= self.max_seq_len)
+        torch.ops.llama.update_cache(k, self.k_cache, start)
+        torch.ops.llama.update_cache(v, self.v_cache, start)
+        out = torch.ops.llama.custom_sdpa(q, self.k_cache, self.v_cache, start, None, 0.0, True)
+        return self.o_proj(out.view(1, -1, self.num_heads * self.head_dim))
+
+
+class MatmulRMSNorm(nn.Module):
+    """RMSNorm whose mean over the features is a product with a [1, D] row of 1/D.
+
+    XNNPACK's mean takes only 4-D inputs reduced over the last two dims, and reshaping there and
+    back with a dynamic length leaves reshapes it refuses: a plain mean would run outside the
+    delegate and cut every layer into several XNNPACK calls. A linear layer stays inside.
+    """
+
+    def __init__(self, norm: RMSNorm):
+        super().__init__()
+        self.weight, self.eps = norm.weight, norm.eps
+        dim = norm.weight.shape[0]
+        self.register_buffer("average", torch.full((1, dim), 1.0 / dim), persistent=False)
+
+    def forward(self, x):
+        mean = F.linear(x.pow(2), self.average)
+        return self.weight * (x * torch.rsqrt(mean + self.eps))
+
+
+def exportable_copy(model: Transformer, scheme: QuantScheme, max_seq_len: int) -> Transformer:
+    """A float32, quantized copy of `model` with export attention and norms (model is untouched)."""
+    model = copy.deepcopy(model).float().eval()
+    model.setup_cache(max_seq_len)  # rotary tables for max_seq_len positions
+    quantize_model(model, scheme)
+    for layer in model.layers:
+        layer.self_attn = CustomOpAttention(layer.self_attn, max_seq_len)
+    for parent in list(model.modules()):
+        for name, child in parent.named_children():
+            if isinstance(child, RMSNorm):
+                setattr(parent, name, MatmulRMSNorm(child))
+    return model
+
+
+def metadata_methods(
+    model: Transformer, max_seq_len: int, bos_id: int | None, eos_ids: list[int]
+) -> dict:
+    """The constant methods ExecuTorch's LLM runner reads; it falls back to the tokenizer's ids
+    where a method is missing."""
+    methods = {
+        "get_max_seq_len": max_seq_len,
+        "get_max_context_len": max_seq_len,
+        "get_vocab_size": model.config.vocab_size,
+        "use_kv_cache": True,
+        "enable_dynamic_shape": True,
+    }
+    if bos_id is not None:
+        methods["get_bos_id"] = int(bos_id)
+    if eos_ids:
+        methods["get_eos_ids"] = [int(i) for i in eos_ids]
+    return methods
+
+
+def export_program(
+    model: Transformer,
+    path: Path,
+    *,
+    quant: str,
+    group_size: int,
+    embedding_quant: str,
+    max_seq_len: int,
+    max_chunk: int,
+    bos_id: int | None,
+    eos_ids: list[int],
+    embedding_group_size: int = 0,
+    head_quant: str | None = None,
+    head_group_size: int | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
+    """Quantize a copy of `model`, export it to an XNNPACK .pte at `path` (written at the very
+    end) and return its methods for the bundle manifest.
+
+    `head_quant` / `head_group_size` give the LM head its own scheme (default: the linear one).
+    """
+    say = progress or (lambda _message: None)
+    scheme = QuantScheme(
+        quant, group_size, embedding_quant, embedding_group_size, head_quant, head_group_size
+    )
+    check_scheme(scheme, model)
+    if not 2 <= max_chunk <= max_seq_len:
+        raise UserError(
+            f"the chunk size must be between 2 and --max-seq-len {max_seq_len}, got {max_chunk}"
+        )
+    say(f"[quantize] {scheme.label()}")
+    exportable = exportable_copy(model, scheme, max_seq_len)
+    constants = metadata_methods(model, max_seq_len, bos_id, eos_ids)
+    example = (torch.zeros((1, 2), dtype=torch.long), torch.zeros(1, dtype=torch.long))
+    dynamic = ({1: torch.export.Dim("T", min=1, max=max_chunk)}, None)
+    say(f"[export] torch.export, T in 1..{max_chunk}, cache of {max_seq_len} positions")
+    with torch.no_grad():
+        exported = torch.export.export(exportable, example, dynamic_shapes=dynamic, strict=True)
+        say("[lower] XNNPACK")
+        edge = to_edge_transform_and_lower(
+            exported,
+            # One partitioner for quantized and float ops alike. ExecuTorch's LLM recipe runs
+            # XnnpackDynamicallyQuantizedPartitioner first, which puts every linear layer in a
+            # delegate of its own; then each layer costs ~10 XNNPACK calls instead of two, and
+            # lowering takes minutes longer.
+            partitioner=[XnnpackPartitioner()],
+            compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True),
+            constant_methods=constants,
+        )
+        program = edge.to_executorch(
+            ExecutorchBackendConfig(
+                extract_delegate_segments=True,
+                do_quant_fusion_and_const_prop=True,  # fuses the embedding into embedding_byte
+                # The KV cache buffers get planned memory that lives as long as the loaded
+                # method; inputs are the caller's tensors, not copied into the arena.
+                memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False),
+                # Plan for the largest T, not the example's.
+                sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass(),
+            )
+        )
+    say(f"[write] {path} ({len(program.buffer) / 1e6:.0f} MB)")
+    Path(path).write_bytes(program.buffer)
+    return method_metadata(model, max_chunk, constants)
+
+
+def method_metadata(model: Transformer, max_chunk: int, constants: dict) -> dict:
+    vocab = model.config.vocab_size
+    methods = {
+        "forward": {
+            "inputs": [
+                {"name": "tokens", "shape": [1, "T"], "dtype": "int64"},
+                {"name": "input_pos", "shape": [1], "dtype": "int64"},
+            ],
+            "outputs": [{"name": "logits", "shape": [1, "T", vocab], "dtype": "float32"}],
+            "dynamic_dims": {"T": [1, max_chunk]},
+        }
+    }
+    for name, value in constants.items():
+        values = value if isinstance(value, list) else [value]
+        dtype = "bool" if isinstance(values[0], bool) else "int64"
+        outputs = [
+            {"name": f"{name}[{i}]", "shape": [], "dtype": dtype} for i in range(len(values))
+        ]
+        methods[name] = {"inputs": [], "outputs": outputs, "value": value}
+    return methods

@@ -1,0 +1,207 @@
+"""mtp-export --target android end to end on a tiny model: bundles, runs on them, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from tiny import hf_reference, save_hf_dir
+
+from mtp_edge.cli import bench, export, run
+from mtp_edge.errors import UserError
+from mtp_edge.exporter import export as export_module
+from mtp_edge.exporter.export import ExportOptions, export_bundle
+from mtp_edge.manifest import Manifest
+
+PROMPT = "the cat the cat the cat"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_hf_dir(hf_reference("llama", seed=3), tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(scope="module")
+def bundle(model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bundles") / "tiny-android"
+    args = [
+        "--model",
+        str(model_dir),
+        "--out",
+        str(out),
+        "--max-seq-len",
+        "96",
+        "--quant",
+        "8da4w",
+        "--group-size",
+        "32",
+        "--quality-tokens",
+        "64",
+    ]
+    result = CliRunner().invoke(export, args)
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def error_line(result) -> str:
+    """The one error line (progress lines may precede it); no traceback."""
+    assert result.exit_code != 0
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: ") and "Traceback" not in result.stderr, result.stderr
+    assert sum(line.startswith("error: ") for line in lines) == 1
+    return lines[-1]
+
+
+def test_bundle_layout(bundle):
+    manifest = Manifest.load(bundle)
+    assert manifest.target == "android" and manifest.backend == "executorch"
+    assert manifest.models["target"].file == "target.pte"
+    assert manifest.models["target"].quant["scheme"] == "8da4w"
+    assert manifest.drafter == {"kind": "ngram", "k": 4}
+    assert manifest.max_seq_len == 96 and manifest.vocab_size == 97
+    forward = manifest.models["target"].methods["forward"]
+    assert [i["name"] for i in forward["inputs"]] == ["tokens", "input_pos"]
+    assert manifest.quality["perplexity_exported"] > 0
+    assert manifest.quality["perplexity_ratio"] < 1.5  # 4-bit weights cost some, not everything
+    assert {p.name for p in bundle.iterdir()} == {
+        "manifest.json",
+        "target.pte",
+        "tokenizer.json",
+        "tokenizer_meta.json",
+    }
+    assert not list(bundle.parent.glob(".*partial"))
+
+
+def test_speculative_equals_plain_on_the_bundle(bundle):
+    args = [
+        "--bundle",
+        str(bundle),
+        "--prompt",
+        PROMPT,
+        "--no-chat-template",
+        "--json",
+        "--max-new-tokens",
+        "40",
+    ]
+    spec = CliRunner().invoke(run, args)
+    plain = CliRunner().invoke(run, [*args, "--drafter", "none"])
+    assert spec.exit_code == 0 and plain.exit_code == 0, spec.output + plain.output
+    spec, plain = json.loads(spec.stdout), json.loads(plain.stdout)
+    assert spec["token_ids"] == plain["token_ids"]
+    assert spec["stats"]["verify_steps"] <= plain["stats"]["verify_steps"]
+
+
+def test_bench_on_the_bundle(bundle, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    rows = [
+        {"id": f"p{i}", "category": c, "prompt": f"{PROMPT} {c}", "max_new_tokens": 16}
+        for i, c in enumerate(["code", "chat"])
+    ]
+    prompts.write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "bench.json"
+    args = [
+        "--bundle",
+        str(bundle),
+        "--prompts",
+        str(prompts),
+        "--json",
+        str(out),
+        "--no-chat-template",
+    ]
+    result = CliRunner().invoke(bench, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["backend"] == "executorch" and report["drafter"] == "ngram"
+    assert report["summary"]["lossless"] is True
+    assert "peer_textllmrunner" in report  # measured, or the reason it could not run
+
+
+def test_tampered_bundle_is_refused(bundle, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(bundle, copy)
+    pte = copy / "target.pte"
+    data = bytearray(pte.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    pte.write_bytes(bytes(data))
+    line = error_line(CliRunner().invoke(run, ["--bundle", str(copy), "--prompt", "x"]))
+    assert "sha256" in line and "target.pte" in line
+
+
+@pytest.mark.parametrize(
+    "extra, fragment",
+    [
+        (["--target", "fpga"], "unknown target"),
+        (["--quant", "9bit"], "unknown quantization scheme"),
+        (["--quant", "8da4w", "--group-size", "24"], "does not divide"),
+        (["--k", "0"], "--k"),
+    ],
+)
+def test_bad_export_options(model_dir, tmp_path, extra, fragment):
+    args = ["--model", str(model_dir), "--out", str(tmp_path / "b"), *extra]
+    assert fragment in error_line(CliRunner().invoke(export, args))
+    assert not (tmp_path / "b").exists()
+
+
+def test_unwritable_out(model_dir, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    args = ["--model", str(model_dir), "--out", str(blocker / "bundle")]
+    assert "--out" in error_line(CliRunner().invoke(export, args))
+
+
+def test_interrupted_export_leaves_nothing(model_dir, tmp_path, monkeypatch):
+    """Ctrl-C in the middle of writing: no bundle under the requested name, no temp dir left."""
+    from mtp_edge.exporter import executorch
+
+    def interrupted(model, path, **kwargs):
+        path.write_bytes(b"half a program")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(executorch, "export_program", interrupted)
+    out = tmp_path / "bundle"
+    options = ExportOptions(model=str(model_dir), max_seq_len=64, quality_tokens=0)
+    with pytest.raises(KeyboardInterrupt):
+        export_bundle(options, out, open_program=None, progress=lambda _: None)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_drafter_vocabulary_checked_at_export(model_dir, tmp_path):
+    other = save_hf_dir(hf_reference("llama", seed=5, vocab=101), tmp_path / "o", vocab=101)
+    options = ExportOptions(model=str(model_dir), drafter=str(other), quality_tokens=0)
+    with pytest.raises(UserError, match="vocabulary"):
+        export_bundle(options, tmp_path / "b", open_program=None, progress=lambda _: None)
+    assert export_module.default_out(options, "m").name == "m-android"
+
+
+def test_exported_fp32_logits_match_eager(model_dir, tmp_path):
+    """The fp32 program computes what the eager model computes, also after a rollback."""
+    from mtp_edge.checkpoints import load_model
+    from mtp_edge.runtime.executorch_session import ExecuTorchSession
+    from mtp_edge.runtime.session import EagerSession
+
+    options = ExportOptions(
+        model=str(model_dir),
+        quant="fp32",
+        group_size=0,
+        embedding_quant="none",
+        max_seq_len=64,
+        max_chunk=16,
+        quality_tokens=0,
+    )
+    out, manifest = export_bundle(options, tmp_path / "fp32", None, progress=lambda _: None)
+    program = ExecuTorchSession(out / "target.pte", 64, manifest.vocab_size, 16)
+    eager = EagerSession(load_model(str(model_dir)).model, 64)
+    prompt = [5, 9, 2, 7, 7, 1, 30, 4]
+    torch.testing.assert_close(
+        program.forward(prompt, 0), eager.forward(prompt, 0), atol=1e-4, rtol=1e-4
+    )
+    program.forward([3, 11, 12, 13, 14], len(prompt))  # a draft, rejected after 2 tokens
+    eager.forward([3, 11, 12, 13, 14], len(prompt))
+    after = program.forward([30, 31, 32], len(prompt) + 2)
+    torch.testing.assert_close(
+        after, eager.forward([30, 31, 32], len(prompt) + 2), atol=1e-4, rtol=1e-4
+    )
