@@ -114,12 +114,13 @@ def exportable_copy(model: Transformer, scheme: QuantScheme, max_seq_len: int) -
 
 
 def metadata_methods(
-    model: Transformer, max_seq_len: int, bos_id: int | None, eos_ids: list[int]
+    model: Transformer, max_seq_len: int, max_chunk: int, bos_id: int | None, eos_ids: list[int]
 ) -> dict:
-    """The constant methods ExecuTorch's LLM runner reads; it falls back to the tokenizer's ids
-    where a method is missing."""
+    """The constant methods ExecuTorch's LLM runner reads. In its terms `max_seq_len` is the
+    most tokens one forward call takes (it prefills in chunks of that size) and
+    `max_context_len` the positions the cache holds, our max_seq_len."""
     methods = {
-        "get_max_seq_len": max_seq_len,
+        "get_max_seq_len": max_chunk,
         "get_max_context_len": max_seq_len,
         "get_vocab_size": model.config.vocab_size,
         "use_kv_cache": True,
@@ -146,6 +147,7 @@ def export_program(
     embedding_group_size: int = 0,
     head_quant: str | None = None,
     head_group_size: int | None = None,
+    return_hidden: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> dict:
     """Quantize a copy of `model`, export it to an XNNPACK .pte at `path` (written at the very
@@ -164,7 +166,9 @@ def export_program(
         )
     say(f"[quantize] {scheme.label()}")
     exportable = exportable_copy(model, scheme, max_seq_len)
-    constants = metadata_methods(model, max_seq_len, bos_id, eos_ids)
+    if return_hidden:
+        exportable = WithHidden(exportable)
+    constants = metadata_methods(model, max_seq_len, max_chunk, bos_id, eos_ids)
     example = (torch.zeros((1, 2), dtype=torch.long), torch.zeros(1, dtype=torch.long))
     dynamic = ({1: torch.export.Dim("T", min=1, max=max_chunk)}, None)
     say(f"[export] torch.export, T in 1..{max_chunk}, cache of {max_seq_len} positions")
@@ -194,7 +198,24 @@ def export_program(
         )
     say(f"[write] {path} ({len(program.buffer) / 1e6:.0f} MB)")
     Path(path).write_bytes(program.buffer)
-    return method_metadata(model, max_chunk, constants)
+    methods = method_metadata(model, max_chunk, constants)
+    if return_hidden:
+        methods["forward"]["outputs"].append(
+            {"name": "hidden", "shape": [1, "T", model.config.hidden_size], "dtype": "float32"}
+        )
+    return methods
+
+
+class WithHidden(nn.Module):
+    """forward returning (logits, final-normed hidden states): what an MTP drafter reads.
+    ExecuTorch's runner reads output 0 only, so the program still works with it."""
+
+    def __init__(self, model: Transformer):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens, input_pos):
+        return self.model(tokens, input_pos, return_hidden=True)
 
 
 def method_metadata(model: Transformer, max_chunk: int, constants: dict) -> dict:

@@ -24,7 +24,8 @@ Forward = Callable[[list[int], int], torch.Tensor]
 class ExportOptions:
     target: str = "android"
     model: str = "default"
-    drafter: str = "ngram"  # none | ngram | path to a draft model
+    drafter: str = "auto"  # auto | none | ngram | mtp | path to a draft model
+    heads: str | None = None  # MTP heads file (default: the heads shipped for the model)
     k: int = 4
     quant: str = "8da4w"
     group_size: int = 32
@@ -50,12 +51,24 @@ def eager_forward(model, max_seq_len: int) -> Forward:
     return forward
 
 
-def load_drafter(options: ExportOptions, target: LoadedModel) -> LoadedModel | None:
-    if options.drafter in ("none", "ngram"):
-        return None
-    if options.drafter == "mtp":
-        raise UserError("--drafter mtp is not available yet: use ngram, none or a draft model")
-    draft = load_model(options.drafter)
+def load_drafter(options: ExportOptions, target: LoadedModel):
+    """(kind, what to export): ("none"|"ngram", None), ("mtp", MTPHead), ("draft-lm", model)."""
+    from mtp_edge.mtp import load_heads, shipped_heads
+
+    kind = options.drafter
+    if kind == "auto":  # the best available: shipped heads for this model, else n-gram lookup
+        kind = "mtp" if options.heads or shipped_heads(target.name) else "ngram"
+    if kind in ("none", "ngram"):
+        return kind, None
+    if kind == "mtp":
+        heads = options.heads or shipped_heads(target.name)
+        if heads is None:
+            raise UserError(
+                f"no MTP heads ship for {target.name}: train them with "
+                f"mtp-train --model {options.model} --out heads.safetensors, then pass --heads"
+            )
+        return "mtp", load_heads(heads, target.model, target.name)
+    draft = load_model(kind)
     if (
         draft.config.vocab_size != target.config.vocab_size
         or draft.tokenizer.backend.get_vocab() != target.tokenizer.backend.get_vocab()
@@ -64,7 +77,7 @@ def load_drafter(options: ExportOptions, target: LoadedModel) -> LoadedModel | N
             "the draft model's vocabulary differs from the target's: use a draft model with "
             "the target's tokenizer, or --drafter ngram"
         )
-    return draft
+    return "draft-lm", draft
 
 
 def export_bundle(
@@ -89,15 +102,15 @@ def export_bundle(
     started = time.perf_counter()
     progress(f"[load] {options.model}")
     target = load_model(options.model)
-    draft = load_drafter(options, target)
+    drafter_kind, draft = load_drafter(options, target)
     out = Path(out) if out is not None else default_out(options, target.name)
     check_writable(out)  # fail before the slow part, not after
     check_scheme(
         QuantScheme(options.quant, options.group_size, options.embedding_quant), target.model
     )
-    if draft is not None:
-        scheme = QuantScheme(options.draft_quant, options.group_size, options.embedding_quant)
-        check_scheme(scheme, draft.model)
+    draft_scheme = QuantScheme(options.draft_quant, options.group_size, options.embedding_quant)
+    if drafter_kind == "draft-lm":
+        check_scheme(draft_scheme, draft.model)
     config = target.config
     max_seq_len = min(options.max_seq_len, config.max_position_embeddings)
     max_chunk = min(options.max_chunk, max_seq_len)
@@ -113,7 +126,7 @@ def export_bundle(
             perplexity(eager_forward(target.model, max_seq_len), heldout, max_chunk), 4
         )
 
-    def export_one(model, path: Path, quant: str) -> dict:
+    def export_one(model, path: Path, quant: str, return_hidden: bool = False) -> dict:
         return export_program(
             model,
             path,
@@ -124,6 +137,7 @@ def export_bundle(
             max_chunk=max_chunk,
             bos_id=tokenizer.bos_id,
             eos_ids=tokenizer.eos_ids,
+            return_hidden=return_hidden,
             progress=progress,
         )
 
@@ -133,14 +147,24 @@ def export_bundle(
             "group_size": options.group_size,
             "embedding": options.embedding_quant,
         }
-        methods = export_one(target.model, tmp / "target.pte", options.quant)
+        hidden = drafter_kind == "mtp"
+        methods = export_one(target.model, tmp / "target.pte", options.quant, hidden)
         models = {"target": ModelFile("target.pte", "", quant, methods)}
-        drafter = {"kind": options.drafter if draft is None else "draft-lm", "k": options.k}
-        if draft is not None:
-            draft_quant = dict(quant, scheme=options.draft_quant)
+        drafter = {"kind": drafter_kind, "k": options.k}
+        draft_quant = dict(quant, scheme=options.draft_quant)
+        if drafter_kind == "draft-lm":
             methods = export_one(draft.model, tmp / "drafter.pte", options.draft_quant)
             models["drafter"] = ModelFile("drafter.pte", "", draft_quant, methods)
             drafter["model_name"] = draft.name
+        if drafter_kind == "mtp":
+            from mtp_edge.exporter.executorch_mtp import export_mtp_program
+
+            methods, settings = export_mtp_program(
+                draft, target.model.embed_tokens, tmp, draft_scheme, progress
+            )
+            models["drafter"] = ModelFile("drafter.pte", "", draft_quant, methods)
+            models["drafter_vocab"] = ModelFile("drafter_vocab.json", "", {}, {})
+            drafter.update(settings, recipe=draft.config.recipe)
         if heldout:
             progress("[quality] exported target perplexity")
             forward = open_program(tmp / "target.pte", max_seq_len)

@@ -32,18 +32,42 @@ class OneLineErrors(click.Command):
         sys.exit(code if isinstance(code, int) else 0)
 
 
-def build_drafter(spec: str, target, max_seq_len: int, ngram: tuple[int, int], confidence: float):
-    """`none`, `ngram`, or a path to a draft model with the target's vocabulary."""
+def build_drafter(spec: str, target, bundle, max_seq_len: int, opts: dict):
+    """The drafter named by `spec`: none | ngram | mtp | a draft model path | the bundle's own.
+
+    `target` is the LoadedModel on the eager backend (None with a bundle), `bundle` the opened
+    bundle (None with a model).
+    """
     from mtp_edge.checkpoints import load_model
     from mtp_edge.runtime.drafters import DraftModelDrafter, NgramDrafter, check_same_vocabulary
     from mtp_edge.runtime.session import EagerSession
 
+    confidence = opts["draft_confidence"]
     if spec == "none":
         return None
     if spec == "ngram":
-        return NgramDrafter(max_n=ngram[1], min_n=ngram[0])
-    if target is None:
-        raise UserError(f"--drafter {spec}: a bundle runs its own drafter, or none, or ngram")
+        low, high = parse_ngram_sizes(opts["ngram_sizes"])
+        return NgramDrafter(max_n=high, min_n=low)
+    if bundle is not None:
+        from mtp_edge.runtime.bundle import bundle_drafter
+
+        if spec != bundle.manifest.drafter.get("kind"):
+            raise UserError(
+                f"--drafter {spec}: this bundle carries a '{bundle.manifest.drafter.get('kind')}'"
+                " drafter; use it, none or ngram (or export another bundle)"
+            )
+        return bundle_drafter(bundle, confidence)
+    if spec == "mtp":
+        from mtp_edge.mtp import load_heads, shipped_heads
+        from mtp_edge.runtime.mtp_drafter import mtp_drafter
+
+        heads = opts.get("heads") or shipped_heads(target.name)
+        if heads is None:
+            raise UserError(
+                f"no MTP heads ship for {target.name}: pass --heads (train them with mtp-train)"
+            )
+        head = load_heads(heads, target.model, target.name).to(target.model.dtype)
+        return mtp_drafter(head, target.model.embed_tokens, confidence)
     draft = load_model(spec)
     check_same_vocabulary(
         target.tokenizer.backend.get_vocab(),
@@ -84,6 +108,9 @@ def drafter_options(f):
         ),
         click.option(
             "--k", default=None, type=int, help="Most tokens drafted per step (default: 4)."
+        ),
+        click.option(
+            "--heads", default=None, help="MTP heads file for --drafter mtp (default: shipped)."
         ),
         click.option(
             "--adaptive-k",
@@ -144,7 +171,7 @@ def setup(opts: dict, sampling=None, max_new_tokens: int = 128, stop_strings=())
 
     if opts["threads"]:
         torch.set_num_threads(opts["threads"])
-    ngram = parse_ngram_sizes(opts["ngram_sizes"])
+    parse_ngram_sizes(opts["ngram_sizes"])  # bad sizes fail before anything loads
     max_seq_len, drafter, k = opts["max_seq_len"], opts["drafter"], opts["k"]
     if max_seq_len < 2:
         raise UserError(f"--max-seq-len must be >= 2, got {max_seq_len}")
@@ -160,6 +187,7 @@ def setup(opts: dict, sampling=None, max_new_tokens: int = 128, stop_strings=())
         drafter = drafter or m.drafter.get("kind", "none")
         k = m.drafter.get("k") if k is None else k
     else:
+        bundle = None
         target = load_model(opts["model_spec"])
         tokenizer, name = target.tokenizer, target.name
         max_seq_len = min(max_seq_len, target.config.max_position_embeddings)
@@ -173,7 +201,7 @@ def setup(opts: dict, sampling=None, max_new_tokens: int = 128, stop_strings=())
         stop_strings=tuple(stop_strings),
         eos_ids=tuple(tokenizer.eos_ids),
     )
-    draft = build_drafter(drafter, target, session.max_seq_len, ngram, opts["draft_confidence"])
+    draft = build_drafter(drafter, target, bundle, session.max_seq_len, opts)
     chat = not opts["no_chat_template"]
     return Setup(name, tokenizer, session, draft, config, chat, opts["bundle"])
 
@@ -331,10 +359,12 @@ def write_atomic(path: str | None, text: str) -> None:
 )
 @click.option(
     "--drafter",
-    default="ngram",
+    default="auto",
     show_default=True,
-    help="none | ngram | mtp | path to a draft model with the target's vocabulary.",
+    help="auto (MTP heads if they ship for the model, else ngram) | none | ngram | mtp | "
+    "path to a draft model with the target's vocabulary.",
 )
+@click.option("--heads", default=None, help="MTP heads for --drafter mtp (default: shipped).")
 @click.option("--k", default=4, show_default=True, help="Tokens drafted per step.")
 @click.option(
     "--quant",
@@ -362,6 +392,7 @@ def export(
     target_name,
     model_spec,
     drafter,
+    heads,
     k,
     quant,
     group_size,
@@ -381,6 +412,7 @@ def export(
         target=target_name,
         model=model_spec,
         drafter=drafter,
+        heads=heads,
         k=k,
         quant=quant or QuantScheme.linear,
         group_size=default_group_size(quant or QuantScheme.linear)

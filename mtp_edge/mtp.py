@@ -330,3 +330,12 @@ def load_native_mtp(state_dict: dict, target: Transformer, target_name: str) -> 
         head.final_norm.weight.copy_(parts["norm.weight"])
         head.lm_head.weight.copy_(parts.get("head.weight", target_lm_head(target)))
     return head.eval()
+
+
+HEADS_DIR = Path(__file__).parent / "heads"
+
+
+def shipped_heads(model_name: str) -> Path | None:
+    """The heads that ship with mtp-edge for a model (trained by mtp-train), if any."""
+    path = HEADS_DIR / f"{model_name}.safetensors"
+    return path if path.is_file() else None

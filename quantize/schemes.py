@@ -90,7 +90,9 @@ def check_scheme(scheme: QuantScheme, model: Transformer) -> None:
             f"supported are {', '.join(EMBEDDING_SCHEMES)}"
         )
     if scheme.embedding != "none":
-        _check_group("embedding group size", scheme.embedding_group_size, {"embedding": c.hidden_size})
+        _check_group(
+            "embedding group size", scheme.embedding_group_size, {"embedding": c.hidden_size}
+        )
 
 
 def _check_linear(flag: str, name: str, group: int, inputs: dict[str, int]) -> None:
@@ -160,3 +162,27 @@ def _granularity(group: int):
     from torchao.quantization.granularity import PerAxis, PerGroup
 
     return PerAxis(0) if group == 0 else PerGroup(group)
+
+
+def quantize_modules(module: nn.Module, scheme: QuantScheme) -> nn.Module:
+    """Quantize every linear layer of `module` with the linear scheme and every embedding with
+    the embedding scheme, in place (for modules other than a Transformer, e.g. a drafter)."""
+    from torchao.quantization import (
+        Int8DynamicActivationIntxWeightConfig,
+        IntxWeightOnlyConfig,
+        quantize_,
+    )
+
+    if scheme.embedding != "none":
+        config = IntxWeightOnlyConfig(
+            weight_dtype=_WEIGHT_BITS[scheme.embedding],
+            granularity=_granularity(scheme.embedding_group_size),
+        )
+        quantize_(module, config, filter_fn=lambda m, fqn: isinstance(m, nn.Embedding))
+    if scheme.linear != "fp32":
+        config = Int8DynamicActivationIntxWeightConfig(
+            weight_dtype=_WEIGHT_BITS[scheme.linear],
+            weight_granularity=_granularity(scheme.group_size),
+        )
+        quantize_(module, config, filter_fn=lambda m, fqn: isinstance(m, nn.Linear))
+    return module

@@ -43,11 +43,6 @@ class ExecuTorchSession:
         self.max_chunk = max_chunk
 
     def forward(self, tokens: list[int], start: int, return_hidden: bool = False):
-        if return_hidden:
-            raise UserError(
-                "this ExecuTorch program returns logits only, and the drafter needs the "
-                "target's hidden states: use the ngram or draft-model drafter"
-            )
         if not 1 <= len(tokens) <= self.max_chunk:
             raise ValueError(f"a call takes 1..{self.max_chunk} tokens, got {len(tokens)}")
         if start + len(tokens) > self.max_seq_len:
@@ -56,8 +51,33 @@ class ExecuTorchSession:
             )
         inputs = [torch.tensor([tokens], dtype=torch.long), torch.tensor([start])]
         with single_threaded_blas():
-            (logits,) = self.method.execute(inputs)
-        return logits[0]
+            outputs = self.method.execute(inputs)
+        # Outputs live in the method's planned memory, which the next call overwrites.
+        logits = outputs[0][0].clone()
+        if not return_hidden:
+            return logits
+        if len(outputs) < 2:
+            raise UserError(
+                "this ExecuTorch program returns logits only, and the drafter needs the "
+                "target's hidden states: re-export with --drafter mtp, or use ngram"
+            )
+        return logits, outputs[1][0].clone()
+
+
+class ExecuTorchStep:
+    """A one-step drafter program: step(h [1, D], token [1]) -> (draft_logits [1, Vd], h')."""
+
+    def __init__(self, pte_path: str | Path):
+        import executorch.kernels.quantized  # noqa: F401
+        from executorch.runtime import Runtime
+
+        self.program = Runtime.get().load_program(Path(pte_path))
+        self.method = self.program.load_method("forward")
+
+    def __call__(self, h: torch.Tensor, token: torch.Tensor):
+        with single_threaded_blas():
+            logits, g = self.method.execute([h.float().contiguous(), token.long()])
+        return logits.clone(), g.clone()
 
 
 def _mkl_thread_controls():

@@ -205,3 +205,82 @@ def test_exported_fp32_logits_match_eager(model_dir, tmp_path):
     torch.testing.assert_close(
         after, eager.forward([30, 31, 32], len(prompt) + 2), atol=1e-4, rtol=1e-4
     )
+
+
+@pytest.fixture(scope="module")
+def mtp_bundle(model_dir, tmp_path_factory):
+    """A bundle with an MTP drafter (random heads: lossless does not need good drafts)."""
+    from mtp_edge.checkpoints import load_model
+    from mtp_edge.mtp import MTPConfig, MTPHead, init_from_target, save_heads, target_fingerprint
+
+    target = load_model(str(model_dir))
+    c = target.config
+    config = MTPConfig(
+        c.hidden_size,
+        2 * c.hidden_size,
+        c.vocab_size,
+        64,
+        target_name=target.name,
+        target_hash=target_fingerprint(target.model),
+    )
+    torch.manual_seed(0)
+    head = MTPHead(config)
+    init_from_target(head, target.model, torch.arange(c.vocab_size - 64, c.vocab_size))
+    root = tmp_path_factory.mktemp("mtp")
+    save_heads(head, config, root / "heads.safetensors")
+    args = [
+        "--model",
+        str(model_dir),
+        "--drafter",
+        "mtp",
+        "--heads",
+        str(root / "heads.safetensors"),
+        "--out",
+        str(root / "bundle"),
+        "--max-seq-len",
+        "96",
+        "--quality-tokens",
+        "0",
+    ]
+    result = CliRunner().invoke(export, args)
+    assert result.exit_code == 0, result.output
+    return root / "bundle"
+
+
+def test_mtp_bundle_is_lossless_greedy_and_sampled(mtp_bundle):
+    manifest = Manifest.load(mtp_bundle)
+    assert manifest.drafter["kind"] == "mtp" and "drafter" in manifest.models
+    outputs = [o["name"] for o in manifest.models["target"].methods["forward"]["outputs"]]
+    assert outputs == ["logits", "hidden"]
+    args = [
+        "--bundle",
+        str(mtp_bundle),
+        "--prompt",
+        PROMPT,
+        "--no-chat-template",
+        "--json",
+        "--max-new-tokens",
+        "40",
+    ]
+    spec = json.loads(CliRunner().invoke(run, args).stdout)
+    plain = json.loads(CliRunner().invoke(run, [*args, "--drafter", "none"]).stdout)
+    assert spec["token_ids"] == plain["token_ids"]
+    assert spec["stats"]["drafted_tokens"] > 0
+    sampled = CliRunner().invoke(run, [*args, "--temperature", "0.9", "--seed", "1"])
+    assert sampled.exit_code == 0, sampled.output
+
+
+def test_heads_for_another_target_are_refused(mtp_bundle, tmp_path):
+    other = save_hf_dir(hf_reference("llama", seed=8), tmp_path / "other")
+    heads = mtp_bundle.parent / "heads.safetensors"
+    args = [
+        "--model",
+        str(other),
+        "--drafter",
+        "mtp",
+        "--heads",
+        str(heads),
+        "--out",
+        str(tmp_path / "b"),
+    ]
+    assert "trained for" in error_line(CliRunner().invoke(export, args))
