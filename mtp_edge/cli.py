@@ -16,6 +16,7 @@ class OneLineErrors(click.Command):
     """A click command whose usage errors and UserErrors print as one `error: ...` line."""
 
     def main(self, *args, **kwargs):
+        quiet_library_noise()
         try:
             code = super().main(*args, standalone_mode=False, **kwargs)
         except click.exceptions.Exit as e:
@@ -30,6 +31,19 @@ class OneLineErrors(click.Command):
             click.echo("error: interrupted", err=True)
             sys.exit(130)
         sys.exit(code if isinstance(code, int) else 0)
+
+
+def quiet_library_noise() -> None:
+    """Keep the terminal for our progress and errors: torch/torchao/ExecuTorch deprecation notes
+    and optional-kernel load failures say nothing a user of these commands can act on."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", message=".*[Mm]utation on a buffer.*")
+    for name in ("torchao", "torch.utils._pytree", "torch._export", "executorch"):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def build_drafter(spec: str, target, bundle, max_seq_len: int, opts: dict):
