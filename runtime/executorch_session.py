@@ -7,7 +7,6 @@ exactly like the eager session. Slots left by rejected drafts are overwritten by
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 from pathlib import Path
 
@@ -24,16 +23,12 @@ class ExecuTorchSession:
         # quantized ops (embedding_byte...) before the program is loaded.
         import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401
         import executorch.kernels.quantized  # noqa: F401
-        from executorch.extension.pybindings import portable_lib
         from executorch.runtime import Runtime
 
         path = Path(pte_path)
         if not path.is_file():
             raise UserError(f"ExecuTorch program {path} does not exist")
-        # ExecuTorch has one thread pool per process (XNNPACK and the custom ops share it).
-        threads = torch.get_num_threads()
-        if portable_lib._threadpool_get_thread_count() != threads:
-            portable_lib._unsafe_reset_threadpool(threads)
+        _hand_cores_to_executorch()
         self.program = Runtime.get().load_program(path)
         if "forward" not in self.program.method_names:
             raise UserError(f"{path} has no forward method: it is not an mtp-export program")
@@ -49,9 +44,7 @@ class ExecuTorchSession:
             raise ValueError(
                 f"positions up to {start + len(tokens)} exceed the cache of {self.max_seq_len}"
             )
-        inputs = [torch.tensor([tokens], dtype=torch.long), torch.tensor([start])]
-        with single_threaded_blas():
-            outputs = self.method.execute(inputs)
+        outputs = self.method.execute([torch.tensor([tokens]), torch.tensor([start])])
         # Outputs live in the method's planned memory, which the next call overwrites.
         logits = outputs[0][0].clone()
         if not return_hidden:
@@ -71,44 +64,43 @@ class ExecuTorchStep:
         import executorch.kernels.quantized  # noqa: F401
         from executorch.runtime import Runtime
 
+        _hand_cores_to_executorch()
         self.program = Runtime.get().load_program(Path(pte_path))
         self.method = self.program.load_method("forward")
 
     def __call__(self, h: torch.Tensor, token: torch.Tensor):
-        with single_threaded_blas():
-            logits, g = self.method.execute([h.float().contiguous(), token.long()])
+        logits, g = self.method.execute([h.float().contiguous(), token.long()])
         return logits.clone(), g.clone()
 
 
-def _mkl_thread_controls():
-    """(get, set) of MKL's thread count in the torch library loaded here, or None."""
-    try:
-        lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
-        return lib.mkl_serv_get_max_threads, lib.mkl_serv_set_num_threads
-    except (OSError, AttributeError):  # no such library or no MKL in it (e.g. macOS, ARM)
-        return None
+_executorch_threads: int | None = None
 
 
-_MKL = _mkl_thread_controls()
+def _hand_cores_to_executorch() -> None:
+    """Give ExecuTorch's thread pool torch's thread count, and leave torch one thread.
 
-
-@contextlib.contextmanager
-def single_threaded_blas():
-    """Run ExecuTorch with MKL limited to one thread.
-
-    ExecuTorch's SDPA kernel calls the BLAS symbol `sgemm_`, which in a process that has loaded
-    torch resolves to torch's MKL. MKL then starts an OpenMP team inside each of ExecuTorch's
-    pool threads; on 2 cores the oversubscription made every multi-token attention call cost
-    ~0.5 ms (a 5-token verify of SmolLM2-135M: 24 ms instead of 5). On a phone, without torch,
-    the kernel uses ExecuTorch's own GEMM and none of this happens.
+    Done once, before the first program loads: resizing the pool under a loaded program
+    crashes. Torch and MKL keep one thread because their threads compete with ExecuTorch's for
+    the same cores (measured with SmolLM2-135M on 2 cores):
+    - the loop's small torch ops (argmax and top-2 over the vocabulary) wake torch's OpenMP
+      team, whose threads then spin a while and take the cores from ExecuTorch's pool: plain
+      decoding fell from ~140 to ~42 tokens/s;
+    - ExecuTorch's SDPA kernel calls the BLAS `sgemm_`, which in a process that has loaded
+      torch is torch's MKL; MKL then starts an OpenMP team inside each of ExecuTorch's pool
+      threads, and a 5-token verify took 24 ms instead of 5. `torch.set_num_threads` limits
+      MKL only on the calling thread, so MKL's process-wide count is set as well.
     """
-    if _MKL is None:
-        yield
+    global _executorch_threads
+    if _executorch_threads is not None:
         return
-    get_threads, set_threads = _MKL
-    previous = get_threads()
-    set_threads(1)
+    from executorch.extension.pybindings import portable_lib
+
+    _executorch_threads = torch.get_num_threads()
+    if portable_lib._threadpool_get_thread_count() != _executorch_threads:
+        portable_lib._unsafe_reset_threadpool(_executorch_threads)
+    torch.set_num_threads(1)
     try:
-        yield
-    finally:
-        set_threads(previous)
+        mkl = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+        mkl.mkl_serv_set_num_threads(1)
+    except (OSError, AttributeError):
+        pass  # a torch without MKL (macOS, Arm): no BLAS threads to limit

@@ -14,8 +14,7 @@ from collections import Counter
 
 import pytest
 import torch
-from scipy.stats import chisquare
-from tiny import hf_reference, ours_from_hf, save_hf_dir, tiny_model
+from tiny import chi_square_pvalue, hf_reference, ours_from_hf, save_hf_dir, tiny_model
 
 from mtp_edge.checkpoints import load_model
 from mtp_edge.errors import UserError
@@ -142,24 +141,6 @@ def exact_distribution(session, params) -> dict:
         probs = sampler.probs(logits)
         dist[seq] = float(torch.prod(probs[torch.arange(NEW), torch.tensor(seq)]))
     return dist
-
-
-def chi_square_pvalue(counts: Counter, dist: dict, samples: int) -> float:
-    observed, expected, pooled_obs, pooled_exp = [], [], 0.0, 0.0
-    for seq, p in dist.items():
-        if p == 0:
-            assert counts[seq] == 0, f"sampled {seq}, which the target gives probability 0"
-        elif p * samples < 5:  # pool rare cells so the chi-square approximation holds
-            pooled_obs += counts[seq]
-            pooled_exp += p * samples
-        else:
-            observed.append(counts[seq])
-            expected.append(p * samples)
-    if pooled_exp > 0:
-        observed.append(pooled_obs)
-        expected.append(pooled_exp)
-    scale = sum(observed) / sum(expected)
-    return chisquare(observed, [e * scale for e in expected]).pvalue
 
 
 def sampled_counts(samples: int) -> tuple[Counter, dict, int]:

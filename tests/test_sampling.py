@@ -7,8 +7,7 @@ from collections import Counter
 
 import pytest
 import torch
-from scipy.stats import chisquare
-from tiny import tiny_model
+from tiny import chi_square_pvalue, tiny_model
 
 from mtp_edge.errors import UserError
 from mtp_edge.runtime import sampling
@@ -46,25 +45,6 @@ def speculative_counts(target: EagerSession, drafter_model) -> Counter:
     return counts
 
 
-def chi_square_pvalue(counts: Counter, dist: dict) -> float:
-    observed, expected = [], []
-    pooled_obs = pooled_exp = 0.0
-    for seq, p in dist.items():
-        if p == 0:
-            assert counts[seq] == 0, f"sampled {seq}, which the target gives probability 0"
-        elif p * SAMPLES < 5:  # pool rare cells so the chi-square approximation holds
-            pooled_obs += counts[seq]
-            pooled_exp += p * SAMPLES
-        else:
-            observed.append(counts[seq])
-            expected.append(p * SAMPLES)
-    if pooled_exp > 0:
-        observed.append(pooled_obs)
-        expected.append(pooled_exp)
-    scale = sum(observed) / sum(expected)
-    return chisquare(observed, [e * scale for e in expected]).pvalue
-
-
 @pytest.fixture(scope="module")
 def models():
     target = EagerSession(tiny_model(seed=11, vocab=VOCAB, hidden_size=16, num_layers=1), 32)
@@ -77,7 +57,7 @@ def test_speculative_samples_follow_the_target_distribution(models):
     dist = exact_distribution(target, SamplingParams(**PARAMS))
     counts = speculative_counts(target, drafter)
     assert sum(counts.values()) == SAMPLES
-    assert chi_square_pvalue(counts, dist) > 1e-3
+    assert chi_square_pvalue(counts, dist, SAMPLES) > 1e-3
 
 
 def test_the_check_catches_a_missing_residual(models, monkeypatch):
@@ -86,7 +66,7 @@ def test_the_check_catches_a_missing_residual(models, monkeypatch):
     dist = exact_distribution(target, SamplingParams(**PARAMS))
     monkeypatch.setattr(sampling, "residual", lambda p, q: p)
     counts = speculative_counts(target, drafter)
-    assert chi_square_pvalue(counts, dist) < 1e-6
+    assert chi_square_pvalue(counts, dist, SAMPLES) < 1e-6
 
 
 def test_top_k_and_top_p_filtering():

@@ -98,3 +98,25 @@ def save_hf_dir(reference, directory, vocab: int = 97, **save_options):
     reference.save_pretrained(directory, safe_serialization=True, **save_options)
     byte_level_tokenizer(vocab).save(str(directory / "tokenizer.json"))
     return directory
+
+
+def chi_square_pvalue(counts, dist: dict, samples: int) -> float:
+    """Chi-square p-value of sampled sequence `counts` against the exact distribution `dist`;
+    a sample where the target gives probability 0 fails at once."""
+    from scipy.stats import chisquare
+
+    observed, expected, pooled_obs, pooled_exp = [], [], 0.0, 0.0
+    for seq, p in dist.items():
+        if p == 0:
+            assert counts[seq] == 0, f"sampled {seq}, which the target gives probability 0"
+        elif p * samples < 5:  # pool rare cells so the chi-square approximation holds
+            pooled_obs += counts[seq]
+            pooled_exp += p * samples
+        else:
+            observed.append(counts[seq])
+            expected.append(p * samples)
+    if pooled_exp > 0:
+        observed.append(pooled_obs)
+        expected.append(pooled_exp)
+    scale = sum(observed) / sum(expected)
+    return chisquare(observed, [e * scale for e in expected]).pvalue
