@@ -1,0 +1,166 @@
+"""The ExecuTorch export and session on tiny models: every scheme lowers and runs, fp32 matches
+eager exactly, quantized programs are lossless for speculative decoding on the backend, rollback
+by overwrite gives fresh results, and the metadata methods carry the right values."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from tiny import tiny_model
+
+from mtp_edge.errors import UserError
+from mtp_edge.exporter.executorch import export_program, exportable_copy
+from mtp_edge.quantize.schemes import QuantScheme
+from mtp_edge.runtime.drafters import NgramDrafter
+from mtp_edge.runtime.executorch_session import ExecuTorchSession
+from mtp_edge.runtime.loop import GenerationConfig, first_divergence, generate
+from mtp_edge.runtime.session import EagerSession, prefill
+
+VOCAB, MAX_SEQ_LEN, CHUNK = 64, 96, 16
+BOS, EOS = 1, [2, 3]
+# Each exported scheme: (linear, group size, embedding, tied LM head).
+SCHEMES = {
+    "fp32": ("fp32", 0, "none", False),
+    "8da4w-g32": ("8da4w", 32, "8w", False),
+    "8da4w-cw-tied": ("8da4w", 0, "4w", True),
+    "8da8w-cw": ("8da8w", 0, "8w", False),
+}
+PROMPT = [5, 9, 13, 7, 5, 9, 13, 21, 30, 5, 9, 13, 7, 5, 9, 13, 21, 30, 5, 9]  # repeats: ngram hits
+
+
+def model(tied: bool = False):
+    return tiny_model(seed=3, vocab=VOCAB, dtype=torch.float32, tie_word_embeddings=tied)
+
+
+@functools.cache
+def exported(name: str):
+    """(path, method metadata) of the tiny model exported with scheme `name`, once per run."""
+    import tempfile
+    from pathlib import Path
+
+    linear, group, embedding, tied = SCHEMES[name]
+    path = Path(tempfile.mkdtemp(prefix="mtp-et-")) / f"{name}.pte"
+    methods = export_program(
+        model(tied),
+        path,
+        quant=linear,
+        group_size=group,
+        embedding_quant=embedding,
+        max_seq_len=MAX_SEQ_LEN,
+        max_chunk=CHUNK,
+        bos_id=BOS,
+        eos_ids=EOS,
+    )
+    return path, methods
+
+
+def session(name: str) -> ExecuTorchSession:
+    """A fresh session (its own KV cache) on the program exported with scheme `name`."""
+    return ExecuTorchSession(exported(name)[0], MAX_SEQ_LEN, VOCAB, CHUNK)
+
+
+@pytest.mark.parametrize("name", list(SCHEMES))
+def test_each_scheme_runs_what_the_quantized_model_computes(name):
+    linear, group, embedding, tied = SCHEMES[name]
+    reference = exportable_copy(model(tied), QuantScheme(linear, group, embedding), MAX_SEQ_LEN)
+    program = session(name)
+    for tokens, start in ((PROMPT[:CHUNK], 0), (PROMPT[CHUNK:], CHUNK), ([8], len(PROMPT))):
+        logits = program.forward(tokens, start)
+        with torch.no_grad():
+            expected = reference(torch.tensor([tokens]), torch.tensor([start]))[0]
+        assert logits.shape == (len(tokens), VOCAB) and logits.dtype == torch.float32
+        scale = float(expected.abs().max())
+        assert float((logits - expected).abs().max()) < 0.05 * scale, name
+
+
+def test_fp32_export_matches_eager_tokens_and_logits():
+    eager = EagerSession(model(), MAX_SEQ_LEN, CHUNK)
+    program = session("fp32")
+    config = GenerationConfig(max_new_tokens=40, k=4)
+    assert (
+        generate(program, PROMPT, None, config).token_ids
+        == generate(eager, PROMPT, None, config).token_ids
+    )
+    # Prefill in chunks, then calls of every verify width at later positions.
+    torch.testing.assert_close(prefill(program, PROMPT), prefill(eager, PROMPT), atol=1e-4, rtol=0)
+    start = len(PROMPT)
+    for width in (1, 2, 5, CHUNK):
+        tokens = [(7 * i + width) % VOCAB for i in range(width)]
+        torch.testing.assert_close(
+            program.forward(tokens, start), eager.forward(tokens, start), atol=1e-4, rtol=0
+        )
+        start += width
+
+
+@pytest.mark.parametrize("name", ["8da4w-g32", "8da8w-cw"])
+def test_quantized_speculative_output_equals_its_plain_output(name):
+    program = session(name)
+    config = GenerationConfig(max_new_tokens=48, k=4)
+    plain = generate(program, PROMPT, None, config)
+    spec = generate(program, PROMPT, NgramDrafter(), config)
+    assert spec.stats.drafted_tokens > 0
+    diverged = first_divergence(plain.token_ids, spec.token_ids)
+    if diverged is not None:  # only a numerical near-tie of the two best logits may flip
+        assert plain.top2_gaps[diverged] < 1e-3, (diverged, plain.top2_gaps[diverged])
+
+
+def test_verify_after_rejection_equals_fresh_run():
+    used, fresh = session("8da4w-g32"), session("8da4w-g32")
+    start = len(PROMPT)
+    prefill(used, PROMPT)
+    used.forward([4, 50, 51, 52, 53], start)  # a verify whose drafts all get rejected
+    accepted = used.forward([4, 8, 12], start)  # overwrites their slots
+    prefill(fresh, PROMPT)
+    torch.testing.assert_close(accepted, fresh.forward([4, 8, 12], start), atol=0, rtol=0)
+    assert used.forward([6], start + 3).shape == (1, VOCAB)
+
+
+def test_metadata_methods():
+    from executorch.runtime import Runtime
+
+    path, methods = exported("fp32")
+    program = Runtime.get().load_program(path)
+    expected = {
+        "get_max_seq_len": [CHUNK],  # ExecuTorch's name for the most tokens per call
+        "get_max_context_len": [MAX_SEQ_LEN],
+        "get_vocab_size": [VOCAB],
+        "use_kv_cache": [True],
+        "enable_dynamic_shape": [True],
+        "get_bos_id": [BOS],
+        "get_eos_ids": EOS,
+    }
+    for name, value in expected.items():
+        assert list(program.load_method(name).execute([])) == value, name
+        assert methods[name]["value"] in (value, value[0])
+    assert methods["forward"]["outputs"][0]["shape"] == [1, "T", VOCAB]
+
+
+@pytest.mark.parametrize(
+    "quant, group, embedding, message",
+    [
+        ("int3", 32, "8w", "supported are 8da4w, 8da8w, fp32"),
+        ("int8", 0, "8w", "use 8da8w"),
+        ("int4", 32, "8w", "use 8da4w"),
+        ("8da4w", 24, "8w", "does not divide"),
+        ("8da4w", -1, "8w", "must be >= 0"),
+        ("8da8w", 32, "8w", "--group-size 0"),
+        ("8da4w", 32, "2w", "embedding quantization"),
+    ],
+)
+def test_bad_scheme_is_a_user_error(tmp_path, quant, group, embedding, message):
+    path = tmp_path / "x.pte"
+    with pytest.raises(UserError, match=message):
+        export_program(
+            model(),
+            path,
+            quant=quant,
+            group_size=group,
+            embedding_quant=embedding,
+            max_seq_len=MAX_SEQ_LEN,
+            max_chunk=CHUNK,
+            bos_id=BOS,
+            eos_ids=EOS,
+        )
+    assert not path.exists()
