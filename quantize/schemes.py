@@ -123,11 +123,7 @@ def _check_group(flag: str, group: int, inputs: dict[str, int]) -> None:
 
 def quantize_model(model: Transformer, scheme: QuantScheme) -> Transformer:
     """Quantize `model` in place with torchao (call `check_scheme` first)."""
-    from torchao.quantization import (
-        Int8DynamicActivationIntxWeightConfig,
-        IntxWeightOnlyConfig,
-        quantize_,
-    )
+    from torchao.quantization import quantize_
 
     head, head_group = scheme.head_scheme
     if model.lm_head is None and (scheme.embedding, head) != ("none", "fp32"):
@@ -135,54 +131,51 @@ def quantize_model(model: Transformer, scheme: QuantScheme) -> Transformer:
         c = model.config
         model.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, device="meta")
         model.lm_head.weight = model.embed_tokens.weight
-    if scheme.embedding != "none":
-        config = IntxWeightOnlyConfig(
-            weight_dtype=_WEIGHT_BITS[scheme.embedding],
-            granularity=_granularity(scheme.embedding_group_size),
-        )
-        quantize_(model, config, filter_fn=lambda m, fqn: isinstance(m, nn.Embedding))
-
-    def linear_config(name: str, group: int):
-        return Int8DynamicActivationIntxWeightConfig(
-            weight_dtype=_WEIGHT_BITS[name], weight_granularity=_granularity(group)
-        )
 
     def is_head(m: nn.Module, fqn: str) -> bool:
         return isinstance(m, nn.Linear) and fqn == "lm_head"
 
+    if scheme.embedding != "none":
+        quantize_(model, _embedding_config(scheme), lambda m, fqn: isinstance(m, nn.Embedding))
     if scheme.linear != "fp32":
-        config = linear_config(scheme.linear, scheme.group_size)
+        config = _linear_config(scheme.linear, scheme.group_size)
         quantize_(model, config, lambda m, fqn: isinstance(m, nn.Linear) and not is_head(m, fqn))
     if head != "fp32" and model.lm_head is not None:
-        quantize_(model, linear_config(head, head_group), is_head)
+        quantize_(model, _linear_config(head, head_group), is_head)
     return model
+
+
+def quantize_modules(module: nn.Module, scheme: QuantScheme) -> nn.Module:
+    """Quantize every linear layer of `module` with the linear scheme and every embedding with
+    the embedding scheme, in place (for modules other than a Transformer, e.g. a drafter)."""
+    from torchao.quantization import quantize_
+
+    if scheme.embedding != "none":
+        quantize_(module, _embedding_config(scheme), lambda m, fqn: isinstance(m, nn.Embedding))
+    if scheme.linear != "fp32":
+        config = _linear_config(scheme.linear, scheme.group_size)
+        quantize_(module, config, lambda m, fqn: isinstance(m, nn.Linear))
+    return module
+
+
+def _embedding_config(scheme: QuantScheme):
+    from torchao.quantization import IntxWeightOnlyConfig
+
+    return IntxWeightOnlyConfig(
+        weight_dtype=_WEIGHT_BITS[scheme.embedding],
+        granularity=_granularity(scheme.embedding_group_size),
+    )
+
+
+def _linear_config(name: str, group: int):
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig
+
+    return Int8DynamicActivationIntxWeightConfig(
+        weight_dtype=_WEIGHT_BITS[name], weight_granularity=_granularity(group)
+    )
 
 
 def _granularity(group: int):
     from torchao.quantization.granularity import PerAxis, PerGroup
 
     return PerAxis(0) if group == 0 else PerGroup(group)
-
-
-def quantize_modules(module: nn.Module, scheme: QuantScheme) -> nn.Module:
-    """Quantize every linear layer of `module` with the linear scheme and every embedding with
-    the embedding scheme, in place (for modules other than a Transformer, e.g. a drafter)."""
-    from torchao.quantization import (
-        Int8DynamicActivationIntxWeightConfig,
-        IntxWeightOnlyConfig,
-        quantize_,
-    )
-
-    if scheme.embedding != "none":
-        config = IntxWeightOnlyConfig(
-            weight_dtype=_WEIGHT_BITS[scheme.embedding],
-            granularity=_granularity(scheme.embedding_group_size),
-        )
-        quantize_(module, config, filter_fn=lambda m, fqn: isinstance(m, nn.Embedding))
-    if scheme.linear != "fp32":
-        config = Int8DynamicActivationIntxWeightConfig(
-            weight_dtype=_WEIGHT_BITS[scheme.linear],
-            weight_granularity=_granularity(scheme.group_size),
-        )
-        quantize_(module, config, filter_fn=lambda m, fqn: isinstance(m, nn.Linear))
-    return module

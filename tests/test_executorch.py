@@ -94,6 +94,38 @@ def test_fp32_export_matches_eager_tokens_and_logits():
         start += width
 
 
+def test_qwen_style_attention_exports(tmp_path):
+    """Biased q/k/v projections and per-head q/k norms (qwen2 / qwen3) go through the swap."""
+    reference = tiny_model(
+        seed=5, vocab=VOCAB, dtype=torch.float32, attention_bias=True, qk_norm=True
+    )
+    path = tmp_path / "qwen.pte"
+    export_program(
+        reference,
+        path,
+        quant="fp32",
+        group_size=0,
+        embedding_quant="none",
+        max_seq_len=MAX_SEQ_LEN,
+        max_chunk=CHUNK,
+        bos_id=None,
+        eos_ids=[],
+    )
+    program = ExecuTorchSession(path, MAX_SEQ_LEN, VOCAB, CHUNK)
+    eager = EagerSession(reference, MAX_SEQ_LEN, CHUNK)
+    torch.testing.assert_close(prefill(program, PROMPT), prefill(eager, PROMPT), atol=1e-4, rtol=0)
+
+
+def test_session_refuses_calls_outside_its_limits():
+    program = session("fp32")
+    with pytest.raises(ValueError, match="1..16 tokens"):
+        program.forward(list(range(CHUNK + 1)), 0)
+    with pytest.raises(ValueError, match="exceed the cache"):
+        program.forward([1, 2], MAX_SEQ_LEN - 1)
+    with pytest.raises(UserError, match="hidden states"):
+        program.forward([1], 0, return_hidden=True)
+
+
 @pytest.mark.parametrize("name", ["8da4w-g32", "8da8w-cw"])
 def test_quantized_speculative_output_equals_its_plain_output(name):
     program = session(name)
