@@ -36,6 +36,17 @@ class ExportOptions:
     quality_tokens: int = 1024  # held-out tokens for the perplexity check (0 = skip)
 
 
+def chat_format(tokenizer) -> dict | None:
+    """The chat template rendered around a placeholder user message and split there, so that a
+    runtime without jinja (the native core) forms the same prompt text by concatenation."""
+    if tokenizer.chat_template is None:
+        return None
+    marker = "\x00mtp-message\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}])
+    prefix, found, suffix = text.partition(marker)
+    return {"prefix": prefix, "suffix": suffix} if found else None
+
+
 def default_out(options: ExportOptions, model_name: str) -> Path:
     return Path("bundles") / f"{model_name}-{options.target}"
 
@@ -184,6 +195,7 @@ def export_bundle(
             bos_id=tokenizer.bos_id,
             eos_ids=list(tokenizer.eos_ids),
             chat_template=tokenizer.chat_template,
+            chat_format=chat_format(tokenizer),
             models=models,
             drafter=drafter,
             quality=quality,

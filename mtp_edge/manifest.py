@@ -42,6 +42,9 @@ class Manifest:
     models: dict[str, ModelFile]  # "target", and "drafter" when the drafter has a model
     drafter: dict  # {"kind": none|ngram|mtp|draft-lm, "k": int, ...settings}
     quality: dict = field(default_factory=dict)
+    # The chat template rendered around one user message, {"prefix", "suffix"}: how a runtime
+    # without jinja (the native C++ core) forms a chat prompt. None: no template, or old bundle.
+    chat_format: dict | None = None
     format_version: int = FORMAT_VERSION
     exporter_version: str = __version__
 
