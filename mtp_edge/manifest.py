@@ -77,7 +77,7 @@ class Manifest:
         if verify:
             for entry in manifest.models.values():
                 file = directory / entry.file
-                if not file.is_file():
+                if not file.exists():
                     raise UserError(f"bundle {directory} is missing {entry.file}: re-export it")
                 if sha256(file) != entry.sha256:
                     raise UserError(
@@ -88,8 +88,14 @@ class Manifest:
 
 
 def sha256(path: Path) -> str:
+    """Of a file, or of a directory (a Core ML .mlpackage): its files' relative paths and bytes."""
+    path = Path(path)
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
+    for file in files:
+        if path.is_dir():
+            digest.update(file.relative_to(path).as_posix().encode() + b"\0")
+        with open(file, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
     return digest.hexdigest()
