@@ -1,0 +1,42 @@
+// tokenizer.json (Hugging Face `tokenizers` format) in C++, token-identical to that library for
+// the tokenizers our loaders produce: byte-level BPE (GPT-2 / SmolLM2 digits / Llama 3 / Qwen2
+// split regexes) and SentencePiece-style BPE with byte fallback. Components it does not
+// implement are refused at load time with a message naming them.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace mtp {
+
+class Tokenizer {
+ public:
+  // Throws std::runtime_error with a message naming the file and what is wrong.
+  static Tokenizer load(const std::string& tokenizer_json_path);
+  static Tokenizer from_json(const std::string& json_text);
+
+  // No bos is added; added/special tokens written in the text are matched whole.
+  // Throws std::invalid_argument if text is not valid UTF-8.
+  std::vector<int32_t> encode(const std::string& text) const;
+  // Special tokens are skipped (as `tokenizers` decode(ids, skip_special_tokens=True));
+  // unknown ids are ignored; bytes that do not form UTF-8 become U+FFFD.
+  std::string decode(const std::vector<int32_t>& ids) const;
+  // One more than the largest id of the vocabulary and the added tokens.
+  int32_t vocab_size() const;
+  // The token's string (byte-level alphabet for byte-level BPE), or "" for an unknown id.
+  std::string id_to_token(int32_t id) const;
+
+  ~Tokenizer();
+  Tokenizer(Tokenizer&&) noexcept;
+  Tokenizer& operator=(Tokenizer&&) noexcept;
+
+  struct Impl;
+
+ private:
+  explicit Tokenizer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace mtp
