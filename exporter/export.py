@@ -13,7 +13,7 @@ from mtp_edge.checkpoints import LoadedModel, load_model
 from mtp_edge.errors import UserError
 from mtp_edge.manifest import TARGETS, Manifest, ModelFile
 from mtp_edge.quantize.quality import heldout_text, perplexity
-from mtp_edge.quantize.schemes import QuantScheme, check_scheme
+from mtp_edge.quantize.schemes import QuantScheme, check_scheme, check_target_scheme
 
 # forward(tokens, start) -> logits [T, V]: how the exporter runs what it exported. The CLI passes
 # the runtime's session for the target's backend, so exporter/ never imports runtime/.
@@ -102,12 +102,13 @@ def export_bundle(
     `open_program(path, max_seq_len)` runs an exported file (for the quality report).
     """
     from mtp_edge.exporter.bundle import check_writable, write_bundle
-    from mtp_edge.exporter.executorch import export_program
 
     if options.target not in TARGETS:
         raise UserError(f"unknown target '{options.target}': choose one of {', '.join(TARGETS)}")
-    if options.target != "android":
-        raise UserError(f"--target {options.target} is not available yet: use --target android")
+    if options.target == "android":
+        from mtp_edge.exporter.executorch import export_program
+    elif options.target == "onnx":
+        from mtp_edge.exporter.onnx import export_program
     if options.k < 1:
         raise UserError(f"--k must be >= 1, got {options.k}")
     started = time.perf_counter()
@@ -116,12 +117,21 @@ def export_bundle(
     drafter_kind, draft = load_drafter(options, target)
     out = Path(out) if out is not None else default_out(options, target.name)
     check_writable(out)  # fail before the slow part, not after
-    check_scheme(
-        QuantScheme(options.quant, options.group_size, options.embedding_quant), target.model
-    )
     draft_scheme = QuantScheme(options.draft_quant, options.group_size, options.embedding_quant)
-    if drafter_kind == "draft-lm":
-        check_scheme(draft_scheme, draft.model)
+    if options.target == "android":
+        check_scheme(
+            QuantScheme(options.quant, options.group_size, options.embedding_quant), target.model
+        )
+        if drafter_kind == "draft-lm":
+            check_scheme(draft_scheme, draft.model)
+    else:
+        check_target_scheme(options.target, options.quant, options.group_size)
+        check_target_scheme(options.target, options.draft_quant, options.group_size)
+    if options.target == "coreml" and drafter_kind == "draft-lm":
+        raise UserError(
+            "--target coreml carries no separate draft model yet: use --drafter mtp or ngram"
+        )
+    suffix = {"android": ".pte", "onnx": ".onnx"}.get(options.target)
     config = target.config
     max_seq_len = min(options.max_seq_len, config.max_position_embeddings)
     max_chunk = min(options.max_chunk, max_seq_len)
@@ -156,29 +166,63 @@ def export_bundle(
         quant = {
             "scheme": options.quant,
             "group_size": options.group_size,
-            "embedding": options.embedding_quant,
+            # onnx and coreml keep the embedding table in float (fp32 / fp16)
+            "embedding": options.embedding_quant if options.target == "android" else "none",
         }
         hidden = drafter_kind == "mtp"
-        methods = export_one(target.model, tmp / "target.pte", options.quant, hidden)
-        models = {"target": ModelFile("target.pte", "", quant, methods)}
         drafter = {"kind": drafter_kind, "k": options.k}
         draft_quant = dict(quant, scheme=options.draft_quant)
+        if options.target == "coreml":  # one package: target functions and the drafter step
+            from mtp_edge.exporter.coreml import export_package
+
+            methods, settings = export_package(
+                target.model,
+                draft,
+                tmp / "model.mlpackage",
+                quant=options.quant,
+                draft_quant=options.draft_quant,
+                group_size=options.group_size,
+                max_seq_len=max_seq_len,
+                max_chunk=max_chunk,
+                k=options.k,
+                progress=progress,
+            )
+            models = {"target": ModelFile("model.mlpackage", "", quant, methods)}
+            drafter.update(settings)
+        else:
+            methods = export_one(target.model, tmp / f"target{suffix}", options.quant, hidden)
+            models = {"target": ModelFile(f"target{suffix}", "", quant, methods)}
         if drafter_kind == "draft-lm":
-            methods = export_one(draft.model, tmp / "drafter.pte", options.draft_quant)
-            models["drafter"] = ModelFile("drafter.pte", "", draft_quant, methods)
+            methods = export_one(draft.model, tmp / f"drafter{suffix}", options.draft_quant)
+            models["drafter"] = ModelFile(f"drafter{suffix}", "", draft_quant, methods)
             drafter["model_name"] = draft.name
         if drafter_kind == "mtp":
-            from mtp_edge.exporter.executorch_mtp import export_mtp_program
+            if options.target == "android":
+                from mtp_edge.exporter.executorch_mtp import export_mtp_program
 
-            methods, settings = export_mtp_program(
-                draft, target.model.embed_tokens, tmp, draft_scheme, progress
-            )
-            models["drafter"] = ModelFile("drafter.pte", "", draft_quant, methods)
+                methods, settings = export_mtp_program(
+                    draft, target.model.embed_tokens, tmp, draft_scheme, progress
+                )
+            elif options.target == "onnx":
+                from mtp_edge.exporter.onnx import export_mtp_program
+
+                methods, settings = export_mtp_program(
+                    draft,
+                    target.model.embed_tokens,
+                    tmp,
+                    options.draft_quant,
+                    options.group_size,
+                    progress,
+                )
+            if options.target != "coreml":
+                models["drafter"] = ModelFile(f"drafter{suffix}", "", draft_quant, methods)
             models["drafter_vocab"] = ModelFile("drafter_vocab.json", "", {}, {})
             drafter.update(settings, recipe=draft.config.recipe)
-        if heldout:
+        forward = open_program(tmp / models["target"].file, max_seq_len) if heldout else None
+        if forward is None and heldout:
+            progress(f"[quality] the exported {options.target} model cannot run here: skipped")
+        if forward is not None:
             progress("[quality] exported target perplexity")
-            forward = open_program(tmp / "target.pte", max_seq_len)
             quality["perplexity_exported"] = round(perplexity(forward, heldout, max_chunk), 4)
             quality["perplexity_ratio"] = round(
                 quality["perplexity_exported"] / quality["perplexity_fp32"], 4

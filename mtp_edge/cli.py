@@ -362,7 +362,7 @@ def write_atomic(path: str | None, text: str) -> None:
     "target_name",
     default="android",
     show_default=True,
-    help="android (ExecuTorch .pte, XNNPACK) | coreml | onnx.",
+    help="android (ExecuTorch .pte, XNNPACK) | onnx (ONNX Runtime) | coreml (.mlpackage).",
 )
 @click.option(
     "--model",
@@ -383,8 +383,8 @@ def write_atomic(path: str | None, text: str) -> None:
 @click.option(
     "--quant",
     default=None,
-    help="Target weights: 8da4w | 8da8w | int8 | int4 | fp32 (default: the fastest "
-    "for speculative decoding, see benchmarks/).",
+    help="Target weights. android: 8da4w | 8da8w | fp32 (default 8da4w); onnx: int4 | int8 | "
+    "fp32 (default int4); coreml: int4 | int8 | fp16 (default int4).",
 )
 @click.option(
     "--group-size",
@@ -392,7 +392,9 @@ def write_atomic(path: str | None, text: str) -> None:
     type=int,
     help="Quantization group size (0 = one scale per output channel).",
 )
-@click.option("--embedding-quant", default="8w", show_default=True, help="8w | 4w | none.")
+@click.option(
+    "--embedding-quant", default="8w", show_default=True, help="8w | 4w | none (android only)."
+)
 @click.option("--draft-quant", default=None, help="Drafter weights (default: as --quant).")
 @click.option("--max-seq-len", default=2048, show_default=True, help="Static KV cache length.")
 @click.option("--out", default=None, help="Bundle directory (default: bundles/<model>-<target>).")
@@ -420,25 +422,37 @@ def export(
     from pathlib import Path
 
     from mtp_edge.exporter.export import ExportOptions, export_bundle
-    from mtp_edge.quantize.schemes import QuantScheme, default_group_size
+    from mtp_edge.quantize.schemes import DEFAULT_SCHEME, default_group_size
 
+    quant = quant or DEFAULT_SCHEME.get(target_name, DEFAULT_SCHEME["android"])
     options = ExportOptions(
         target=target_name,
         model=model_spec,
         drafter=drafter,
         heads=heads,
         k=k,
-        quant=quant or QuantScheme.linear,
-        group_size=default_group_size(quant or QuantScheme.linear)
-        if group_size is None
-        else group_size,
+        quant=quant,
+        group_size=default_group_size(quant) if group_size is None else group_size,
         embedding_quant=embedding_quant,
-        draft_quant=draft_quant or quant or QuantScheme.linear,
+        draft_quant=draft_quant or quant,
         max_seq_len=max_seq_len,
         quality_tokens=quality_tokens,
     )
 
     def open_program(path: Path, seq_len: int):
+        """The exported target's forward, for the quality report (None: cannot run here)."""
+        if target_name == "onnx":
+            from mtp_edge.runtime.onnx_session import OnnxSession
+
+            return OnnxSession(path, None, seq_len, 0, options.max_chunk).forward
+        if target_name == "coreml":
+            from mtp_edge.runtime.coreml_session import coreml_available
+
+            if not coreml_available():
+                return None
+            from mtp_edge.runtime.coreml_session import CoreMLSession
+
+            return CoreMLSession(path, None, seq_len, 0, options.max_chunk).forward
         from mtp_edge.runtime.executorch_session import ExecuTorchSession
 
         return ExecuTorchSession(path, seq_len, 0, options.max_chunk).forward

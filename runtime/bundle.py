@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,8 +33,16 @@ def target_session(bundle: Bundle) -> Session:
         from mtp_edge.runtime.executorch_session import ExecuTorchSession
 
         return ExecuTorchSession(file, m.max_seq_len, m.vocab_size, m.max_chunk)
-    if m.backend == "coreml" and sys.platform != "darwin":
-        raise UserError("Core ML bundles run only on macOS/iOS: use an android or onnx bundle here")
+    if m.backend == "onnxruntime":
+        from mtp_edge.runtime.onnx_session import OnnxSession
+
+        method = m.models["target"].methods["forward"]
+        return OnnxSession(file, method, m.max_seq_len, m.vocab_size, m.max_chunk)
+    if m.backend == "coreml":
+        from mtp_edge.runtime.coreml_session import CoreMLSession
+
+        methods = m.models["target"].methods
+        return CoreMLSession(file, methods, m.max_seq_len, m.vocab_size, m.max_chunk)
     raise UserError(f"bundle backend '{m.backend}' is not supported by this runtime")
 
 
@@ -46,18 +53,37 @@ def bundle_drafter(bundle: Bundle, min_confidence: float = 0.0):
     m = bundle.manifest
     kind = m.drafter.get("kind", "none")
     if kind == "mtp":
-        from mtp_edge.runtime.executorch_session import ExecuTorchStep
         from mtp_edge.runtime.mtp_drafter import MtpDrafter
 
-        step = ExecuTorchStep(bundle.path / m.models["drafter"].file)
+        if m.backend == "onnxruntime":
+            from mtp_edge.runtime.onnx_session import OnnxStep
+
+            drafter = m.models["drafter"]
+            step = OnnxStep(bundle.path / drafter.file, drafter.methods["forward"])
+        elif m.backend == "coreml":
+            from mtp_edge.runtime.coreml_session import CoreMLStep
+
+            step = CoreMLStep(bundle.path / m.models["target"].file)
+        else:
+            from mtp_edge.runtime.executorch_session import ExecuTorchStep
+
+            step = ExecuTorchStep(bundle.path / m.models["drafter"].file)
         vocab = json.loads((bundle.path / m.models["drafter_vocab"].file).read_text())
         ids = torch.tensor(vocab["draft_ids"])
         return MtpDrafter(step, ids, m.vocab_size, min_confidence)
     if kind == "draft-lm":
         from mtp_edge.runtime.drafters import DraftModelDrafter
-        from mtp_edge.runtime.executorch_session import ExecuTorchSession
 
-        file = bundle.path / m.models["drafter"].file
-        session = ExecuTorchSession(file, m.max_seq_len, m.vocab_size, m.max_chunk)
+        drafter = m.models["drafter"]
+        file = bundle.path / drafter.file
+        if m.backend == "onnxruntime":
+            from mtp_edge.runtime.onnx_session import OnnxSession
+
+            method = drafter.methods["forward"]
+            session = OnnxSession(file, method, m.max_seq_len, m.vocab_size, m.max_chunk)
+        else:
+            from mtp_edge.runtime.executorch_session import ExecuTorchSession
+
+            session = ExecuTorchSession(file, m.max_seq_len, m.vocab_size, m.max_chunk)
         return DraftModelDrafter(session, min_confidence)
     return None

@@ -1,0 +1,301 @@
+"""Export our Transformer (and its MTP drafter step) to one Core ML multifunction .mlpackage.
+
+Functions, each with static shapes (flexible shapes keep a model off the Neural Engine):
+- `prefill`: `max_chunk` tokens; `verify`: k+1 tokens; `decode`: 1 token. Each takes
+  `tokens [1, W] int32, input_pos [1] int32` and returns `logits [1, W, vocab]` (and `hidden
+  [1, W, D]` with an MTP drafter). Calls with fewer tokens than W are padded at the end: the pad
+  rows land in cache slots after the real ones, which no real query reads before the next call
+  overwrites them, exactly like rejected drafts.
+- `draft_step` (MTP drafter): `h [1, D], token [1] int32 -> draft_logits [1, Vd], next_h [1, D]`.
+The KV cache is Core ML state (`k_cache_i` / `v_cache_i`, [1, kv_heads, max_seq_len, head_dim],
+fp16), written in place with `slice_update` at input_pos; the three target functions declare
+the same states and weights, and save_multifunction stores identical weights once.
+Minimum deployment target iOS 18 / macOS 15 (states, per-block int4). Compute is fp16.
+
+The PyTorch modules traced here are themselves fp16 and written as Core ML computes (fp16 norms
+guarded against overflow, additive fp16 mask), so running them in PyTorch is the reference the
+tests hold against eager decoding on Linux, where Core ML itself cannot run.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtp_edge.errors import UserError
+from mtp_edge.model import RMSNorm, Transformer, rotate_half
+from mtp_edge.mtp import MTPHead
+from mtp_edge.quantize.schemes import check_target_scheme
+
+DTYPE = torch.float16
+MASKED = -3e4  # additive mask in fp16: exp() of it underflows to 0
+
+
+class Fp16RMSNorm(nn.Module):
+    """RMSNorm in fp16 that cannot overflow: x is divided by max|x| before squaring (x^2 of an
+    activation above 256 is beyond fp16's range). Mathematically the same norm."""
+
+    def __init__(self, norm: RMSNorm):
+        super().__init__()
+        self.weight, self.eps = norm.weight, norm.eps
+
+    def forward(self, x):
+        scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-4)
+        y = x / scale
+        mean = y.pow(2).mean(-1, keepdim=True) + self.eps / (scale * scale)
+        return self.weight * (y * torch.rsqrt(mean))
+
+
+def fp16_copy(module: nn.Module) -> nn.Module:
+    module = copy.deepcopy(module).to(DTYPE).eval()
+    for parent in list(module.modules()):
+        for name, child in parent.named_children():
+            if isinstance(child, RMSNorm):
+                setattr(parent, name, Fp16RMSNorm(child))
+    return module
+
+
+class CoreMLTarget(nn.Module):
+    """The target for a fixed width W; the caches are buffers (Core ML states), shared by
+    passing the same `caches` to every width's module."""
+
+    def __init__(self, model: Transformer, width: int, caches: list[torch.Tensor], hidden: bool):
+        super().__init__()
+        self.model, self.width, self.return_hidden = model, width, hidden
+        for i, layer in enumerate(model.layers):
+            layer.self_attn.cache = None
+            self.register_buffer(f"k_cache_{i}", caches[2 * i])
+            self.register_buffer(f"v_cache_{i}", caches[2 * i + 1])
+
+    def forward(self, tokens, input_pos):
+        m, w = self.model, self.width
+        positions = input_pos + torch.arange(w, dtype=torch.int32)
+        cos = m.rope_cos[positions][None, None]
+        sin = m.rope_sin[positions][None, None]
+        slots = torch.arange(m.max_seq_len, dtype=torch.int32)
+        mask = torch.where(slots[None, :] <= positions[:, None], 0.0, MASKED).to(DTYPE)
+        start = input_pos[0]
+        x = m.embed_tokens(tokens)
+        for i, layer in enumerate(m.layers):
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = a.q_proj(h).view(1, w, a.num_heads, a.head_dim)
+            k = a.k_proj(h).view(1, w, a.num_kv_heads, a.head_dim)
+            v = a.v_proj(h).view(1, w, a.num_kv_heads, a.head_dim)
+            if a.q_norm is not None:
+                q, k = a.q_norm(q), a.k_norm(k)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            k_cache, v_cache = getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")
+            k_cache[:, :, start : start + w] = k  # slice_update on the state, in place
+            v_cache[:, :, start : start + w] = v
+            groups = a.num_heads // a.num_kv_heads
+            keys = k_cache.repeat_interleave(groups, dim=1)
+            values = v_cache.repeat_interleave(groups, dim=1)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+            x = x + a.o_proj(out.transpose(1, 2).reshape(1, w, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        hidden = m.norm(x)
+        head = m.embed_tokens.weight if m.lm_head is None else m.lm_head.weight
+        logits = F.linear(hidden, head)
+        return (logits, hidden) if self.return_hidden else logits
+
+
+class CoreMLDraftStep(nn.Module):
+    def __init__(self, head: MTPHead, embedding: nn.Embedding):
+        super().__init__()
+        self.head, self.embedding = head, embedding
+
+    def forward(self, h, token):
+        return self.head.step(h.to(DTYPE), self.embedding(token))
+
+
+def widths(max_chunk: int, k: int) -> dict[str, int]:
+    """Function name -> tokens per call."""
+    return {"prefill": max_chunk, "verify": k + 1, "decode": 1}
+
+
+def programs(
+    model: Transformer,
+    head: MTPHead | None,
+    *,
+    max_seq_len: int,
+    max_chunk: int,
+    k: int,
+) -> dict[str, nn.Module]:
+    """The fp16 PyTorch modules handed to the converter, by function name; the target functions
+    share one set of cache tensors, as the Core ML functions share their states."""
+    target = fp16_copy(model)
+    target.setup_cache(max_seq_len)  # rotary tables (fp16), and max_seq_len
+    c = model.config
+    shape = (1, c.num_kv_heads, max_seq_len, c.head_dim)
+    caches = [torch.zeros(shape, dtype=DTYPE) for _ in range(2 * c.num_layers)]
+    hidden = head is not None
+    result = {
+        name: CoreMLTarget(target, width, caches, hidden)
+        for name, width in widths(max_chunk, k).items()
+    }
+    if head is not None:
+        result["draft_step"] = CoreMLDraftStep(fp16_copy(head), fp16_copy(model.embed_tokens))
+    return result
+
+
+def _quantize(mlmodel, quant: str, group_size: int):
+    from coremltools.optimize.coreml import (
+        OpLinearQuantizerConfig,
+        OptimizationConfig,
+        linear_quantize_weights,
+    )
+
+    if quant == "fp16":
+        return mlmodel
+    if quant == "int4":
+        op = OpLinearQuantizerConfig(
+            mode="linear_symmetric",
+            dtype="int4",
+            granularity="per_block",
+            block_size=group_size,
+            weight_threshold=0,
+        )
+    else:
+        op = OpLinearQuantizerConfig(
+            mode="linear_symmetric", dtype="int8", granularity="per_channel", weight_threshold=0
+        )
+    # The linear layers (and the LM head); the embedding table stays fp16 for its gather.
+    config = OptimizationConfig(op_type_configs={"linear": op})
+    return linear_quantize_weights(mlmodel, config)
+
+
+def _convert(module: nn.Module, manifest_io: dict, states: list):
+    import coremltools as ct
+
+    inputs = [
+        ct.TensorType(name=i["name"], shape=tuple(i["shape"]), dtype=_NP[i["dtype"]])
+        for i in manifest_io["inputs"]
+    ]
+    outputs = [ct.TensorType(name=o["name"], dtype=np.float32) for o in manifest_io["outputs"]]
+    example = tuple(
+        torch.zeros(i["shape"], dtype=_TORCH[i["dtype"]]) for i in manifest_io["inputs"]
+    )
+    with torch.no_grad():
+        traced = torch.jit.trace(module.eval(), example, check_trace=False)
+    return ct.convert(
+        traced,
+        inputs=inputs,
+        outputs=outputs,
+        states=states,
+        minimum_deployment_target=ct.target.iOS18,
+        compute_precision=ct.precision.FLOAT16,
+        convert_to="mlprogram",
+        skip_model_load=True,
+    )
+
+
+_NP = {"int32": np.int32, "float32": np.float32}
+_TORCH = {"int32": torch.int32, "float32": torch.float32}
+
+
+def function_io(name: str, model: Transformer, head: MTPHead | None, width: int | None) -> dict:
+    """A function's inputs and outputs as the manifest records them."""
+    c = model.config
+    if name == "draft_step":
+        d, vd = head.config.hidden_size, head.config.draft_vocab_size
+        return {
+            "inputs": [
+                {"name": "h", "shape": [1, d], "dtype": "float32"},
+                {"name": "token", "shape": [1], "dtype": "int32"},
+            ],
+            "outputs": [
+                {"name": "draft_logits", "shape": [1, vd], "dtype": "float32"},
+                {"name": "next_h", "shape": [1, d], "dtype": "float32"},
+            ],
+        }
+    outputs = [{"name": "logits", "shape": [1, width, c.vocab_size], "dtype": "float32"}]
+    if head is not None:
+        outputs.append({"name": "hidden", "shape": [1, width, c.hidden_size], "dtype": "float32"})
+    return {
+        "inputs": [
+            {"name": "tokens", "shape": [1, width], "dtype": "int32"},
+            {"name": "input_pos", "shape": [1], "dtype": "int32"},
+        ],
+        "outputs": outputs,
+    }
+
+
+def export_package(
+    model: Transformer,
+    head: MTPHead | None,
+    path: Path,
+    *,
+    quant: str,
+    draft_quant: str,
+    group_size: int,
+    max_seq_len: int,
+    max_chunk: int,
+    k: int,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[dict, dict]:
+    """Convert, quantize and save the multifunction package at `path` (plus drafter_vocab.json
+    next to it with an MTP head); returns (manifest methods, drafter settings)."""
+    os.environ.setdefault("TQDM_DISABLE", "1")  # coremltools draws a progress bar per pass
+    import coremltools as ct
+
+    say = progress or (lambda _message: None)
+    check_target_scheme("coreml", quant, group_size)
+    check_target_scheme("coreml", draft_quant, group_size)
+    if k + 1 > max_chunk or not 2 <= max_chunk <= max_seq_len:
+        raise UserError(
+            f"Core ML needs k+1 <= chunk <= --max-seq-len: got k {k}, chunk {max_chunk}, "
+            f"max-seq-len {max_seq_len}"
+        )
+    c = model.config
+    cache = {"shape": [1, c.num_kv_heads, max_seq_len, c.head_dim], "dtype": "float16"}
+    state_names = [f"{kv}_cache_{i}" for i in range(c.num_layers) for kv in ("k", "v")]
+    states = [
+        ct.StateType(wrapped_type=ct.TensorType(shape=tuple(cache["shape"]), dtype=np.float16),
+                     name=name)
+        for name in state_names
+    ]  # fmt: skip
+    modules = programs(model, head, max_seq_len=max_seq_len, max_chunk=max_chunk, k=k)
+    sizes = widths(max_chunk, k)
+    methods: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        descriptor = ct.utils.MultiFunctionDescriptor()
+        for name, module in modules.items():
+            io = function_io(name, model, head, sizes.get(name))
+            started = time.perf_counter()
+            say(f"[convert] Core ML function {name}")
+            mlmodel = _convert(module, io, [] if name == "draft_step" else states)
+            scheme = draft_quant if name == "draft_step" else quant
+            block = f", block {group_size}" if scheme == "int4" else ""
+            say(f"[quantize] {name}: {scheme}{block}")
+            mlmodel = _quantize(mlmodel, scheme, group_size)
+            part = Path(tmp) / f"{name}.mlpackage"
+            mlmodel.save(str(part))
+            descriptor.add_function(str(part), src_function_name="main", target_function_name=name)
+            methods[name] = {**io, "seconds": round(time.perf_counter() - started, 1)}
+            if name != "draft_step":
+                methods[name]["states"] = [{"name": s, **cache} for s in state_names]
+        descriptor.default_function_name = "decode"
+        say(f"[write] {path.name}")
+        staging = Path(tmp) / path.name
+        ct.utils.save_multifunction(descriptor, str(staging))
+        shutil.move(str(staging), str(path))
+    settings: dict = {"functions": sizes}
+    if head is not None:
+        ids = head.draft_ids.tolist()
+        (path.parent / "drafter_vocab.json").write_text(json.dumps({"draft_ids": ids}))
+        settings.update(draft_vocab_size=head.config.draft_vocab_size, hidden_size=c.hidden_size)
+    return methods, settings

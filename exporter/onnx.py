@@ -1,0 +1,361 @@
+"""Export our Transformer to ONNX (torch.onnx dynamo exporter) for ONNX Runtime on CPU.
+
+`forward(tokens [1, T] int64, input_pos [1] int64, past_key_i, past_value_i ...) ->
+(logits [1, T, vocab], [hidden [1, T, D]], present_key_i, present_value_i ...)`, T dynamic in
+1..max_chunk. Attention is com.microsoft GroupQueryAttention over a static cache
+[1, kv_heads, max_seq_len, head_dim] per layer: given `seqlens_k = start + T - 1` it writes the T
+new K/V rows at slots start.. and lets a query at position p read slots <= p only. When the
+runtime binds each past_* input and its present_* output to the same OrtValue, GQA detects the
+shared buffer and writes into it in place: no per-step copy, growth or concatenation of the cache
+(onnxruntime-genai's `past_present_share_buffer`). Rejected drafts cost nothing: their slots are
+overwritten by the next call, exactly as on the other backends.
+
+Weights: fp32; int4 through onnxruntime's MatMulNBits quantizer (blockwise, symmetric, int8
+activations inside the kernel); int8 through its dynamic quantization (per channel). Every linear
+layer is exported as a MatMul against a pre-transposed constant, the form both quantizers match.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtp_edge.errors import UserError
+from mtp_edge.model import Transformer, rotate_half
+from mtp_edge.mtp import MTPHead
+from mtp_edge.quantize.schemes import check_target_scheme
+
+OPSET = 18
+
+
+@torch.library.custom_op("mtp_edge::gqa", mutates_args=())
+def gqa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    total_len: torch.Tensor,
+    num_heads: int,
+    kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What GroupQueryAttention computes, in PyTorch (the exporter replaces it by the op).
+
+    q [1, T, H*D], k/v [1, T, KV*D], caches [1, KV, S, D]; returns (out [1, T, H*D], caches with
+    the new rows at seqlens_k + 1 - T ..)."""
+    t, d = q.shape[1], k_cache.shape[-1]
+    start = int(seqlens_k[0]) + 1 - t
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    k_cache[:, :, start : start + t] = k.view(1, t, kv_heads, d).transpose(1, 2)
+    v_cache[:, :, start : start + t] = v.view(1, t, kv_heads, d).transpose(1, 2)
+    total = int(total_len)
+    positions = torch.arange(start, start + t)
+    mask = torch.arange(total)[None, :] <= positions[:, None]
+    out = F.scaled_dot_product_attention(
+        q.view(1, t, num_heads, d).transpose(1, 2),
+        k_cache[:, :, :total],
+        v_cache[:, :, :total],
+        attn_mask=mask,
+        enable_gqa=True,
+    )
+    return out.transpose(1, 2).reshape(1, t, num_heads * d), k_cache, v_cache
+
+
+@gqa.register_fake
+def _(q, k, v, k_cache, v_cache, seqlens_k, total_len, num_heads, kv_heads):
+    return torch.empty_like(q), torch.empty_like(k_cache), torch.empty_like(v_cache)
+
+
+def _gqa_schema():
+    """The part of onnxruntime's GroupQueryAttention schema we use. onnx ships no schemas for
+    onnxruntime's contrib ops, and the exporter's tracer needs one to emit a node."""
+    from onnx.defs import OpSchema
+
+    def param(name: str, type_str: str) -> OpSchema.FormalParameter:
+        return OpSchema.FormalParameter(name, type_str)
+
+    return OpSchema(
+        "GroupQueryAttention",
+        "com.microsoft",
+        1,
+        inputs=[
+            param(name, t)
+            for name, t in [
+                ("query", "T"),
+                ("key", "T"),
+                ("value", "T"),
+                ("past_key", "T"),
+                ("past_value", "T"),
+                ("seqlens_k", "M"),
+                ("total_sequence_length", "M"),
+            ]
+        ],
+        outputs=[param("output", "T"), param("present_key", "T"), param("present_value", "T")],
+        type_constraints=[
+            ("T", ["tensor(float)", "tensor(float16)"], ""),
+            ("M", ["tensor(int32)"], ""),
+        ],
+        attributes=[
+            OpSchema.Attribute("num_heads", OpSchema.AttrType.INT, ""),
+            OpSchema.Attribute("kv_num_heads", OpSchema.AttrType.INT, ""),
+        ],
+    )
+
+
+def _gqa_onnx(q, k, v, k_cache, v_cache, seqlens_k, total_len, num_heads: int, kv_heads: int):
+    from onnxscript.values import Op, Opset
+
+    op = Op(Opset("com.microsoft", 1), "GroupQueryAttention", _gqa_schema())
+    return op(
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        seqlens_k,
+        total_len,
+        num_heads=num_heads,
+        kv_num_heads=kv_heads,
+    )
+
+
+class MatMulLinear(nn.Module):
+    """x @ W^T with W^T stored as a constant: exported as one MatMul that the quantizers take."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.register_buffer("weight_t", weight.detach().t().contiguous().float())
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+
+    def forward(self, x):
+        y = x @ self.weight_t
+        return y if self.bias is None else y + self.bias
+
+
+def _transpose_linears(module: nn.Module) -> None:
+    for parent in list(module.modules()):
+        for name, child in parent.named_children():
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, MatMulLinear(child.weight, child.bias))
+
+
+class OnnxTarget(nn.Module):
+    """The Transformer's forward with the caches as inputs/outputs and GQA as attention."""
+
+    def __init__(self, model: Transformer, max_seq_len: int, return_hidden: bool):
+        super().__init__()
+        model = copy.deepcopy(model).float().eval()
+        model.setup_cache(max_seq_len)  # rotary tables for max_seq_len positions
+        for layer in model.layers:
+            layer.self_attn.cache = None  # the caches are graph inputs here
+        head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        self.lm_head = MatMulLinear(head)
+        model.lm_head = None
+        _transpose_linears(model)
+        self.model, self.return_hidden = model, return_hidden
+
+    def forward(self, tokens, input_pos, caches: list[torch.Tensor]):
+        m = self.model
+        t = tokens.shape[1]
+        positions = input_pos + torch.arange(t)
+        cos, sin = m.rope_cos[positions][None, :, None], m.rope_sin[positions][None, :, None]
+        seqlens_k = (input_pos + (t - 1)).to(torch.int32)
+        total_len = (input_pos[0] + t).to(torch.int32)
+        x = m.embed_tokens(tokens)
+        present = []
+        for i, layer in enumerate(m.layers):
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = a.q_proj(h).view(1, t, a.num_heads, a.head_dim)
+            k = a.k_proj(h).view(1, t, a.num_kv_heads, a.head_dim)
+            v = a.v_proj(h)
+            if a.q_norm is not None:
+                q, k = a.q_norm(q), a.k_norm(k)
+            q = (q * cos + rotate_half(q) * sin).reshape(1, t, -1)
+            k = (k * cos + rotate_half(k) * sin).reshape(1, t, -1)
+            out, k_cache, v_cache = gqa(
+                q, k, v, caches[2 * i], caches[2 * i + 1], seqlens_k, total_len,
+                a.num_heads, a.num_kv_heads,
+            )  # fmt: skip
+            present += [k_cache, v_cache]
+            x = x + a.o_proj(out)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        hidden = m.norm(x)
+        logits = self.lm_head(hidden)
+        return (logits, hidden, *present) if self.return_hidden else (logits, *present)
+
+
+def cache_names(num_layers: int) -> tuple[list[str], list[str]]:
+    past = [f"past_{kv}_{i}" for i in range(num_layers) for kv in ("key", "value")]
+    return past, [name.replace("past_", "present_") for name in past]
+
+
+def export_program(
+    model: Transformer,
+    path: Path,
+    *,
+    quant: str,
+    group_size: int,
+    max_seq_len: int,
+    max_chunk: int,
+    return_hidden: bool = False,
+    progress: Callable[[str], None] | None = None,
+    **_android_only,
+) -> dict:
+    """Export `model` to `path` (ONNX, quantized with `quant`) and return its manifest methods.
+
+    Takes (and ignores) the ExecuTorch-only options (embedding scheme, bos/eos metadata) so that
+    the bundle writer calls every target's exporter the same way."""
+    say = progress or (lambda _message: None)
+    check_target_scheme("onnx", quant, group_size)
+    if not 2 <= max_chunk <= max_seq_len:
+        raise UserError(
+            f"the chunk size must be between 2 and --max-seq-len {max_seq_len}, got {max_chunk}"
+        )
+    c = model.config
+    wrapper = OnnxTarget(model, max_seq_len, return_hidden).eval()
+    cache_shape = (1, c.num_kv_heads, max_seq_len, c.head_dim)
+    past, present = cache_names(c.num_layers)
+    caches = [torch.zeros(cache_shape) for _ in past]
+    example = (torch.zeros((1, 2), dtype=torch.long), torch.zeros(1, dtype=torch.long), caches)
+    dynamic = ({1: torch.export.Dim("T", min=1, max=max_chunk)}, None, [None] * len(caches))
+    outputs = ["logits", "hidden"] if return_hidden else ["logits"]
+    say(f"[export] torch.onnx (dynamo), T in 1..{max_chunk}, cache of {max_seq_len} positions")
+    with torch.no_grad():
+        program = torch.onnx.export(
+            wrapper,
+            example,
+            dynamo=True,
+            dynamic_shapes=dynamic,
+            input_names=["tokens", "input_pos", *past],
+            output_names=[*outputs, *present],
+            custom_translation_table={torch.ops.mtp_edge.gqa.default: _gqa_onnx},
+            opset_version=OPSET,
+            optimize=True,
+            verbose=False,
+        )
+    _save_quantized(program.model_proto, Path(path), quant, group_size, say)
+    vocab = c.vocab_size
+    cache = {"shape": list(cache_shape), "dtype": "float32"}
+    forward = {
+        "inputs": [
+            {"name": "tokens", "shape": [1, "T"], "dtype": "int64"},
+            {"name": "input_pos", "shape": [1], "dtype": "int64"},
+            *[{"name": name, **cache} for name in past],
+        ],
+        "outputs": [
+            {"name": "logits", "shape": [1, "T", vocab], "dtype": "float32"},
+            *[{"name": "hidden", "shape": [1, "T", c.hidden_size], "dtype": "float32"}]
+            * return_hidden,
+            *[{"name": name, **cache} for name in present],
+        ],
+        "dynamic_dims": {"T": [1, max_chunk]},
+        "in_place": dict(zip(present, past, strict=True)),  # bind each pair to one buffer
+    }
+    return {"forward": forward}
+
+
+def _save_quantized(proto, path: Path, quant: str, group_size: int, say) -> None:
+    """Quantize the exported graph's MatMul weights and write it to `path` as one file."""
+    import onnx
+
+    # The quantizers log every node at INFO level.
+    logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
+    if quant == "int4":
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+        say(f"[quantize] int4 MatMulNBits, block {group_size}")
+        # accuracy_level 4: the kernel quantizes activations to int8 and uses integer dot
+        # products, the fast path on CPUs (what onnxruntime-genai's int4 CPU models use).
+        quantizer = MatMulNBitsQuantizer(
+            proto, bits=4, block_size=group_size, is_symmetric=True, accuracy_level=4
+        )
+        quantizer.process()
+        proto = quantizer.model.model
+    elif quant == "int8":
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+
+        say("[quantize] int8 dynamic (per channel)")
+        with tempfile.TemporaryDirectory() as tmp:
+            source, quantized = Path(tmp) / "fp32.onnx", Path(tmp) / "int8.onnx"
+            onnx.save(proto, source)
+            quantize_dynamic(
+                source,
+                quantized,
+                weight_type=QuantType.QInt8,
+                per_channel=True,
+                op_types_to_quantize=["MatMul"],
+            )
+            proto = onnx.load(quantized)
+    size = proto.ByteSize()
+    if size >= 2**31:
+        raise UserError(
+            f"the {quant} ONNX graph is {size / 1e9:.1f} GB, over protobuf's 2 GB single-file "
+            "limit: use --quant int4 or int8"
+        )
+    say(f"[write] {path.name} ({size / 1e6:.0f} MB)")
+    onnx.save(proto, path)
+
+
+class MtpStep(nn.Module):
+    def __init__(self, head: MTPHead, embedding: nn.Embedding):
+        super().__init__()
+        self.head, self.embedding = head, embedding
+
+    def forward(self, h, token):
+        return self.head.step(h, self.embedding(token))
+
+
+def export_mtp_program(
+    head: MTPHead,
+    embedding: nn.Embedding,
+    directory: Path,
+    quant: str,
+    group_size: int,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[dict, dict]:
+    """Write drafter.onnx (one draft step, static shapes, with its own copy of the embedding
+    table) and drafter_vocab.json into `directory`; returns (manifest methods, settings)."""
+    say = progress or (lambda _message: None)
+    check_target_scheme("onnx", quant, group_size)
+    step = MtpStep(copy.deepcopy(head).float(), copy.deepcopy(embedding).float()).eval()
+    _transpose_linears(step)
+    d, vd = head.config.hidden_size, head.config.draft_vocab_size
+    example = (torch.zeros(1, d), torch.zeros(1, dtype=torch.long))
+    say("[export] drafter step, torch.onnx (dynamo)")
+    with torch.no_grad():
+        program = torch.onnx.export(
+            step,
+            example,
+            dynamo=True,
+            input_names=["h", "token"],
+            output_names=["draft_logits", "next_h"],
+            opset_version=OPSET,
+            optimize=True,
+            verbose=False,
+        )
+    _save_quantized(program.model_proto, directory / "drafter.onnx", quant, group_size, say)
+    ids = head.draft_ids.tolist()
+    (directory / "drafter_vocab.json").write_text(json.dumps({"draft_ids": ids}))
+    methods = {
+        "forward": {
+            "inputs": [
+                {"name": "h", "shape": [1, d], "dtype": "float32"},
+                {"name": "token", "shape": [1], "dtype": "int64"},
+            ],
+            "outputs": [
+                {"name": "draft_logits", "shape": [1, vd], "dtype": "float32"},
+                {"name": "next_h", "shape": [1, d], "dtype": "float32"},
+            ],
+        }
+    }
+    return methods, {"draft_vocab_size": vd, "hidden_size": d}

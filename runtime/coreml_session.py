@@ -1,0 +1,147 @@
+"""The Core ML session: runs a bundle's multifunction .mlpackage with coremltools (macOS only).
+
+The package has fixed-width target functions (prefill, verify, decode) sharing one KV cache
+state, and, with an MTP drafter, a `draft_step` function. `FixedWidthSession` maps a call of any
+length onto them: the narrowest function that holds the tokens, padded at the end (the pad rows
+write cache slots after the real ones, which the next call overwrites before any real query can
+read them). Near the end of the cache, where a padded call would write past it, tokens go one
+at a time through `decode`. The same class runs the PyTorch programs handed to the converter in
+the tests, so the padding logic checked on Linux is the one that runs on a Mac.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mtp_edge.errors import UserError
+
+# call(function, tokens padded to its width, start) -> (logits [W, V], hidden [W, D] | None)
+Call = Callable[[str, list[int], int], tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def coreml_available() -> bool:
+    return sys.platform == "darwin"
+
+
+class FixedWidthSession:
+    name = "coreml"
+
+    def __init__(
+        self, call: Call, widths: dict[str, int], max_seq_len: int, vocab_size: int, hidden: bool
+    ):
+        self.call, self.widths, self.has_hidden = call, widths, hidden
+        self.max_seq_len, self.vocab_size = max_seq_len, vocab_size
+        self.max_chunk = max(widths.values())
+
+    def forward(self, tokens: list[int], start: int, return_hidden: bool = False):
+        n = len(tokens)
+        if not 1 <= n <= self.max_chunk:
+            raise ValueError(f"a call takes 1..{self.max_chunk} tokens, got {n}")
+        if start < 0 or start + n > self.max_seq_len:
+            raise ValueError(f"positions up to {start + n} exceed the cache of {self.max_seq_len}")
+        if return_hidden and not self.has_hidden:
+            raise UserError(
+                "this Core ML package returns logits only, and the drafter needs the target's "
+                "hidden states: re-export with --drafter mtp, or use ngram"
+            )
+        fits = sorted(
+            (width, name)
+            for name, width in self.widths.items()
+            if width >= n and start + width <= self.max_seq_len
+        )
+        if fits:
+            width, name = fits[0]
+            logits, hidden = self.call(name, tokens + [0] * (width - n), start)
+            logits, hidden = logits[:n], None if hidden is None else hidden[:n]
+        else:
+            outs = [self.call("decode", [t], start + i) for i, t in enumerate(tokens)]
+            logits = torch.cat([o[0] for o in outs])
+            hidden = None if outs[0][1] is None else torch.cat([o[1] for o in outs])
+        return (logits, hidden) if return_hidden else logits
+
+
+def _require_apple() -> None:
+    if not coreml_available():
+        raise UserError(
+            "Core ML runs only on Apple platforms (macOS 15+ / iOS 18+): run this bundle on a "
+            "Mac, or export --target onnx or android for this machine"
+        )
+
+
+def _load(path: Path, function: str):
+    import coremltools as ct
+
+    if not path.exists():
+        raise UserError(f"Core ML package {path} does not exist")
+    return ct.models.MLModel(str(path), function_name=function)
+
+
+class CoreMLSession(FixedWidthSession):
+    def __init__(
+        self, package: str | Path, methods: dict | None, max_seq_len, vocab_size, max_chunk
+    ):
+        """`methods` is the manifest's description of the functions (None: read the package)."""
+        _require_apple()
+        path = Path(package)
+        if methods is None:
+            methods = _describe(path)
+        widths = {
+            name: m["inputs"][0]["shape"][1] for name, m in methods.items() if name != "draft_step"
+        }
+        self.models = {name: _load(path, name) for name in widths}
+        # One state for all target functions: they declare the same cache states.
+        self.state = self.models["decode"].make_state()
+        hidden = any(o["name"] == "hidden" for o in methods["decode"]["outputs"])
+        super().__init__(self._predict, widths, max_seq_len, vocab_size, hidden)
+
+    def _predict(self, function: str, tokens: list[int], start: int):
+        feeds = {
+            "tokens": np.array([tokens], dtype=np.int32),
+            "input_pos": np.array([start], dtype=np.int32),
+        }
+        out = self.models[function].predict(feeds, state=self.state)
+        hidden = out.get("hidden")
+        return (
+            torch.from_numpy(np.asarray(out["logits"], dtype=np.float32)[0]),
+            None if hidden is None else torch.from_numpy(np.asarray(hidden, np.float32)[0]),
+        )
+
+
+def _describe(path: Path) -> dict:
+    """Function name -> inputs/outputs with shapes, read from the package's spec."""
+    import coremltools as ct
+
+    spec = ct.utils.load_spec(str(path))
+    methods = {}
+    for function in spec.description.functions:
+        methods[function.name] = {
+            "inputs": [
+                {"name": i.name, "shape": list(i.type.multiArrayType.shape)} for i in function.input
+            ],
+            "outputs": [{"name": o.name} for o in function.output],
+        }
+    return methods
+
+
+class CoreMLStep:
+    """The package's draft_step function: step(h [1, D], token [1]) -> (draft_logits, h')."""
+
+    def __init__(self, package: str | Path):
+        _require_apple()
+        self.model = _load(Path(package), "draft_step")
+
+    def __call__(self, h: torch.Tensor, token: torch.Tensor):
+        feeds = {
+            "h": h.float().numpy().astype(np.float32),
+            "token": token.numpy().astype(np.int32),
+        }
+        out = self.model.predict(feeds)
+        return (
+            torch.from_numpy(np.asarray(out["draft_logits"], dtype=np.float32)),
+            torch.from_numpy(np.asarray(out["next_h"], dtype=np.float32)),
+        )

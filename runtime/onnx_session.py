@@ -1,0 +1,176 @@
+"""The ONNX Runtime session: runs an exported target.onnx on the CPU execution provider.
+
+The KV cache is one OrtValue per layer and kind, allocated once. Through IOBinding each is bound
+both as the `past_*` input and as the `present_*` output of every call, so GroupQueryAttention
+writes the new rows into it in place (it checks that the two share a buffer): the cache is never
+copied, grown or reallocated, and the session, like the others, is one cache that later calls
+overwrite (rejected drafts need no rollback).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mtp_edge.errors import UserError
+
+_ORT_DTYPES = {"tensor(float)": "float32", "tensor(int64)": "int64", "tensor(float16)": "float16"}
+
+
+def _session_options():
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = _hand_cores_to_ort()
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.log_severity_level = 3
+    return options
+
+
+def _open(path: Path):
+    import onnxruntime as ort
+
+    if not path.is_file():
+        raise UserError(f"ONNX model {path} does not exist")
+    try:
+        return ort.InferenceSession(
+            str(path), _session_options(), providers=["CPUExecutionProvider"]
+        )
+    except Exception as e:  # onnxruntime raises its own exception types for a bad file
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"ONNX Runtime cannot load {path.name} ({first}): re-export it") from None
+
+
+def check_signature(session, path: Path, method: dict) -> None:
+    """Refuse a graph whose inputs/outputs differ from what the manifest says it has."""
+    for kind, actual in (("inputs", session.get_inputs()), ("outputs", session.get_outputs())):
+        expected = method[kind]
+        got = [(a.name, _ORT_DTYPES.get(a.type, a.type)) for a in actual]
+        want = [(e["name"], e["dtype"]) for e in expected]
+        if got != want:
+            raise UserError(
+                f"{path.name} does not match the bundle manifest: its {kind} are "
+                f"{[n for n, _ in got]}, the manifest says {[n for n, _ in want]}; re-export it"
+            )
+        for a, e in zip(actual, expected, strict=True):
+            static = [d for d in e["shape"] if isinstance(d, int)]
+            fixed = [d for d in a.shape if isinstance(d, int)]
+            if len(a.shape) != len(e["shape"]) or static != fixed:
+                raise UserError(
+                    f"{path.name} does not match the bundle manifest: {a.name} has shape "
+                    f"{a.shape}, the manifest says {e['shape']}; re-export it"
+                )
+
+
+def signature(session) -> dict:
+    """A graph's inputs/outputs in the manifest's form; present_X is updated in place of past_X."""
+
+    def describe(args):
+        return [{"name": a.name, "shape": a.shape, "dtype": _ORT_DTYPES.get(a.type)} for a in args]
+
+    inputs, outputs = describe(session.get_inputs()), describe(session.get_outputs())
+    names = {i["name"] for i in inputs}
+    in_place = {
+        o["name"]: o["name"].replace("present_", "past_", 1)
+        for o in outputs
+        if o["name"].replace("present_", "past_", 1) in names
+    }
+    return {"inputs": inputs, "outputs": outputs, "in_place": in_place}
+
+
+class OnnxSession:
+    name = "onnxruntime"
+
+    def __init__(
+        self,
+        onnx_path: str | Path,
+        method: dict | None,
+        max_seq_len: int,
+        vocab_size: int,
+        max_chunk: int,
+    ):
+        """`method` is the manifest's description of `forward` (names, shapes, in-place pairs);
+        None reads it from the graph (the exporter's own check, before there is a manifest)."""
+        import onnxruntime as ort
+
+        path = Path(onnx_path)
+        self.session = _open(path)
+        if method is None:
+            method = signature(self.session)
+        check_signature(self.session, path, method)
+        self.vocab_size, self.max_seq_len, self.max_chunk = vocab_size, max_seq_len, max_chunk
+        self.output_names = [o["name"] for o in method["outputs"]]
+        self.binding = self.session.io_binding()
+        self.caches: dict[str, ort.OrtValue] = {}
+        for present, past in method["in_place"].items():
+            spec = next(i for i in method["inputs"] if i["name"] == past)
+            if spec["shape"][2] != max_seq_len:
+                raise UserError(
+                    f"{path.name} holds {spec['shape'][2]} positions, the manifest says "
+                    f"{max_seq_len}: re-export the bundle"
+                )
+            cache = ort.OrtValue.ortvalue_from_numpy(np.zeros(spec["shape"], np.float32))
+            self.caches[past] = cache
+            self.binding.bind_ortvalue_input(past, cache)
+            self.binding.bind_ortvalue_output(present, cache)
+        self.results = [n for n in self.output_names if n not in method["in_place"]]
+        for name in self.results:
+            self.binding.bind_output(name)
+        self.bound = [*method["in_place"], *self.results]  # get_outputs() follows binding order
+
+    def forward(self, tokens: list[int], start: int, return_hidden: bool = False):
+        if not 1 <= len(tokens) <= self.max_chunk:
+            raise ValueError(f"a call takes 1..{self.max_chunk} tokens, got {len(tokens)}")
+        if start < 0 or start + len(tokens) > self.max_seq_len:
+            raise ValueError(
+                f"positions up to {start + len(tokens)} exceed the cache of {self.max_seq_len}"
+            )
+        if return_hidden and "hidden" not in self.results:
+            raise UserError(
+                "this ONNX model returns logits only, and the drafter needs the target's hidden "
+                "states: re-export with --drafter mtp, or use ngram"
+            )
+        ids = np.array([tokens], dtype=np.int64)
+        pos = np.array([start], dtype=np.int64)
+        self.binding.bind_cpu_input("tokens", ids)
+        self.binding.bind_cpu_input("input_pos", pos)
+        for name in self.results:  # T varies: let ONNX Runtime allocate logits/hidden anew
+            self.binding.bind_output(name)
+        self.session.run_with_iobinding(self.binding)
+        outputs = dict(zip(self.bound, self.binding.get_outputs(), strict=True))
+        logits = torch.from_numpy(outputs["logits"].numpy()[0])
+        if not return_hidden:
+            return logits
+        return logits, torch.from_numpy(outputs["hidden"].numpy()[0])
+
+
+class OnnxStep:
+    """A one-step drafter graph: step(h [1, D], token [1]) -> (draft_logits [1, Vd], h')."""
+
+    def __init__(self, onnx_path: str | Path, method: dict):
+        path = Path(onnx_path)
+        self.session = _open(path)
+        check_signature(self.session, path, method)
+
+    def __call__(self, h: torch.Tensor, token: torch.Tensor):
+        feeds = {"h": h.float().contiguous().numpy(), "token": token.long().numpy()}
+        logits, g = self.session.run(["draft_logits", "next_h"], feeds)
+        return torch.from_numpy(logits), torch.from_numpy(g)
+
+
+_ort_threads: int | None = None
+
+
+def _hand_cores_to_ort() -> int:
+    """ONNX Runtime's threads get torch's thread count and torch keeps one thread, once per
+    process: the loop's small torch ops would otherwise wake torch's OpenMP team, whose spinning
+    threads take the cores from ONNX Runtime's pool (the same contention as with ExecuTorch)."""
+    global _ort_threads
+    if _ort_threads is None:
+        _ort_threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+    return _ort_threads

@@ -1,0 +1,200 @@
+"""mtp-export --target onnx and the ONNX Runtime session on tiny models: fp32 gives the eager
+tokens, speculative == plain on ORT with every drafter, the bound KV buffers are written in place
+and never reallocated, int4/int8 graphs run, and bad input gets one clear line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import onnx
+import pytest
+import torch
+from click.testing import CliRunner
+from test_export import error_line
+from tiny import hf_reference, save_hf_dir, tiny_model
+
+from mtp_edge.cli import export, run
+from mtp_edge.exporter.onnx import export_program
+from mtp_edge.manifest import Manifest, sha256
+from mtp_edge.runtime.bundle import open_bundle, target_session
+from mtp_edge.runtime.drafters import NgramDrafter
+from mtp_edge.runtime.loop import GenerationConfig, first_divergence, generate
+from mtp_edge.runtime.onnx_session import OnnxSession
+from mtp_edge.runtime.session import EagerSession, prefill
+
+VOCAB, MAX_SEQ_LEN, CHUNK = 64, 96, 16
+PROMPT = [5, 9, 13, 7, 5, 9, 13, 21, 30, 5, 9, 13, 7, 5, 9, 13, 21, 30, 5, 9]
+TEXT = "the cat the cat the cat"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_hf_dir(hf_reference("llama", seed=3), tmp_path_factory.mktemp("model"))
+
+
+def cli_export(out, model_dir, *extra):
+    args = ["--target", "onnx", "--model", str(model_dir), "--out", str(out)]
+    result = CliRunner().invoke(export, [*args, "--max-seq-len", "96", *extra])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+@pytest.fixture(scope="module")
+def mtp_bundle(model_dir, tmp_path_factory):
+    """fp32 target with hidden-state output and an MTP drafter (random heads: lossless does not
+    need good drafts)."""
+    from mtp_edge.checkpoints import load_model
+    from mtp_edge.mtp import MTPConfig, MTPHead, init_from_target, save_heads, target_fingerprint
+
+    target = load_model(str(model_dir))
+    c = target.config
+    config = MTPConfig(
+        c.hidden_size,
+        2 * c.hidden_size,
+        c.vocab_size,
+        64,
+        target_name=target.name,
+        target_hash=target_fingerprint(target.model),
+    )
+    torch.manual_seed(0)
+    head = MTPHead(config)
+    init_from_target(head, target.model, torch.arange(c.vocab_size - 64, c.vocab_size))
+    root = tmp_path_factory.mktemp("onnx-mtp")
+    save_heads(head, config, root / "heads.safetensors")
+    extra = ["--drafter", "mtp", "--heads", str(root / "heads.safetensors"), "--quant", "fp32"]
+    return cli_export(root / "bundle", model_dir, *extra, "--quality-tokens", "64")
+
+
+@pytest.fixture(scope="module")
+def draft_lm_bundle(model_dir, tmp_path_factory):
+    """int4 (the default for onnx) target and a separate draft model with the same vocabulary."""
+    root = tmp_path_factory.mktemp("onnx-draft")
+    draft = save_hf_dir(hf_reference("llama", seed=4, num_hidden_layers=1), root / "draft")
+    return cli_export(root / "bundle", model_dir, "--drafter", str(draft), "--quality-tokens", "0")
+
+
+def run_json(bundle, *extra):
+    args = ["--bundle", str(bundle), "--prompt", TEXT, "--no-chat-template", "--json"]
+    result = CliRunner().invoke(run, [*args, "--max-new-tokens", "40", *extra])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_bundle_layout(mtp_bundle, draft_lm_bundle):
+    manifest = Manifest.load(mtp_bundle)
+    assert (manifest.target, manifest.backend) == ("onnx", "onnxruntime")
+    assert manifest.models["target"].file == "target.onnx"
+    assert manifest.models["drafter"].file == "drafter.onnx"
+    forward = manifest.models["target"].methods["forward"]
+    assert [o["name"] for o in forward["outputs"]][:2] == ["logits", "hidden"]
+    assert forward["in_place"]["present_key_0"] == "past_key_0"
+    graph = onnx.load(mtp_bundle / "target.onnx")
+    assert max(o.version for o in graph.opset_import if o.domain in ("", "ai.onnx")) >= 17
+    ops = {n.op_type for n in graph.graph.node}
+    assert "GroupQueryAttention" in ops and "Concat" not in {
+        n.op_type for n in graph.graph.node if any(i.startswith("past_") for i in n.input)
+    }
+    assert manifest.quality["perplexity_ratio"] < 1.01  # fp32: the same model
+    int4 = Manifest.load(draft_lm_bundle)
+    assert int4.models["target"].quant["scheme"] == "int4"
+    assert int4.drafter["kind"] == "draft-lm"
+    assert "MatMulNBits" in {
+        n.op_type for n in onnx.load(draft_lm_bundle / "target.onnx").graph.node
+    }
+
+
+def test_fp32_export_gives_the_eager_tokens(mtp_bundle, model_dir):
+    from mtp_edge.checkpoints import load_model
+
+    session = target_session(open_bundle(mtp_bundle))
+    eager = EagerSession(load_model(str(model_dir)).model, MAX_SEQ_LEN, session.max_chunk)
+    config = GenerationConfig(max_new_tokens=40, k=4)
+    assert (
+        generate(session, PROMPT, None, config).token_ids
+        == generate(eager, PROMPT, None, config).token_ids
+    )
+    # Logits and hidden states of prefill and of every verify width, also after a rollback.
+    ours, theirs = prefill(session, PROMPT, 0, True), prefill(eager, PROMPT, 0, True)
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+    start = len(PROMPT)
+    for width in (5, 1, 2, 16):
+        tokens = [(7 * i + width) % 97 for i in range(width)]
+        torch.testing.assert_close(
+            session.forward(tokens, start), eager.forward(tokens, start), atol=1e-4, rtol=0
+        )
+        start += width // 2 + 1  # the next call overwrites the rejected tail
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "mtp"])
+def test_speculative_equals_plain_on_ort(mtp_bundle, drafter):
+    plain = run_json(mtp_bundle, "--drafter", "none")
+    spec = run_json(mtp_bundle, "--drafter", drafter)
+    assert spec["token_ids"] == plain["token_ids"]
+    assert spec["stats"]["drafted_tokens"] > 0
+    assert spec["stats"]["verify_steps"] <= plain["stats"]["verify_steps"]
+
+
+def test_speculative_equals_plain_with_a_draft_model_int4(draft_lm_bundle):
+    plain = run_json(draft_lm_bundle, "--drafter", "none")
+    spec = run_json(draft_lm_bundle)
+    assert spec["token_ids"] == plain["token_ids"]
+    assert spec["stats"]["drafted_tokens"] > 0
+
+
+def test_kv_buffers_are_written_in_place_never_reallocated(mtp_bundle):
+    session = target_session(open_bundle(mtp_bundle))
+    pointers = {name: cache.data_ptr() for name, cache in session.caches.items()}
+    assert len(pointers) == 2 * 2 and len(set(pointers.values())) == 4
+    prefill(session, PROMPT)
+    key = session.caches["past_key_0"].numpy()
+    written = len(PROMPT)
+    assert (key[:, :, :written] != 0).any(axis=(0, 1, 3)).all()  # the call wrote the buffer...
+    assert not key[:, :, written:].any()  # ...at the prompt's slots only
+    for tokens, start in (([3, 4, 5, 6, 7], written), ([8], written + 2), ([9, 10], written + 3)):
+        session.forward(tokens, start, return_hidden=True)
+        assert {n: c.data_ptr() for n, c in session.caches.items()} == pointers
+    assert session.caches["past_key_0"].numpy()[:, :, written + 4].any()
+
+
+@pytest.mark.parametrize("quant, op", [("int4", "MatMulNBits"), ("int8", "MatMulInteger")])
+def test_quantized_graphs_run_and_stay_lossless(tmp_path, quant, op):
+    model = tiny_model(seed=3, vocab=VOCAB, dtype=torch.float32)
+    path = tmp_path / f"{quant}.onnx"
+    methods = export_program(
+        model, path, quant=quant, group_size=32 if quant == "int4" else 0,
+        max_seq_len=MAX_SEQ_LEN, max_chunk=CHUNK,
+    )  # fmt: skip
+    assert op in {n.op_type for n in onnx.load(path).graph.node}
+    session = OnnxSession(path, methods["forward"], MAX_SEQ_LEN, VOCAB, CHUNK)
+    eager = EagerSession(model, MAX_SEQ_LEN, CHUNK)
+    logits, expected = prefill(session, PROMPT), prefill(eager, PROMPT)
+    assert float((logits - expected).abs().max()) < 0.35 * float(expected.abs().max())
+    config = GenerationConfig(max_new_tokens=40, k=4)
+    plain = generate(session, PROMPT, None, config)
+    spec = generate(session, PROMPT, NgramDrafter(), config)
+    assert first_divergence(plain.token_ids, spec.token_ids) is None
+
+
+def test_an_onnx_file_not_matching_the_manifest_is_refused(mtp_bundle, tmp_path):
+    """A target.onnx exported differently (here: no hidden output), hashes made consistent."""
+    copy = tmp_path / "copy"
+    shutil.copytree(mtp_bundle, copy)
+    model = tiny_model(seed=3, vocab=97, dtype=torch.float32)
+    export_program(model, copy / "target.onnx", quant="fp32", group_size=0,
+                   max_seq_len=MAX_SEQ_LEN, max_chunk=CHUNK)  # fmt: skip
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["models"]["target"]["sha256"] = sha256(copy / "target.onnx")
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    line = error_line(CliRunner().invoke(run, ["--bundle", str(copy), "--prompt", "x"]))
+    assert "target.onnx does not match the bundle manifest" in line
+
+
+def test_onnx_quant_scheme_is_checked(model_dir, tmp_path):
+    args = ["--target", "onnx", "--model", str(model_dir), "--out", str(tmp_path / "b")]
+    line = error_line(CliRunner().invoke(export, [*args, "--quant", "8da4w"]))
+    assert "int4, int8, fp32" in line
+    line = error_line(CliRunner().invoke(export, [*args, "--group-size", "24"]))
+    assert "power of two" in line
+    assert not (tmp_path / "b").exists()
