@@ -1,0 +1,38 @@
+/* mtp-edge native runtime: the C API the Android app's JNI layer (and any other host) calls.
+ *
+ * An engine is one opened bundle (manifest and hashes checked, target and drafter programs
+ * loaded, tokenizer). Calls on one engine must not overlap; separate engines are independent.
+ * Errors come back as a message in `err` (NUL-terminated, truncated to err_len).
+ */
+#ifndef MTP_EDGE_H
+#define MTP_EDGE_H
+
+#include <stddef.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct mtp_engine mtp_engine;
+
+/* Opens the bundle directory; NULL on failure (reason in err). */
+mtp_engine* mtp_open(const char* bundle_dir, char* err, size_t err_len);
+void mtp_close(mtp_engine* engine);
+
+/* Receives text as it is generated (whole UTF-8 characters only). */
+typedef void (*mtp_on_text)(const char* piece, void* user);
+
+/* Generates from `prompt`. options_json (NULL or "" for defaults):
+ *   {"max_new_tokens": 128, "speculative": true, "k": <bundle's>, "temperature": 0,
+ *    "top_p": 1, "seed": 0, "chat": true}
+ * On success writes {"text", "stop_reason", "token_ids", "stats": {...}} (stats as mtp-run
+ * --json) to stats_json and returns 0; otherwise returns non-zero with the reason in err. */
+int mtp_generate(mtp_engine* engine, const char* prompt, const char* options_json,
+                 mtp_on_text on_text, void* user, char* stats_json, size_t stats_len, char* err,
+                 size_t err_len);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MTP_EDGE_H */

@@ -1,0 +1,97 @@
+// The C API over Engine: exceptions become messages, never cross the C boundary.
+#include "mtp_edge.h"
+
+#include <cstring>
+#include <string>
+
+#include "engine.h"
+#include "errors.h"
+
+struct mtp_engine {
+  std::unique_ptr<mtp::Engine> engine;
+};
+
+namespace {
+
+void copy_out(const std::string& text, char* out, size_t len) {
+  if (out == nullptr || len == 0) return;
+  const size_t n = std::min(text.size(), len - 1);
+  std::memcpy(out, text.data(), n);
+  out[n] = '\0';
+}
+
+// A piece of text is complete unless it ends inside a UTF-8 character (U+FFFD from decode).
+bool ends_mid_character(const std::string& text) {
+  return text.size() >= 3 && text.compare(text.size() - 3, 3, "\xEF\xBF\xBD") == 0;
+}
+
+}  // namespace
+
+extern "C" mtp_engine* mtp_open(const char* bundle_dir, char* err, size_t err_len) {
+  try {
+    auto handle = new mtp_engine;
+    handle->engine = std::make_unique<mtp::Engine>(bundle_dir, mtp::EngineOptions{});
+    return handle;
+  } catch (const std::exception& e) {
+    copy_out(e.what(), err, err_len);
+    return nullptr;
+  }
+}
+
+extern "C" void mtp_close(mtp_engine* engine) { delete engine; }
+
+extern "C" int mtp_generate(mtp_engine* handle, const char* prompt, const char* options_json,
+                            mtp_on_text on_text, void* user, char* stats_json, size_t stats_len,
+                            char* err, size_t err_len) {
+  try {
+    if (handle == nullptr || prompt == nullptr) throw mtp::UserError("no engine or no prompt");
+    mtp::Engine& engine = *handle->engine;
+    nlohmann::json options = nlohmann::json::object();
+    if (options_json != nullptr && *options_json != '\0') {
+      options = nlohmann::json::parse(options_json, nullptr, false);
+      if (options.is_discarded() || !options.is_object())
+        throw mtp::UserError("options_json is not a JSON object");
+    }
+    mtp::GenerationConfig config;
+    config.max_new_tokens = options.value("max_new_tokens", int64_t(128));
+    config.k = options.value("k", int64_t(engine.manifest().default_k()));
+    config.sampling.temperature = options.value("temperature", 0.0);
+    config.sampling.top_k = options.value("top_k", 0);
+    config.sampling.top_p = options.value("top_p", 1.0);
+    config.sampling.seed = options.value("seed", uint64_t(0));
+    config.eos_ids = engine.manifest().eos_ids;
+    if (!(config.sampling.temperature >= 0)) throw mtp::UserError("temperature must be >= 0");
+    if (!(config.sampling.top_p > 0 && config.sampling.top_p <= 1))
+      throw mtp::UserError("top_p must be in (0, 1]");
+    const bool speculative = options.value("speculative", true);
+    const auto ids = engine.encode_prompt(prompt, options.value("chat", true));
+
+    std::vector<int64_t> streamed;
+    size_t printed = 0;
+    auto stream = [&](int64_t token) {
+      if (on_text == nullptr) return;
+      streamed.push_back(token);
+      const std::string text = engine.decode(streamed);
+      if (!ends_mid_character(text) && text.size() > printed) {
+        on_text(text.c_str() + printed, user);
+        printed = text.size();
+      }
+    };
+    mtp::GenerationResult result = mtp::generate(
+        engine.target(), ids, speculative ? engine.drafter() : nullptr, config, stream);
+    nlohmann::json out = {{"text", engine.decode(result.token_ids)},
+                          {"stop_reason", result.stop_reason},
+                          {"token_ids", result.token_ids},
+                          {"prompt_tokens", ids.size()},
+                          {"drafter", speculative ? engine.drafter_name() : "none"},
+                          {"stats", mtp::stats_json(result.stats)}};
+    const std::string text = out.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+    if (stats_json != nullptr && text.size() >= stats_len)
+      throw mtp::UserError("stats_json buffer too small: need " + std::to_string(text.size() + 1));
+    copy_out(text, stats_json, stats_len);
+    return 0;
+  } catch (const std::exception& e) {
+    copy_out(e.what(), err, err_len);
+    return 1;
+  }
+}

@@ -1,0 +1,126 @@
+#include "engine.h"
+
+#include <cmath>
+#include <fstream>
+#include <sys/stat.h>
+
+#include "errors.h"
+
+namespace mtp {
+namespace {
+
+std::unique_ptr<Drafter> bundle_drafter(const Manifest& m, const std::string& kind,
+                                        double confidence) {
+  if (kind == "mtp") {
+    std::ifstream in(m.path("drafter_vocab"));
+    nlohmann::json vocab = nlohmann::json::parse(in, nullptr, false);
+    if (vocab.is_discarded() || !vocab.contains("draft_ids"))
+      throw UserError(m.path("drafter_vocab") + " holds no draft_ids: re-export the bundle");
+    return std::make_unique<MtpDrafter>(open_executorch_step(m.path("drafter")),
+                                        vocab["draft_ids"].get<std::vector<int64_t>>(),
+                                        m.vocab_size, confidence);
+  }
+  auto model = open_executorch_model(m.path("drafter"), m.max_seq_len, m.max_chunk, m.vocab_size);
+  return std::make_unique<DraftModelDrafter>(std::move(model), confidence);
+}
+
+}  // namespace
+
+Engine::Engine(const std::string& bundle_dir, const EngineOptions& options)
+    : manifest_(Manifest::load(bundle_dir)) {
+  const Manifest& m = manifest_;
+  if (m.backend != "executorch")
+    throw UserError("bundle backend '" + m.backend +
+                    "' is not supported by the native runtime: use an android bundle");
+  set_executorch_threads(options.threads);
+  target_ = open_executorch_model(m.path("target"), m.max_seq_len, m.max_chunk, m.vocab_size);
+  const std::string own = m.drafter_kind();
+  const std::string kind = options.drafter == "bundle" ? own : options.drafter;
+  if (kind == "ngram") {
+    drafter_ = std::make_unique<NgramDrafter>(options.ngram_max, options.ngram_min);
+  } else if (kind == "mtp" || kind == "draft-lm") {
+    if (kind != own)
+      throw UserError("--drafter " + kind + ": this bundle carries a '" + own +
+                      "' drafter; use it, none or ngram (or export another bundle)");
+    drafter_ = bundle_drafter(m, kind, options.draft_confidence);
+  } else if (kind != "none") {
+    throw UserError("--drafter takes none, ngram or the bundle's own (" + own + "), got " + kind);
+  }
+#ifdef MTP_HAVE_TOKENIZER
+  const std::string tokenizer_json = m.dir + "/tokenizer.json";
+  struct stat s;
+  if (stat(tokenizer_json.c_str(), &s) == 0) {
+    try {
+      tokenizer_.emplace(Tokenizer::load(tokenizer_json));
+    } catch (const std::exception& e) {
+      throw UserError("cannot load " + tokenizer_json + ": " + e.what());
+    }
+  }
+#endif
+}
+
+Engine::~Engine() = default;
+
+bool Engine::has_tokenizer() const {
+#ifdef MTP_HAVE_TOKENIZER
+  return tokenizer_.has_value();
+#else
+  return false;
+#endif
+}
+
+std::vector<int64_t> Engine::encode_prompt(const std::string& text, bool chat) const {
+#ifdef MTP_HAVE_TOKENIZER
+  if (!tokenizer_) throw UserError("bundle " + manifest_.dir + " has no tokenizer.json");
+  std::string rendered = text;
+  if (chat && manifest_.has_chat_template) {  // no template: the text as it is, as in Python
+    if (!manifest_.chat_format)
+      throw UserError("bundle " + manifest_.dir +
+                      " has no chat_format for the native runtime: re-export it with this "
+                      "mtp-export, or feed raw text (--no-chat)");
+    rendered = manifest_.chat_format->prefix + text + manifest_.chat_format->suffix;
+  }
+  std::vector<int64_t> ids;
+  for (int32_t id : tokenizer_->encode(rendered)) ids.push_back(id);
+  if (manifest_.add_bos && (ids.empty() || ids[0] != *manifest_.bos_id))
+    ids.insert(ids.begin(), *manifest_.bos_id);
+  return ids;
+#else
+  (void)text, (void)chat;
+  throw UserError("this build of the native runtime has no tokenizer: give prompt_ids");
+#endif
+}
+
+std::string Engine::decode(const std::vector<int64_t>& ids) const {
+#ifdef MTP_HAVE_TOKENIZER
+  if (!tokenizer_) throw UserError("bundle " + manifest_.dir + " has no tokenizer.json");
+  return tokenizer_->decode(std::vector<int32_t>(ids.begin(), ids.end()));
+#else
+  (void)ids;
+  throw UserError("this build of the native runtime has no tokenizer");
+#endif
+}
+
+static double rounded(double x, int digits) {
+  const double scale = std::pow(10.0, digits);
+  return std::round(x * scale) / scale;
+}
+
+nlohmann::json stats_json(const GenerationStats& s) {
+  return {
+      {"generated_tokens", s.generated_tokens},
+      {"verify_steps", s.verify_steps},
+      {"tau", rounded(s.tau(), 4)},
+      {"acceptance_rate", rounded(s.acceptance_rate(), 4)},
+      {"ttft_ms", rounded(s.ttft_ms, 3)},
+      {"decode_tokens_per_s", rounded(s.decode_tokens_per_s(), 3)},
+      {"accepted_per_position", s.accepted_per_position},
+      {"drafted_per_position", s.drafted_per_position},
+      {"drafted_tokens", s.drafted_tokens},
+      {"accepted_tokens", s.accepted_tokens},
+      {"draft_ms", rounded(s.draft_seconds * 1e3, 3)},
+      {"verify_ms", rounded(s.verify_seconds * 1e3, 3)},
+  };
+}
+
+}  // namespace mtp

@@ -1,0 +1,123 @@
+// Our kernels for ExecuTorch's LLM cache ops, written from their schemas:
+//   update_cache.out(Tensor value, Tensor(a!) cache, SymInt start_pos, *, Tensor(b!) out)
+//   custom_sdpa.out(Tensor query, Tensor key, Tensor value, SymInt start_pos, Tensor? attn_mask,
+//                   float drpout_p, bool is_causal, float? scale, *, Tensor(a!) out)
+// Layouts: value/query [1, T, H, D]; caches [1, S, Hkv, D]. A query at absolute position
+// start_pos + i sees cache slots 0..start_pos + i (slots beyond hold stale drafts).
+#include "llama_ops.h"
+
+#include <executorch/runtime/kernel/kernel_includes.h>
+#include <executorch/runtime/kernel/operator_registry.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace mtp {
+namespace {
+
+using executorch::aten::ScalarType;
+using executorch::aten::Tensor;
+using executorch::runtime::Error;
+using executorch::runtime::EValue;
+using executorch::runtime::KernelRuntimeContext;
+using executorch::runtime::Span;
+
+bool check(KernelRuntimeContext& ctx, bool ok, const char* what) {
+  if (!ok) {
+    ET_LOG(Error, "%s", what);
+    ctx.fail(Error::InvalidArgument);
+  }
+  return ok;
+}
+
+void update_cache(KernelRuntimeContext& ctx, Span<EValue*> stack) {
+  const Tensor& value = stack[0]->toTensor();
+  Tensor& cache = stack[1]->toTensor();
+  const int64_t start = stack[2]->toInt();
+  if (!check(ctx, value.dim() == 4 && cache.dim() == 4, "update_cache: 4-D tensors expected") ||
+      !check(ctx,
+             value.scalar_type() == ScalarType::Float && cache.scalar_type() == ScalarType::Float,
+             "update_cache: float32 only") ||
+      !check(ctx, value.size(2) == cache.size(2) && value.size(3) == cache.size(3),
+             "update_cache: head shapes differ") ||
+      !check(ctx, start >= 0 && start + value.size(1) <= cache.size(1),
+             "update_cache: positions beyond the cache"))
+    return;
+  const size_t row = size_t(value.size(2)) * value.size(3);
+  std::memcpy(cache.mutable_data_ptr<float>() + start * row, value.const_data_ptr<float>(),
+              sizeof(float) * row * value.size(1));
+}
+
+void custom_sdpa(KernelRuntimeContext& ctx, Span<EValue*> stack) {
+  const Tensor& q = stack[0]->toTensor();
+  const Tensor& k = stack[1]->toTensor();
+  const Tensor& v = stack[2]->toTensor();
+  const int64_t start = stack[3]->toInt();
+  Tensor& out = stack[8]->toTensor();
+  if (!check(ctx, stack[4]->isNone(), "custom_sdpa: attn_mask is not supported") ||
+      !check(ctx, stack[6]->toBool(), "custom_sdpa: only is_causal=True is supported") ||
+      !check(ctx, q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "custom_sdpa: 4-D expected") ||
+      !check(ctx, q.scalar_type() == ScalarType::Float, "custom_sdpa: float32 only"))
+    return;
+  const int64_t T = q.size(1), Hq = q.size(2), D = q.size(3), S = k.size(1), Hkv = k.size(2);
+  if (!check(ctx, Hkv > 0 && Hq % Hkv == 0 && k.size(3) == D, "custom_sdpa: head mismatch") ||
+      !check(ctx, start >= 0 && start + T <= S, "custom_sdpa: positions beyond the cache") ||
+      !check(ctx, executorch::runtime::resize_tensor(out, q.sizes()) == Error::Ok,
+             "custom_sdpa: cannot resize the output"))
+    return;
+  const float scale =
+      stack[7]->isNone() ? float(1.0 / std::sqrt(double(D))) : float(stack[7]->toDouble());
+  const float* qp = q.const_data_ptr<float>();
+  const float* kp = k.const_data_ptr<float>();
+  const float* vp = v.const_data_ptr<float>();
+  float* op = out.mutable_data_ptr<float>();
+  const int64_t group = Hq / Hkv;
+  std::vector<float> scores(start + T);
+  std::vector<float> acc(D);
+  for (int64_t i = 0; i < T; ++i) {
+    const int64_t visible = start + i + 1;
+    for (int64_t h = 0; h < Hq; ++h) {
+      const float* qi = qp + (i * Hq + h) * D;
+      const int64_t kvh = h / group;
+      float best = -INFINITY;
+      for (int64_t j = 0; j < visible; ++j) {
+        const float* kj = kp + (j * Hkv + kvh) * D;
+        float dot = 0.f;
+        for (int64_t d = 0; d < D; ++d) dot += qi[d] * kj[d];
+        scores[j] = dot * scale;
+        best = std::max(best, scores[j]);
+      }
+      float total = 0.f;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; j < visible; ++j) {
+        const float w = std::exp(scores[j] - best);
+        total += w;
+        const float* vj = vp + (j * Hkv + kvh) * D;
+        for (int64_t d = 0; d < D; ++d) acc[d] += w * vj[d];
+      }
+      float* o = op + (i * Hq + h) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = acc[d] / total;
+    }
+  }
+}
+
+}  // namespace
+
+void register_llama_ops() {
+  using executorch::runtime::Kernel;
+  static const Kernel kernels[] = {
+      Kernel("llama::update_cache.out", update_cache),
+      Kernel("llama::custom_sdpa.out", custom_sdpa),
+  };
+  // Looked up in the list rather than with registry_has_op_function, which logs every miss.
+  const auto registered = executorch::runtime::get_registered_kernels();
+  for (const Kernel& kernel : kernels) {
+    bool present = false;
+    for (const Kernel& other : registered)
+      present = present || std::strcmp(other.name_, kernel.name_) == 0;
+    if (!present) (void)executorch::runtime::register_kernel(kernel);
+  }
+}
+
+}  // namespace mtp

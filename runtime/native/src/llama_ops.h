@@ -1,0 +1,11 @@
+#pragma once
+
+namespace mtp {
+
+// Registers kernels for the two custom ops our target programs use, llama::update_cache.out and
+// llama::custom_sdpa.out, unless a linked library registered them already (ExecuTorch's Android
+// AAR does; the pip wheel ships them only inside its Python extension, which a standalone program
+// cannot link). Idempotent; call before loading a program.
+void register_llama_ops();
+
+}  // namespace mtp

@@ -1,0 +1,60 @@
+// The speculative decoding loop: runtime/loop.py in C++, step for step.
+//
+// Prefill in chunks; then repeat {draft k; verify k+1 in one target call; accept the longest
+// agreeing prefix (greedy) or by rejection sampling; advance} until eos, max tokens or a full
+// context. Plain decoding is the same loop with no drafter. Invariant between steps: `context`
+// holds every token so far; the target's cache holds all of them but the last, which the next
+// call feeds (with the drafts behind it) at position `pos`.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "drafters.h"
+#include "model.h"
+#include "sampling.h"
+
+namespace mtp {
+
+struct GenerationConfig {
+  int64_t max_new_tokens = 128;
+  int64_t k = 4;            // most tokens drafted per step
+  bool adaptive_k = false;  // grow k by 2 after a fully accepted step, shrink by 1 otherwise
+  SamplingParams sampling;
+  std::vector<int64_t> eos_ids;
+};
+
+struct GenerationStats {
+  int64_t generated_tokens = 0;
+  int64_t verify_steps = 0;  // target calls after prefill
+  int64_t drafted_tokens = 0;
+  int64_t accepted_tokens = 0;
+  std::vector<int64_t> accepted_per_position;  // steps that kept draft i
+  std::vector<int64_t> drafted_per_position;   // steps that drafted i
+  double ttft_ms = 0, decode_seconds = 0, draft_seconds = 0, verify_seconds = 0;
+
+  // Tokens emitted per verify step, the bonus token included (1.0 for plain decoding).
+  double tau() const;
+  double acceptance_rate() const;
+  double decode_tokens_per_s() const;
+};
+
+struct GenerationResult {
+  std::vector<int64_t> token_ids;  // an eos token that stopped generation is left out
+  std::string stop_reason;         // eos | max_tokens | context_full
+  GenerationStats stats;
+  std::vector<double> top2_gaps;  // the target's best-minus-second logit where each was chosen
+};
+
+// Throws UserError for an empty prompt or one that fills the context. `on_token` sees each
+// emitted token (for streaming).
+GenerationResult generate(Model& target, const std::vector<int64_t>& prompt, Drafter* drafter,
+                          const GenerationConfig& config,
+                          const std::function<void(int64_t)>& on_token = nullptr);
+
+// Index of the first token where two outputs differ, or -1 when identical.
+int64_t first_divergence(const std::vector<int64_t>& plain, const std::vector<int64_t>& spec);
+
+}  // namespace mtp

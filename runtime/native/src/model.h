@@ -1,0 +1,52 @@
+// The session interface the loop runs on, and its ExecuTorch implementation (the C++ side of
+// runtime/executorch_session.py). A model owns one static KV cache: forward(tokens, start)
+// writes the tokens' K/V at positions start.. and returns their logits; a later call at the
+// same positions overwrites rejected drafts, so there is no rollback call.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace mtp {
+
+struct Output {
+  int64_t rows = 0, vocab = 0, dim = 0;
+  std::vector<float> logits;  // [rows, vocab]
+  std::vector<float> hidden;  // [rows, dim] when asked for, else empty
+  const float* logit_row(int64_t i) const { return logits.data() + i * vocab; }
+  const float* hidden_row(int64_t i) const { return hidden.data() + i * dim; }
+};
+
+class Model {
+ public:
+  virtual ~Model() = default;
+  // Logits (and hidden states) for tokens at positions start..start+T-1; with last_only just
+  // the last row is returned (prefill needs no more).
+  virtual Output forward(const std::vector<int64_t>& tokens, int64_t start, bool want_hidden,
+                         bool last_only = false) = 0;
+  int64_t max_seq_len = 0;
+  int64_t max_chunk = 0;
+  int64_t vocab_size = 0;
+};
+
+// The whole of `tokens` in chunks of max_chunk; returns the last row of the last chunk.
+Output prefill(Model& model, const std::vector<int64_t>& tokens, int64_t start, bool want_hidden);
+
+// The MTP drafter's step program: (h [1, D], token [1]) -> (draft_logits [1, Vd], next h [1, D]).
+class StepProgram {
+ public:
+  virtual ~StepProgram() = default;
+  virtual void step(const std::vector<float>& h, int64_t token, std::vector<float>& logits,
+                    std::vector<float>& next_h) = 0;
+};
+
+// Sets ExecuTorch's thread pool size (0 = leave it: one thread per core). Before any load.
+void set_executorch_threads(unsigned threads);
+
+std::unique_ptr<Model> open_executorch_model(const std::string& pte, int64_t max_seq_len,
+                                             int64_t max_chunk, int64_t vocab_size);
+std::unique_ptr<StepProgram> open_executorch_step(const std::string& pte);
+
+}  // namespace mtp

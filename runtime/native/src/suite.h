@@ -1,0 +1,41 @@
+// The measurement behind mtp-runner: plain vs speculative decoding of each prompt on the same
+// program, reported in exactly the mtp-bench JSON format (devices/harness.py: run_suite).
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "engine.h"
+
+namespace mtp {
+
+constexpr double kNearTie = 0.02;  // devices/harness.py NEAR_TIE
+
+struct Prompt {
+  std::string id, category, text;
+  int64_t max_new_tokens = 128;
+  std::vector<int64_t> ids;  // pre-tokenized ("prompt_ids"): used as is, no chat format
+};
+
+// {"id", "category", "prompt" and/or "prompt_ids", "max_new_tokens"} per line.
+std::vector<Prompt> load_prompts(const std::string& path);
+
+struct SuiteOptions {
+  int64_t max_new_tokens = 0;  // 0: each prompt's own
+  int repeat = 1;
+  bool chat = true;
+  GenerationConfig config;  // k, adaptive_k, sampling, eos_ids
+};
+
+// The report body: summary, per_category, prompts (each row also carries ar_token_ids and
+// spec_token_ids, the generated ids of the last repeat).
+nlohmann::json run_suite(Engine& engine, const std::vector<Prompt>& prompts,
+                         const SuiteOptions& options,
+                         const std::function<void(const std::string&)>& progress);
+
+double median(std::vector<double> values);
+
+}  // namespace mtp

@@ -1,0 +1,251 @@
+// Unit tests of the core without ExecuTorch programs: SHA-256, sampling and verification rules,
+// the n-gram drafter, and the loop's lossless property on a fake target. Plain asserts; the
+// pytest suite (tests/test_native.py) runs this binary and the runner on real bundles.
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "drafters.h"
+#include "mtp_edge.h"
+#include "errors.h"
+#include "loop.h"
+#include "sampling.h"
+#include "sha256.h"
+
+namespace {
+
+int failures = 0;
+
+#define CHECK(cond)                                                   \
+  do {                                                                \
+    if (!(cond)) {                                                    \
+      std::fprintf(stderr, "%s:%d: CHECK(%s)\n", __FILE__, __LINE__, #cond); \
+      ++failures;                                                     \
+    }                                                                 \
+  } while (0)
+
+using mtp::Output;
+
+// A deterministic "language model": logits depend on the last few tokens and the position, so
+// it has real structure for drafters to hit and miss. Its cache is the list of tokens written.
+class FakeModel : public mtp::Model {
+ public:
+  FakeModel(int64_t vocab, int64_t max_seq, int64_t chunk) {
+    vocab_size = vocab, max_seq_len = max_seq, max_chunk = chunk;
+    cache.assign(max_seq, -1);
+  }
+  Output forward(const std::vector<int64_t>& tokens, int64_t start, bool want_hidden,
+                 bool last_only) override {
+    if (tokens.empty() || int64_t(tokens.size()) > max_chunk || start + int64_t(tokens.size()) > max_seq_len)
+      throw std::runtime_error("bad call");
+    for (size_t i = 0; i < tokens.size(); ++i) cache[start + i] = tokens[i];
+    Output out;
+    out.vocab = vocab_size, out.dim = want_hidden ? 2 : 0;
+    const int64_t first = last_only ? int64_t(tokens.size()) - 1 : 0;
+    for (int64_t i = first; i < int64_t(tokens.size()); ++i) {
+      const int64_t p = start + i;
+      const int64_t a = cache[p], b = p > 0 ? cache[p - 1] : 0;
+      for (int64_t v = 0; v < vocab_size; ++v)
+        out.logits.push_back(float(std::sin(0.7 * double(v * (a + 3)) + 0.3 * double(b * v)) * 3 +
+                                   (v == (a * 5 + 1) % vocab_size ? 2.5 : 0.0)));
+      if (want_hidden) out.hidden.insert(out.hidden.end(), {float(a), float(b)});
+      ++out.rows;
+    }
+    ++calls;
+    return out;
+  }
+  std::vector<int64_t> cache;
+  int calls = 0;
+};
+
+// A drafter that is right sometimes: proposes the fake model's likely tokens with noise.
+class NoisyDrafter : public mtp::Drafter {
+ public:
+  std::string name() const override { return "noisy"; }
+  bool needs_hidden() const override { return true; }
+  mtp::Draft propose(const std::vector<int64_t>& context, const std::vector<float>* hidden,
+                     int64_t k, mtp::Sampler&) override {
+    CHECK(hidden != nullptr && hidden->size() == 2);
+    mtp::Draft d;
+    int64_t last = context.back();
+    for (int64_t i = 0; i < k; ++i) {
+      last = (++turn % 3 == 0) ? (last * 7 + 2) % 11 : (last * 5 + 1) % 11;
+      d.tokens.push_back(last);
+    }
+    return d;
+  }
+  int64_t turn = 0;
+};
+
+void test_sha256() {
+  CHECK(mtp::sha256_hex("") ==
+        "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+  CHECK(mtp::sha256_hex("abc") ==
+        "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  CHECK(mtp::sha256_hex("abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq") ==
+        "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
+  // Feeding in odd pieces gives the same digest as one piece.
+  std::string text(1000, 'x');
+  for (size_t i = 0; i < text.size(); ++i) text[i] = char('a' + i * 7 % 26);
+  mtp::Sha256 pieces;
+  for (size_t i = 0; i < text.size(); i += 37) pieces.update(text.data() + i, std::min<size_t>(37, text.size() - i));
+  CHECK(pieces.hex_digest() == mtp::sha256_hex(text));
+}
+
+void test_ngram() {
+  mtp::Sampler s({});
+  mtp::NgramDrafter ngram(3, 1);
+  // The latest earlier occurrence of the longest suffix wins, and what followed it is proposed.
+  CHECK((ngram.propose({1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3}, nullptr, 2, s).tokens ==
+         std::vector<int64_t>{7, 1}));
+  CHECK((ngram.propose({5, 6, 5}, nullptr, 4, s).tokens == std::vector<int64_t>{6, 5}));
+  CHECK(ngram.propose({1, 2, 3}, nullptr, 4, s).tokens.empty());
+  bool refused = false;
+  try {
+    mtp::NgramDrafter bad(1, 2);
+  } catch (const mtp::UserError&) {
+    refused = true;
+  }
+  CHECK(refused);
+}
+
+void test_accept_rules() {
+  const int64_t V = 4;
+  // Row i's argmax: 2, 3, 1.
+  std::vector<float> logits = {0, 0, 5, 1, 0, 1, 0, 7, 0, 9, 0, 0};
+  auto a = mtp::accept_greedy(logits.data(), V, {2, 3});
+  CHECK(a.n == 2 && a.next_token == 1);
+  a = mtp::accept_greedy(logits.data(), V, {2, 0});
+  CHECK(a.n == 1 && a.next_token == 3);
+  // top-p keeps the smallest head reaching p; top-k the k best.
+  mtp::Sampler top_p({1.0, 0, 0.5, 0});
+  std::vector<float> row = {3, 2, 1, 0};
+  auto p = top_p.probs(row.data(), V);
+  CHECK(p[0] == 1.0 && p[1] == 0.0);
+  mtp::Sampler top_k({1.0, 2, 1.0, 0});
+  p = top_k.probs(row.data(), V);
+  CHECK(p[2] == 0.0 && p[3] == 0.0 && std::fabs(p[0] + p[1] - 1) < 1e-12);
+  // Same seed, same samples; the empirical distribution matches p.
+  mtp::Sampler one({1.0, 0, 1.0, 7}), two({1.0, 0, 1.0, 7});
+  auto q = one.probs(row.data(), V);
+  std::vector<int> counts(V);
+  for (int i = 0; i < 20000; ++i) {
+    const int64_t x = one.sample(q);
+    CHECK(x == two.sample(q));
+    ++counts[x];
+  }
+  for (int64_t v = 0; v < V; ++v) CHECK(std::fabs(counts[v] / 20000.0 - q[v]) < 0.015);
+}
+
+// Rejection sampling keeps the target's distribution: one-step speculative samples of the
+// first emitted token, over many seeds, against p exactly.
+void test_rejection_sampling_distribution() {
+  const int64_t V = 4;
+  std::vector<float> logits = {1.0f, 0.2f, -0.5f, 0.7f, 0.3f, 0.3f, 0.3f, 0.3f};
+  std::vector<std::vector<double>> q = {{0.1, 0.6, 0.2, 0.1}};
+  std::vector<int> counts(V);
+  const int n = 40000;
+  mtp::Sampler sampler({1.0, 0, 1.0, 3});
+  auto p = sampler.probs(logits.data(), V);
+  for (int i = 0; i < n; ++i) {
+    const int64_t drafted = sampler.sample(q[0]);
+    auto a = mtp::accept_sampling(logits.data(), V, {drafted}, q, sampler);
+    ++counts[a.n == 1 ? drafted : a.next_token];
+  }
+  double chi2 = 0;
+  for (int64_t v = 0; v < V; ++v) chi2 += std::pow(counts[v] - n * p[v], 2) / (n * p[v]);
+  CHECK(chi2 < 16.3);  // chi-square, 3 degrees of freedom, p = 0.001
+}
+
+void test_loop_lossless() {
+  int64_t drafted = 0, accepted = 0;
+  for (int64_t max_seq : {40, 64}) {
+    for (int64_t k : {1, 3, 5}) {
+      for (bool adaptive : {false, true}) {
+        mtp::GenerationConfig cfg;
+        cfg.max_new_tokens = 50;
+        cfg.k = k;
+        cfg.adaptive_k = adaptive;
+        cfg.eos_ids = {10};
+        std::vector<int64_t> prompt = {1, 2, 3, 4, 1, 2, 3};
+        FakeModel a(11, max_seq, 6), b(11, max_seq, 6), c(11, max_seq, 6);  // 2 prefill chunks
+        auto plain = mtp::generate(a, prompt, nullptr, cfg);
+        mtp::NgramDrafter ngram;
+        auto spec = mtp::generate(b, prompt, &ngram, cfg);
+        NoisyDrafter noisy;
+        auto spec2 = mtp::generate(c, prompt, &noisy, cfg);
+        CHECK(plain.token_ids == spec.token_ids && plain.stop_reason == spec.stop_reason);
+        CHECK(plain.token_ids == spec2.token_ids && plain.stop_reason == spec2.stop_reason);
+        drafted += spec2.stats.drafted_tokens;
+        accepted += spec2.stats.accepted_tokens;
+        CHECK(plain.stats.verify_steps == plain.stats.generated_tokens - 1 ||
+              plain.stop_reason != "max_tokens");
+        CHECK(plain.top2_gaps.size() == plain.token_ids.size());
+      }
+    }
+  }
+  CHECK(accepted > 0 && accepted < drafted);  // drafts were kept and rejected
+  // A full context stops generation.
+  FakeModel m(11, 12, 4);
+  mtp::GenerationConfig cfg;
+  cfg.max_new_tokens = 100;
+  auto r = mtp::generate(m, {1, 2, 3, 4, 5, 6, 7, 8, 9}, nullptr, cfg);
+  CHECK(r.stop_reason == "context_full" && r.token_ids.size() == 4);
+  bool refused = false;
+  try {
+    mtp::generate(m, {}, nullptr, cfg);
+  } catch (const mtp::UserError&) {
+    refused = true;
+  }
+  CHECK(refused);
+}
+
+// The C API on a real bundle: streamed pieces add up to the final text; errors come back as
+// messages. Prints the result JSON for tests/test_native.py to compare with the Python runtime.
+int run_c_api(const char* bundle, const char* prompt, const char* options) {
+  char err[512] = "";
+  CHECK(mtp_open("/nonexistent", err, sizeof err) == nullptr && std::strlen(err) > 0);
+  mtp_engine* engine = mtp_open(bundle, err, sizeof err);
+  if (engine == nullptr) {
+    std::fprintf(stderr, "mtp_open: %s\n", err);
+    return 1;
+  }
+  std::string streamed;
+  auto on_text = [](const char* piece, void* user) { *static_cast<std::string*>(user) += piece; };
+  std::vector<char> result(1 << 20);
+  int rc = mtp_generate(engine, prompt, options, on_text, &streamed, result.data(), result.size(),
+                        err, sizeof err);
+  if (rc != 0) {
+    std::fprintf(stderr, "mtp_generate: %s\n", err);
+    mtp_close(engine);
+    return 1;
+  }
+  const std::string json = result.data();
+  CHECK(mtp_generate(engine, prompt, "{not json", nullptr, nullptr, result.data(), result.size(),
+                     err, sizeof err) != 0);
+  mtp_close(engine);
+  std::printf("%s\n%s\n", json.c_str(), streamed.c_str());
+  return failures ? 1 : 0;
+}
+
+}  // namespace
+
+// No arguments: the unit tests. BUNDLE PROMPT OPTIONS_JSON: the C API on that bundle.
+int main(int argc, char** argv) {
+  if (argc == 4) return run_c_api(argv[1], argv[2], argv[3]);
+  test_sha256();
+  test_ngram();
+  test_accept_rules();
+  test_rejection_sampling_distribution();
+  test_loop_lossless();
+  if (failures) {
+    std::fprintf(stderr, "%d check(s) failed\n", failures);
+    return 1;
+  }
+  std::printf("all native core tests passed\n");
+  return 0;
+}

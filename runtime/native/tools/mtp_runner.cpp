@@ -1,0 +1,182 @@
+// mtp-runner: plain vs speculative decoding of a prompt suite on a bundle, natively; writes the
+// mtp-bench JSON report. The same arguments on the host and on a phone (mtp-profile drives it).
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "engine.h"
+#include "errors.h"
+#include "suite.h"
+
+namespace {
+
+const char* kUsage =
+    "usage: mtp-runner --bundle DIR (--prompts FILE.jsonl | --prompt TEXT | --prompt-ids 1,2,3)\n"
+    "       [--max-new-tokens N] [--repeat R] [--json OUT] [--k K]\n"
+    "       [--drafter bundle|none|ngram|mtp|draft-lm] [--ngram-sizes MIN-MAX]\n"
+    "       [--draft-confidence P] [--adaptive-k] [--no-chat] [--threads N]\n"
+    "       [--temperature T] [--top-k K] [--top-p P] [--seed S]\n"
+    "Each prompt runs plain, then speculative; greedy output must be identical (exit 2 if not).\n"
+    "prompts file: one JSON per line, {\"id\", \"category\", \"prompt\" or \"prompt_ids\",\n"
+    "\"max_new_tokens\"}; prompt_ids are fed as is (no chat format, no bos added).\n";
+
+template <typename T>
+T number(const std::string& flag, const std::string& text) {
+  std::istringstream in(text);
+  T value;
+  if (!(in >> value) || !in.eof())
+    throw mtp::UserError(flag + " takes a number, got '" + text + "'");
+  return value;
+}
+
+std::vector<int64_t> parse_ids(const std::string& text) {
+  std::vector<int64_t> ids;
+  std::stringstream in(text);
+  std::string part;
+  while (std::getline(in, part, ',')) ids.push_back(number<int64_t>("--prompt-ids", part));
+  return ids;
+}
+
+void write_atomic(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary);
+    out << text;
+    if (!out) throw mtp::UserError("cannot write " + path);
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) throw mtp::UserError("cannot write " + path);
+}
+
+int run(int argc, char** argv) {
+  std::string bundle, prompts_path, prompt_text, prompt_ids, json_out;
+  mtp::EngineOptions engine_options;
+  mtp::SuiteOptions options;
+  int64_t k = -1;
+  std::string command = "mtp-runner";
+  for (int i = 1; i < argc; ++i) command += std::string(" ") + argv[i];
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) throw mtp::UserError(flag + " needs a value (see --help)");
+      return argv[++i];
+    };
+    if (flag == "--help" || flag == "-h") {
+      std::cout << kUsage;
+      return 0;
+    } else if (flag == "--bundle") {
+      bundle = value();
+    } else if (flag == "--prompts") {
+      prompts_path = value();
+    } else if (flag == "--prompt") {
+      prompt_text = value();
+    } else if (flag == "--prompt-ids") {
+      prompt_ids = value();
+    } else if (flag == "--max-new-tokens") {
+      options.max_new_tokens = number<int64_t>(flag, value());
+      if (options.max_new_tokens < 1) throw mtp::UserError("--max-new-tokens must be >= 1");
+    } else if (flag == "--repeat") {
+      options.repeat = number<int>(flag, value());
+      if (options.repeat < 1) throw mtp::UserError("--repeat must be >= 1");
+    } else if (flag == "--json") {
+      json_out = value();
+    } else if (flag == "--k") {
+      k = number<int64_t>(flag, value());
+      if (k < 0) throw mtp::UserError("--k must be >= 0");
+    } else if (flag == "--drafter") {
+      engine_options.drafter = value();
+    } else if (flag == "--ngram-sizes") {
+      const std::string sizes = value();
+      const size_t dash = sizes.find('-');
+      engine_options.ngram_min = number<int>(flag, sizes.substr(0, dash));
+      engine_options.ngram_max =
+          dash == std::string::npos ? engine_options.ngram_min
+                                    : number<int>(flag, sizes.substr(dash + 1));
+    } else if (flag == "--draft-confidence") {
+      engine_options.draft_confidence = number<double>(flag, value());
+    } else if (flag == "--adaptive-k") {
+      options.config.adaptive_k = true;
+    } else if (flag == "--no-chat") {
+      options.chat = false;
+    } else if (flag == "--threads") {
+      engine_options.threads = number<unsigned>(flag, value());
+    } else if (flag == "--temperature") {
+      options.config.sampling.temperature = number<double>(flag, value());
+      if (!(options.config.sampling.temperature >= 0))
+        throw mtp::UserError("--temperature must be >= 0 (0 = greedy)");
+    } else if (flag == "--top-k") {
+      options.config.sampling.top_k = number<int>(flag, value());
+    } else if (flag == "--top-p") {
+      options.config.sampling.top_p = number<double>(flag, value());
+      if (!(options.config.sampling.top_p > 0 && options.config.sampling.top_p <= 1))
+        throw mtp::UserError("--top-p must be in (0, 1] (1 = off)");
+    } else if (flag == "--seed") {
+      options.config.sampling.seed = number<uint64_t>(flag, value());
+    } else {
+      throw mtp::UserError("unknown option " + flag + " (see --help)");
+    }
+  }
+  if (bundle.empty()) throw mtp::UserError("--bundle DIR is required (see --help)");
+  const int sources = !prompts_path.empty() + !prompt_text.empty() + !prompt_ids.empty();
+  if (sources != 1)
+    throw mtp::UserError("give exactly one of --prompts FILE, --prompt TEXT, --prompt-ids IDS");
+
+  std::vector<mtp::Prompt> prompts;
+  if (!prompts_path.empty()) {
+    prompts = mtp::load_prompts(prompts_path);
+  } else {
+    mtp::Prompt p{"prompt", "default", prompt_text, 128, {}};
+    if (!prompt_ids.empty()) p.ids = parse_ids(prompt_ids);
+    prompts.push_back(p);
+  }
+  std::cerr << "[load] " << bundle << std::endl;
+  mtp::Engine engine(bundle, engine_options);
+  options.config.k = k >= 0 ? k : engine.manifest().default_k();
+  options.config.eos_ids = engine.manifest().eos_ids;
+  nlohmann::json body = mtp::run_suite(engine, prompts, options, [](const std::string& line) {
+    std::cerr << line << std::endl;
+  });
+  nlohmann::json report = {
+      {"bundle", bundle},
+      {"model", engine.manifest().model_name},
+      {"backend", "executorch"},
+      {"runtime", "native"},
+      {"drafter", engine.drafter_name()},
+      {"k", options.config.k},
+      {"threads", engine_options.threads},
+      {"temperature", options.config.sampling.temperature},
+      {"command", command},
+  };
+  report.update(body);
+  const std::string text =
+      report.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
+  if (json_out.empty())
+    std::cout << text;
+  else
+    write_atomic(json_out, text);
+  const auto& s = report["summary"];
+  std::cerr << "plain " << s["ar_tokens_per_s"] << " tok/s, speculative "
+            << s["spec_tokens_per_s"] << " tok/s, speedup " << s["speedup"] << ", tau "
+            << s["tau"] << ", lossless " << s["lossless"] << std::endl;
+  if (options.config.sampling.greedy() && !s["lossless"].get<bool>())
+    throw mtp::UserError("speculative output diverged from plain output beyond a near-tie: a bug");
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const mtp::UserError& e) {
+    std::cerr << "error: " << e.what() << std::endl;
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << e.what() << std::endl;
+    return 1;
+  }
+}
