@@ -19,9 +19,11 @@ tests hold against eager decoding on Linux, where Core ML itself cannot run.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import json
-import os
+import logging
 import shutil
 import tempfile
 import time
@@ -203,6 +205,20 @@ def _convert(module: nn.Module, manifest_io: dict, states: list):
     )
 
 
+@contextlib.contextmanager
+def _quiet():
+    """coremltools draws a progress bar per pass (dozens per function) on stderr and logs
+    warnings about tracing details (tuple outputs, state variables): keep them out of the way."""
+    log = logging.getLogger("coremltools")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        log.setLevel(level)
+
+
 _NP = {"int32": np.int32, "float32": np.float32}
 _TORCH = {"int32": torch.int32, "float32": torch.float32}
 
@@ -249,7 +265,6 @@ def export_package(
 ) -> tuple[dict, dict]:
     """Convert, quantize and save the multifunction package at `path` (plus drafter_vocab.json
     next to it with an MTP head); returns (manifest methods, drafter settings)."""
-    os.environ.setdefault("TQDM_DISABLE", "1")  # coremltools draws a progress bar per pass
     import coremltools as ct
 
     say = progress or (lambda _message: None)
@@ -274,24 +289,25 @@ def export_package(
     with tempfile.TemporaryDirectory() as tmp:
         descriptor = ct.utils.MultiFunctionDescriptor()
         for name, module in modules.items():
-            io = function_io(name, model, head, sizes.get(name))
+            spec = function_io(name, model, head, sizes.get(name))
             started = time.perf_counter()
             say(f"[convert] Core ML function {name}")
-            mlmodel = _convert(module, io, [] if name == "draft_step" else states)
             scheme = draft_quant if name == "draft_step" else quant
             block = f", block {group_size}" if scheme == "int4" else ""
             say(f"[quantize] {name}: {scheme}{block}")
-            mlmodel = _quantize(mlmodel, scheme, group_size)
             part = Path(tmp) / f"{name}.mlpackage"
-            mlmodel.save(str(part))
+            with _quiet():
+                mlmodel = _convert(module, spec, [] if name == "draft_step" else states)
+                _quantize(mlmodel, scheme, group_size).save(str(part))
             descriptor.add_function(str(part), src_function_name="main", target_function_name=name)
-            methods[name] = {**io, "seconds": round(time.perf_counter() - started, 1)}
+            methods[name] = {**spec, "seconds": round(time.perf_counter() - started, 1)}
             if name != "draft_step":
                 methods[name]["states"] = [{"name": s, **cache} for s in state_names]
         descriptor.default_function_name = "decode"
         say(f"[write] {path.name}")
         staging = Path(tmp) / path.name
-        ct.utils.save_multifunction(descriptor, str(staging))
+        with _quiet():
+            ct.utils.save_multifunction(descriptor, str(staging))
         shutil.move(str(staging), str(path))
     settings: dict = {"functions": sizes}
     if head is not None:

@@ -1,0 +1,201 @@
+"""mtp-export --target coreml on Linux: what can be checked without a Mac.
+
+Conversion with each weight scheme; the saved package's functions, states, input/output names
+and quantized weight ops (read from its spec and MIL program); the fp16 PyTorch programs handed
+to the converter, run through the session's own fixed-width dispatch, give the eager model's
+greedy tokens with the speculative loop on top; the Core ML backend refuses to run on Linux with
+one line. What only a Mac can check is listed in the README.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import json
+import sys
+
+import pytest
+import torch
+from click.testing import CliRunner
+from test_export import error_line
+from tiny import hf_reference, save_hf_dir, tiny_model
+
+from mtp_edge.cli import export, run
+from mtp_edge.errors import UserError
+from mtp_edge.exporter.coreml import export_package, programs, widths
+from mtp_edge.manifest import Manifest
+from mtp_edge.mtp import MTPConfig, MTPHead, init_from_target
+from mtp_edge.runtime.coreml_session import FixedWidthSession
+from mtp_edge.runtime.drafters import NgramDrafter
+from mtp_edge.runtime.loop import GenerationConfig, generate
+from mtp_edge.runtime.mtp_drafter import MtpDrafter
+from mtp_edge.runtime.session import EagerSession
+
+VOCAB, MAX_SEQ_LEN, CHUNK, K = 64, 96, 16, 4
+PROMPT = [5, 9, 13, 7, 5, 9, 13, 21, 30, 5, 9, 13, 7, 5, 9, 13, 21, 30, 5, 9]
+SCHEMES = {"fp16": None, "int8": "int8", "int4": "int4"}  # scheme -> quantized weight dtype
+
+linux_only = pytest.mark.skipif(sys.platform == "darwin", reason="checks the Linux refusal")
+
+
+def target():
+    return tiny_model(seed=3, vocab=VOCAB, dtype=torch.float32)
+
+
+def head_for(model):
+    c = model.config
+    torch.manual_seed(0)
+    head = MTPHead(MTPConfig(c.hidden_size, 2 * c.hidden_size, c.vocab_size, 32))
+    return init_from_target(head, model, torch.arange(VOCAB - 32, VOCAB))
+
+
+@functools.cache
+def package(scheme: str):
+    """(path, methods) of the tiny model + MTP head converted with `scheme`, once per run."""
+    import tempfile
+    from pathlib import Path
+
+    model = target()
+    path = Path(tempfile.mkdtemp(prefix="mtp-coreml-")) / "model.mlpackage"
+    methods, settings = export_package(
+        model, head_for(model), path, quant=scheme, draft_quant=scheme, group_size=32,
+        max_seq_len=MAX_SEQ_LEN, max_chunk=CHUNK, k=K,
+    )  # fmt: skip
+    assert settings["functions"] == {"prefill": CHUNK, "verify": K + 1, "decode": 1}
+    return path, methods
+
+
+def mil_ops(spec, function: str) -> list:
+    return list(spec.mlProgram.functions[function].block_specializations["CoreML8"].operations)
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_package_structure(scheme):
+    import coremltools as ct
+
+    path, methods = package(scheme)
+    spec = ct.utils.load_spec(str(path))
+    assert spec.specificationVersion >= 9  # iOS 18 / macOS 15: states, per-block int4
+    functions = {f.name: f for f in spec.description.functions}
+    assert set(functions) == {"prefill", "verify", "decode", "draft_step"}
+    assert spec.description.defaultFunctionName == "decode"
+    states = [f"{kv}_cache_{i}" for i in range(2) for kv in ("k", "v")]
+    for name, width in widths(CHUNK, K).items():
+        f = functions[name]
+        assert [i.name for i in f.input] == ["tokens", "input_pos"]
+        assert list(f.input[0].type.multiArrayType.shape) == [1, width]  # static shapes
+        assert [o.name for o in f.output] == ["logits", "hidden"]
+        assert [s.name for s in f.state] == states
+        shape = list(f.state[0].type.stateType.arrayType.shape)
+        assert shape == [1, 2, MAX_SEQ_LEN, 8]
+        ops = collections.Counter(op.type for op in mil_ops(spec, name))
+        assert ops["read_state"] >= 4 and ops["write_state"] == 4 and ops["slice_update"] == 4
+        assert methods[name]["states"][0]["name"] == "k_cache_0"
+    assert [i.name for i in functions["draft_step"].input] == ["h", "token"]
+    assert [o.name for o in functions["draft_step"].output] == ["draft_logits", "next_h"]
+    assert not functions["draft_step"].state
+    # Quantized weights: the iOS 18 constexpr op that dequantizes (per block or per channel).
+    for name in ("decode", "draft_step"):
+        dequant = [op for op in mil_ops(spec, name) if op.type == "constexpr_blockwise_shift_scale"]
+        linears = [op for op in mil_ops(spec, name) if op.type == "linear"]
+        if SCHEMES[scheme] is None:
+            assert not dequant
+        else:
+            assert len(dequant) == len(linears) > 0
+            data = dequant[0].inputs["data"].arguments[0]  # the packed weights, inline
+            dtype = data.value.type.tensorType.dataType
+            assert ct.proto.MIL_pb2.DataType.Name(dtype).lower() == SCHEMES[scheme]
+
+
+def test_target_functions_share_their_weights():
+    """save_multifunction stores the target's weights once for prefill, verify and decode."""
+    path, _ = package("fp16")
+    model = target()
+    target_bytes = 2 * sum(p.numel() for p in model.parameters())
+    weights = sum(f.stat().st_size for f in path.rglob("weight.bin"))
+    assert target_bytes < weights < 2 * target_bytes
+
+
+def torch_program_session(model, head):
+    """The exact modules handed to the converter, behind the Core ML session's dispatch."""
+    modules = programs(model, head, max_seq_len=MAX_SEQ_LEN, max_chunk=CHUNK, k=K)
+
+    @torch.no_grad()
+    def call(function, tokens, start):
+        ids = torch.tensor([tokens], dtype=torch.int32)
+        logits, hidden = modules[function](ids, torch.tensor([start], dtype=torch.int32))
+        return logits[0].float(), hidden[0].float()
+
+    @torch.no_grad()
+    def step(h, token):
+        logits, g = modules["draft_step"](h.float(), token.to(torch.int32))
+        return logits.float(), g.float()
+
+    session = FixedWidthSession(call, widths(CHUNK, K), MAX_SEQ_LEN, VOCAB, hidden=True)
+    return session, MtpDrafter(step, head.draft_ids, VOCAB)
+
+
+def test_converted_program_gives_eager_tokens_with_speculation():
+    model = target()
+    head = head_for(model)
+    eager = EagerSession(model, MAX_SEQ_LEN, CHUNK)
+    config = GenerationConfig(max_new_tokens=60, k=K)
+    expected = generate(eager, PROMPT, None, config).token_ids
+    for drafter in (None, "ngram", "mtp"):
+        program, mtp = torch_program_session(model, head)  # a fresh cache each run
+        draft = {None: None, "ngram": NgramDrafter(), "mtp": mtp}[drafter]
+        result = generate(program, PROMPT, draft, config)
+        assert result.token_ids == expected, drafter
+        if drafter:
+            assert result.stats.drafted_tokens > 0
+
+
+def test_dispatch_pads_to_the_narrowest_function_and_respects_the_cache_end():
+    calls = []
+
+    def call(function, tokens, start):
+        calls.append((function, len(tokens), start))
+        return torch.zeros(len(tokens), VOCAB), None
+
+    session = FixedWidthSession(call, widths(CHUNK, K), MAX_SEQ_LEN, VOCAB, hidden=False)
+    assert session.forward([1, 2, 3], 10).shape == (3, VOCAB)
+    assert session.forward([1], 13).shape == (1, VOCAB)
+    assert session.forward(list(range(9)), 14).shape == (9, VOCAB)
+    session.forward([1, 2, 3], MAX_SEQ_LEN - 3)  # a padded verify would write past the cache
+    assert calls == [("verify", 5, 10), ("decode", 1, 13), ("prefill", 16, 14)] + [
+        ("decode", 1, MAX_SEQ_LEN - 3 + i) for i in range(3)
+    ]
+    with pytest.raises(UserError, match="hidden states"):
+        session.forward([1], 0, return_hidden=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_hf_dir(hf_reference("llama", seed=3), tmp_path_factory.mktemp("model"))
+
+
+@linux_only
+def test_bundle_and_the_linux_refusal(model_dir, tmp_path):
+    out = tmp_path / "coreml"
+    args = ["--target", "coreml", "--model", str(model_dir), "--out", str(out)]
+    result = CliRunner().invoke(export, [*args, "--max-seq-len", "96", "--quant", "int8"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["quality"]["perplexity_fp32"] > 0  # exported: Mac only
+    manifest = Manifest.load(out)  # the package directory's hash checks out
+    assert (manifest.target, manifest.backend) == ("coreml", "coreml")
+    assert manifest.models["target"].file == "model.mlpackage"
+    assert set(manifest.models["target"].methods) == {"prefill", "verify", "decode"}
+    assert manifest.drafter == {
+        "kind": "ngram", "k": 4, "functions": {"prefill": 96, "verify": 5, "decode": 1}
+    }  # fmt: skip
+    line = error_line(CliRunner().invoke(run, ["--bundle", str(out), "--prompt", "x"]))
+    assert "Core ML runs only on Apple platforms" in line
+
+
+def test_coreml_options_are_checked(model_dir, tmp_path):
+    args = ["--target", "coreml", "--model", str(model_dir), "--out", str(tmp_path / "b")]
+    assert "int4, int8, fp16" in error_line(CliRunner().invoke(export, [*args, "--quant", "fp32"]))
+    draft = save_hf_dir(hf_reference("llama", seed=4), tmp_path / "draft")
+    line = error_line(CliRunner().invoke(export, [*args, "--drafter", str(draft)]))
+    assert "--target coreml" in line and "mtp or ngram" in line
+    assert not (tmp_path / "b").exists()
