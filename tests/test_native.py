@@ -1,0 +1,242 @@
+"""The native C++ runtime (runtime/native): it builds with cmake here, its C++ unit tests pass,
+and on real exported bundles its runner produces the same tokens as the Python runtime, for
+every drafter (none, ngram, mtp, draft-lm), greedy, over the built-in prompt suite.
+
+The native build registers its own kernels for ExecuTorch's llama cache ops (the pip wheel has
+them only inside its Python extension), so its attention rounds differently from the Python
+runtime's: tokens may differ only where the Python plain run's two best logits nearly tie, as
+for speculative vs plain decoding (devices/harness.py NEAR_TIE)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+from click.testing import CliRunner
+from tiny import hf_reference, save_hf_dir
+
+from mtp_edge.cli import export
+from mtp_edge.devices.harness import NEAR_TIE, load_prompts
+from mtp_edge.runtime import native
+from mtp_edge.runtime.bundle import bundle_drafter, open_bundle, target_session
+from mtp_edge.runtime.drafters import NgramDrafter
+from mtp_edge.runtime.loop import GenerationConfig, first_divergence, generate
+
+MAX_NEW_TOKENS = 24
+PROMPT_TOKENS = 160  # the tail of each built-in prompt in the tiny tokenizer (context is 256)
+TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"  # noqa: E501
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return native.build(jobs=1)
+
+
+def tiny_dir(root, seed: int, **overrides):
+    model_dir = save_hf_dir(hf_reference("llama", seed=seed, **overrides), root)
+    config = {"bos_token": "<|im_start|>", "add_bos_token": True, "chat_template": TEMPLATE}
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    return model_dir
+
+
+def export_bundle(tmp_path_factory, *extra) -> str:
+    root = tmp_path_factory.mktemp("native")
+    model_dir = tiny_dir(root / "model", seed=3)
+    out = root / "bundle"
+    args = ["--model", str(model_dir), "--out", str(out), "--max-seq-len", "256"]
+    args += ["--quality-tokens", "0", *extra]
+    result = CliRunner().invoke(export, args)
+    assert result.exit_code == 0, result.output
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def mtp_bundle(tmp_path_factory):
+    """An 8da4w target with random MTP heads (lossless needs no good drafts)."""
+    import torch
+
+    from mtp_edge.checkpoints import load_model
+    from mtp_edge.mtp import MTPConfig, MTPHead, init_from_target, save_heads, target_fingerprint
+
+    root = tmp_path_factory.mktemp("heads")
+    target = load_model(str(tiny_dir(root / "model", seed=3)))
+    c = target.config
+    config = MTPConfig(
+        c.hidden_size,
+        2 * c.hidden_size,
+        c.vocab_size,
+        64,
+        target_name=target.name,
+        target_hash=target_fingerprint(target.model),
+    )
+    torch.manual_seed(0)
+    head = MTPHead(config)
+    init_from_target(head, target.model, torch.arange(c.vocab_size - 64, c.vocab_size))
+    save_heads(head, config, root / "heads.safetensors")
+    return export_bundle(
+        tmp_path_factory, "--drafter", "mtp", "--heads", str(root / "heads.safetensors")
+    )
+
+
+@pytest.fixture(scope="module")
+def draft_lm_bundle(tmp_path_factory):
+    """An 8da4w target with a draft model of the same vocabulary: the target's own weights, so
+    that drafts are often right (a random draft model never is)."""
+    draft = tiny_dir(tmp_path_factory.mktemp("draft"), seed=3)
+    return export_bundle(tmp_path_factory, "--drafter", str(draft))
+
+
+def suite_ids(bundle_dir: str) -> list[tuple[str, str, list[int]]]:
+    """The built-in prompts as the Python runtime encodes them (chat format, bos), tails."""
+    tokenizer = open_bundle(bundle_dir).tokenizer
+    rows = []
+    for p in load_prompts():
+        ids = tokenizer.encode_prompt(p.prompt, chat=True)
+        rows.append((p.id, p.category, ids[-PROMPT_TOKENS:]))
+    return rows
+
+
+def run_native(runner, bundle_dir, prompts, tmp_path, *extra) -> dict:
+    path = tmp_path / "prompts.jsonl"
+    lines = [
+        json.dumps({"id": i, "category": c, "prompt_ids": ids, "max_new_tokens": MAX_NEW_TOKENS})
+        for i, c, ids in prompts
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "report.json"
+    args = [str(runner), "--bundle", bundle_dir, "--prompts", str(path), "--json", str(out)]
+    done = subprocess.run([*args, *extra], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(out.read_text())
+
+
+def assert_same_tokens(python_runs, native_ids, what: str):
+    """Identical, or first different where the Python run's two best logits nearly tie."""
+    for (prompt_id, result), ids in zip(python_runs, native_ids, strict=True):
+        j = first_divergence(result.token_ids, ids)
+        if j is not None:
+            gap = result.top2_gaps[j] if j < len(result.top2_gaps) else None
+            assert gap is not None and gap < NEAR_TIE, (
+                f"{what}, prompt {prompt_id}: native differs from Python at token {j} "
+                f"(top-2 gap {gap}): {result.token_ids} vs {ids}"
+            )
+
+
+def python_runs(bundle_dir, prompts, drafter) -> list:
+    bundle = open_bundle(bundle_dir)
+    session = target_session(bundle)
+    m = bundle.manifest
+    config = GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, k=4, eos_ids=tuple(m.eos_ids))
+    if drafter == "bundle":
+        drafter = bundle_drafter(bundle)
+    return [(i, generate(session, ids, drafter, config)) for i, _, ids in prompts]
+
+
+def test_cpp_unit_tests(runner):
+    done = subprocess.run([str(native.UNIT_TESTS)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "all native core tests passed" in done.stdout
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "mtp"])
+def test_runner_equals_python_mtp_bundle(runner, mtp_bundle, tmp_path, drafter):
+    prompts = suite_ids(mtp_bundle)
+    report = run_native(runner, mtp_bundle, prompts, tmp_path, "--drafter", drafter)
+    assert report["drafter"] == drafter and report["backend"] == "executorch"
+    assert report["summary"]["prompts"] == len(prompts) == 48
+    rows = report["prompts"]
+    plain = python_runs(mtp_bundle, prompts, None)
+    assert_same_tokens(plain, [r["ar_token_ids"] for r in rows], "plain")
+    spec = python_runs(mtp_bundle, prompts, NgramDrafter() if drafter == "ngram" else "bundle")
+    assert_same_tokens(spec, [r["spec_token_ids"] for r in rows], drafter)
+    assert report["summary"]["lossless"]
+    assert sum(r["verify_steps"] for r in rows) < sum(r["spec_tokens"] for r in rows)  # drafts hit
+    for r, (_, result) in zip(rows, spec, strict=True):
+        assert r["stop_reason_spec"] == result.stop_reason or not r["identical"]
+
+
+def test_runner_equals_python_draft_lm_bundle(runner, draft_lm_bundle, tmp_path):
+    prompts = suite_ids(draft_lm_bundle)[:16]
+    report = run_native(runner, draft_lm_bundle, prompts, tmp_path)
+    assert report["drafter"] == "draft-lm"
+    rows = report["prompts"]
+    assert_same_tokens(
+        python_runs(draft_lm_bundle, prompts, None), [r["ar_token_ids"] for r in rows], "plain"
+    )
+    spec = python_runs(draft_lm_bundle, prompts, "bundle")
+    assert_same_tokens(spec, [r["spec_token_ids"] for r in rows], "draft-lm")
+    assert report["summary"]["acceptance_rate"] > 0
+
+
+def test_runner_text_prompts_and_c_api_match_python(runner, mtp_bundle, tmp_path):
+    """Text prompts go through the native tokenizer and the manifest's chat format; the C API
+    streams text that adds up to its result, and generates what the Python runtime does."""
+    text = "the cat sat on the mat. the cat sat on the"
+    bundle = open_bundle(mtp_bundle)
+    assert bundle.manifest.chat_format is not None
+    ids = bundle.tokenizer.encode_prompt(text, chat=True)
+    [(_, expected)] = python_runs(mtp_bundle, [("p", "c", ids)], "bundle")
+    options = json.dumps({"max_new_tokens": MAX_NEW_TOKENS, "k": 4})
+    done = subprocess.run(
+        [str(native.UNIT_TESTS), mtp_bundle, text, options],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    result_line, streamed = done.stdout.split("\n", 1)
+    result = json.loads(result_line)
+    assert result["prompt_tokens"] == len(ids)
+    assert_same_tokens([("p", expected)], [result["token_ids"]], "C API")
+    assert streamed[:-1] == result["text"] == bundle.tokenizer.decode(result["token_ids"])
+
+    done = subprocess.run(
+        [str(runner), "--bundle", mtp_bundle, "--prompt", text, "--max-new-tokens", "24"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    row = json.loads(done.stdout)["prompts"][0]
+    assert row["prompt_tokens"] == len(ids)
+    assert_same_tokens([("p", expected)], [row["spec_token_ids"]], "runner text prompt")
+
+
+def test_same_seed_same_samples(runner, mtp_bundle, tmp_path):
+    """Sampling draws from the native runtime's own seeded generator: the same seed repeats the
+    samples exactly; they are not the Python runtime's samples (torch's generator)."""
+    prompts = suite_ids(mtp_bundle)[:4]
+
+    def sampled(seed: int) -> list:
+        options = ["--temperature", "0.9", "--top-p", "0.95", "--seed", str(seed)]
+        report = run_native(runner, mtp_bundle, prompts, tmp_path, *options)
+        return [(r["ar_token_ids"], r["spec_token_ids"]) for r in report["prompts"]]
+
+    first = sampled(5)
+    assert first == sampled(5)
+    assert first != sampled(6)
+
+
+def test_user_errors_are_one_line(runner, mtp_bundle, tmp_path):
+    def error(*args) -> str:
+        done = subprocess.run([str(runner), *args], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2, done.stderr
+        lines = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+        assert len(lines) == 1 and "Traceback" not in done.stderr
+        return lines[0]
+
+    assert "does not exist" in error("--bundle", str(tmp_path / "none"), "--prompt-ids", "1")
+    assert "--k" in error("--bundle", mtp_bundle, "--prompt-ids", "1", "--k", "-1")
+    assert "unknown option" in error("--bundle", mtp_bundle, "--prompt-ids", "1", "--speed")
+    assert "draft-lm" in error("--bundle", mtp_bundle, "--prompt-ids", "1", "--drafter", "draft-lm")
+    import shutil
+
+    tampered = tmp_path / "tampered"
+    shutil.copytree(mtp_bundle, tampered)
+    with open(tampered / "target.pte", "r+b") as f:
+        f.seek(-1, 2)
+        byte = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([byte[0] ^ 1]))
+    assert "sha256" in error("--bundle", str(tampered), "--prompt-ids", "1")
