@@ -1,7 +1,8 @@
 """The C++ tokenizer (runtime/native, mtp-tokenize) against the `tokenizers` library.
 
 Every tokenizer type our loaders produce is rebuilt with mtp_edge.tokenizer's own functions on
-the default model's real 49152-token vocabulary, then both implementations encode over 1 MB of
+the default model's real 49152-token vocabulary (plus the Metaspace form of SentencePiece BPE
+that Hugging Face directories ship), then both implementations encode over 1 MB of
 offline text (Python stdlib sources, /usr/share/doc, generated multilingual text) and decode
 what they produced. Ids and strings must be identical.
 """
@@ -20,6 +21,7 @@ from pathlib import Path
 import gguf
 import pytest
 from tokenizers import Tokenizer as Backend
+from tokenizers import decoders, pre_tokenizers
 
 from mtp_edge import tokenizer as tokenizer_module
 from mtp_edge.checkpoints import default_model_path
@@ -286,6 +288,11 @@ def edge_cases() -> list[str]:
         "|im_start|>",
         "<<|im_start|>>",
         "<|endoftext|>\n\n",
+        "<s>hello world",
+        " <s> a</s> b",
+        "</s>",
+        "<s><s>x",
+        "\u2581already\u2581marked",
         "e\u0301",
         "\u1100\u1161\u11a8",
         "\ufb01",
@@ -366,13 +373,38 @@ def sentencepiece(tokens, types, add_space_prefix: bool) -> Backend:
     return backend
 
 
+def metaspace(tokens, types, prepend_scheme: str, split: bool) -> Backend:
+    """The same SentencePiece vocabulary the way converted Llama/Mistral tokenizer.json files
+    often state it: a Metaspace pre-tokenizer and decoder instead of normalizers."""
+    backend = sentencepiece(tokens, types, add_space_prefix=False)
+    backend.normalizer = None
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme=prepend_scheme, split=split)
+    backend.decoder = decoders.Sequence(
+        [
+            decoders.Metaspace(prepend_scheme=prepend_scheme, split=split),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+        ]
+    )
+    return backend
+
+
 def _byte_alphabet() -> list[str]:
     printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
     shifted = iter(range(256, 512))
     return [chr(b) if b in printable else chr(next(shifted)) for b in range(256)]
 
 
-KINDS = ["default", "gpt2", "llama3", "qwen2", "sentencepiece", "sentencepiece-no-prefix"]
+KINDS = [
+    "default",
+    "gpt2",
+    "llama3",
+    "qwen2",
+    "sentencepiece",
+    "sentencepiece-no-prefix",
+    "metaspace-first",
+    "metaspace-split",
+]
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -383,6 +415,10 @@ def tokenizer_file(request, gguf_vocabulary, tmp_path_factory) -> tuple[Path, Ba
         backend = Tokenizer.from_gguf(reader).backend
     elif kind in ("gpt2", "llama3", "qwen2"):
         backend = byte_level(tokens, merges, types, {"llama3": "llama-bpe"}.get(kind, kind))
+    elif kind == "metaspace-first":
+        backend = metaspace(tokens, types, "first", split=False)
+    elif kind == "metaspace-split":
+        backend = metaspace(tokens, types, "always", split=True)
     else:
         backend = sentencepiece(tokens, types, add_space_prefix=kind == "sentencepiece")
     path = tmp_path_factory.mktemp(kind) / "tokenizer.json"

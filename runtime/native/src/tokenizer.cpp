@@ -89,9 +89,16 @@ struct Span {
   bool is_match;
 };
 
-// Pieces of `text` from its matches, as `tokenizers` NormalizedString::split builds them.
-void split_pieces(const std::u32string& text, std::vector<Span> spans, Behavior behavior,
-                  std::vector<std::u32string>& out) {
+// A piece of text on its way through the pre-tokenizers; at_start: it begins at the start of
+// the input (Metaspace's "first" prepend scheme asks).
+struct Piece {
+  std::u32string text;
+  bool at_start;
+};
+
+// Pieces of `in` from its matches, as `tokenizers` NormalizedString::split builds them.
+void split_pieces(const Piece& in, std::vector<Span> spans, Behavior behavior,
+                  std::vector<Piece>& out) {
   std::vector<Span> kept;  // is_match here means "drop"
   switch (behavior) {
     case Behavior::kRemoved:
@@ -130,7 +137,8 @@ void split_pieces(const std::u32string& text, std::vector<Span> spans, Behavior 
     }
   }
   for (const auto& s : kept)
-    if (!s.is_match && s.end > s.start) out.push_back(text.substr(s.start, s.end - s.start));
+    if (!s.is_match && s.end > s.start)
+      out.push_back({in.text.substr(s.start, s.end - s.start), in.at_start && s.start == 0});
 }
 
 // Matches and the gaps between them, in order, covering the whole text.
@@ -162,8 +170,17 @@ struct Normalizer {
   }
 };
 
+enum class PrependScheme { kAlways, kFirst, kNever };
+
+PrependScheme parse_prepend_scheme(const std::string& name) {
+  if (name == "always") return PrependScheme::kAlways;
+  if (name == "first") return PrependScheme::kFirst;
+  if (name == "never") return PrependScheme::kNever;
+  unsupported("Metaspace prepend_scheme " + name);
+}
+
 struct PreTokenizer {
-  enum Kind { kDigits, kByteLevel, kSplit } kind;
+  enum Kind { kDigits, kByteLevel, kSplit, kMetaspace } kind;
   bool individual_digits = false;
   bool add_prefix_space = false;
   bool use_regex = true;
@@ -171,6 +188,9 @@ struct PreTokenizer {
   std::u32string literal;             // Split with a String pattern
   Behavior behavior = Behavior::kIsolated;
   bool invert = false;
+  char32_t replacement = U'\u2581';  // Metaspace
+  PrependScheme prepend_scheme = PrependScheme::kAlways;
+  bool split = true;
 
   std::vector<std::pair<size_t, size_t>> literal_matches(const std::u32string& text) const {
     std::vector<std::pair<size_t, size_t>> matches;
@@ -180,38 +200,66 @@ struct PreTokenizer {
     return matches;
   }
 
-  void apply(const std::vector<std::u32string>& in, std::vector<std::u32string>& out) const {
+  static std::vector<std::pair<size_t, size_t>> char_matches(const std::u32string& text,
+                                                             bool (*is_match)(char32_t, char32_t),
+                                                             char32_t arg) {
+    std::vector<std::pair<size_t, size_t>> matches;
+    for (size_t i = 0; i < text.size(); ++i)
+      if (is_match(text[i], arg)) matches.emplace_back(i, i + 1);
+    return matches;
+  }
+
+  void apply(const std::vector<Piece>& in, std::vector<Piece>& out) const {
     for (const auto& piece : in) {
+      const std::u32string& text = piece.text;
       switch (kind) {
         case kDigits: {
-          std::vector<std::pair<size_t, size_t>> matches;
-          for (size_t i = 0; i < piece.size(); ++i)
-            if (unicode::is_numeric(piece[i])) matches.emplace_back(i, i + 1);
-          split_pieces(piece, with_gaps(matches, piece.size(), false),
+          auto numeric = [](char32_t c, char32_t) { return unicode::is_numeric(c); };
+          split_pieces(piece, with_gaps(char_matches(text, numeric, 0), text.size(), false),
                        individual_digits ? Behavior::kIsolated : Behavior::kContiguous, out);
           break;
         }
         case kSplit: {
-          auto matches = regex ? regex->find_all(piece) : literal_matches(piece);
-          split_pieces(piece, with_gaps(matches, piece.size(), invert), behavior, out);
+          auto matches = regex ? regex->find_all(text) : literal_matches(text);
+          split_pieces(piece, with_gaps(matches, text.size(), invert), behavior, out);
           break;
         }
         case kByteLevel: {
-          std::u32string text = piece;
-          if (add_prefix_space && (text.empty() || text[0] != U' ')) text.insert(0, 1, U' ');
-          std::vector<std::u32string> parts;
+          Piece prefixed = piece;
+          if (add_prefix_space && (text.empty() || text[0] != U' '))
+            prefixed.text.insert(0, 1, U' ');
+          std::vector<Piece> parts;
           if (use_regex) {
-            split_pieces(text, with_gaps(regex->find_all(text), text.size(), false),
+            const auto matches = regex->find_all(prefixed.text);
+            split_pieces(prefixed, with_gaps(matches, prefixed.text.size(), false),
                          Behavior::kIsolated, parts);
-          } else if (!text.empty()) {
-            parts.push_back(text);
+          } else if (!prefixed.text.empty()) {
+            parts.push_back(prefixed);
           }
           const auto& alphabet = byte_alphabet();
           for (const auto& part : parts) {
-            std::u32string mapped;
-            for (unsigned char b : to_utf8(part)) mapped.push_back(alphabet.byte_char[b]);
+            Piece mapped{{}, part.at_start};
+            for (unsigned char b : to_utf8(part.text)) mapped.text.push_back(alphabet.byte_char[b]);
             out.push_back(std::move(mapped));
           }
+          break;
+        }
+        case kMetaspace: {
+          Piece replaced = piece;
+          for (char32_t& c : replaced.text)
+            if (c == U' ') c = replacement;
+          const bool starts = !replaced.text.empty() && replaced.text[0] == replacement;
+          if (!starts && (prepend_scheme == PrependScheme::kAlways ||
+                          (prepend_scheme == PrependScheme::kFirst && piece.at_start)))
+            replaced.text.insert(0, 1, replacement);
+          if (!split) {
+            if (!replaced.text.empty()) out.push_back(std::move(replaced));
+            break;
+          }
+          auto same = [](char32_t c, char32_t r) { return c == r; };
+          const auto matches = char_matches(replaced.text, same, replacement);
+          split_pieces(replaced, with_gaps(matches, replaced.text.size(), false),
+                       Behavior::kMergedWithNext, out);
           break;
         }
       }
@@ -220,10 +268,11 @@ struct PreTokenizer {
 };
 
 struct Decoder {
-  enum Kind { kByteLevel, kByteFallback, kFuse, kStrip, kReplace } kind;
+  enum Kind { kByteLevel, kByteFallback, kFuse, kStrip, kReplace, kMetaspace } kind;
   std::string pattern, content;  // Replace
-  char32_t strip_char = 0;       // Strip
+  char32_t strip_char = 0;       // Strip; Metaspace: the replacement character
   size_t start = 0, stop = 0;    // Strip
+  PrependScheme prepend_scheme = PrependScheme::kAlways;  // Metaspace
 
   void apply(std::vector<std::string>& tokens) const {
     switch (kind) {
@@ -306,6 +355,20 @@ struct Decoder {
         break;
       case kReplace:
         for (auto& token : tokens) replace_all(token, pattern, content);
+        break;
+      case kMetaspace:
+        // As tokenizers does: every replacement character of the first token is dropped (when
+        // a prefix may have been added), the others become spaces.
+        for (size_t i = 0; i < tokens.size(); ++i) {
+          std::u32string chars;
+          unicode::decode_utf8(tokens[i], chars);
+          std::u32string decoded;
+          for (char32_t c : chars) {
+            if (c != strip_char) decoded.push_back(c);
+            else if (i != 0 || prepend_scheme == PrependScheme::kNever) decoded.push_back(U' ');
+          }
+          tokens[i] = to_utf8(decoded);
+        }
         break;
     }
   }
@@ -502,21 +565,25 @@ struct Tokenizer::Impl {
       if (s.len) out.push_back(s.id);
   }
 
-  void encode_text(const std::u32string& text, std::vector<int32_t>& out) const {
+  // Text between added tokens; at_start: it begins the input.
+  void encode_text(const std::u32string& text, bool at_start, std::vector<int32_t>& out) const {
     std::u32string normalized = text;
     normalize(normalized);
+    bool first = at_start;
     for (const auto& segment : split_added(normalized, normalized_starts)) {
       if (segment.id >= 0) {
         out.push_back(segment.id);
+        first = false;
         continue;
       }
-      std::vector<std::u32string> pieces{segment.text}, next;
+      std::vector<Piece> pieces{{segment.text, first}}, next;
+      first = false;
       for (const auto& step : pre_tokenizers) {
         next.clear();
         step.apply(pieces, next);
         pieces.swap(next);
       }
-      for (const auto& piece : pieces) bpe(piece, out);
+      for (const auto& piece : pieces) bpe(piece.text, out);
     }
   }
 
@@ -631,10 +698,27 @@ struct Tokenizer::Impl {
       else step.literal = to_u32(p.text);
       step.behavior = parse_behavior(node.at("behavior"));
       step.invert = flag(node, "invert", false);
+    } else if (type == "Metaspace") {
+      step.kind = PreTokenizer::kMetaspace;
+      step.replacement = metaspace_replacement(node);
+      step.prepend_scheme = metaspace_scheme(node);
+      step.split = flag(node, "split", true);
     } else {
       unsupported("pre_tokenizer " + type);
     }
     pre_tokenizers.push_back(std::move(step));
+  }
+
+  static char32_t metaspace_replacement(const json& node) {
+    const auto replacement = to_u32(node.value("replacement", "\u2581"));
+    if (replacement.size() != 1) unsupported("Metaspace replacement of more than one character");
+    return replacement[0];
+  }
+
+  // Files written before prepend_scheme existed say add_prefix_space instead.
+  static PrependScheme metaspace_scheme(const json& node) {
+    if (node.contains("prepend_scheme")) return parse_prepend_scheme(node["prepend_scheme"]);
+    return flag(node, "add_prefix_space", true) ? PrependScheme::kAlways : PrependScheme::kNever;
   }
 
   void load_decoder(const json& node) {
@@ -662,6 +746,10 @@ struct Tokenizer::Impl {
       if (p.is_regex) unsupported("Replace decoder with a regex pattern");
       step.pattern = p.text;
       step.content = node.at("content").get<std::string>();
+    } else if (type == "Metaspace") {
+      step.kind = Decoder::kMetaspace;
+      step.strip_char = metaspace_replacement(node);
+      step.prepend_scheme = metaspace_scheme(node);
     } else {
       unsupported("decoder " + type);
     }
@@ -717,9 +805,11 @@ std::vector<int32_t> Tokenizer::encode(const std::string& text) const {
   std::u32string chars;
   if (!unicode::decode_utf8(text, chars)) throw std::invalid_argument("text is not valid UTF-8");
   std::vector<int32_t> ids;
+  bool at_start = true;
   for (const auto& segment : impl_->split_added(chars, impl_->raw_starts)) {
     if (segment.id >= 0) ids.push_back(segment.id);
-    else impl_->encode_text(segment.text, ids);
+    else impl_->encode_text(segment.text, at_start, ids);
+    at_start = false;
   }
   return ids;
 }

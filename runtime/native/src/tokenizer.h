@@ -1,7 +1,8 @@
 // tokenizer.json (Hugging Face `tokenizers` format) in C++, token-identical to that library for
 // the tokenizers our loaders produce: byte-level BPE (GPT-2 / SmolLM2 digits / Llama 3 / Qwen2
-// split regexes) and SentencePiece-style BPE with byte fallback. Components it does not
-// implement are refused at load time with a message naming them.
+// split regexes, NFC) and SentencePiece-style BPE with byte fallback (as normalizers or as a
+// Metaspace pre-tokenizer). Components it does not implement are refused at load time with a
+// message naming them.
 #pragma once
 
 #include <cstdint>
