@@ -1,4 +1,5 @@
 import java.util.Properties
+import org.jetbrains.kotlin.gradle.dsl.JvmTarget
 
 plugins {
     id("com.android.application")
@@ -67,13 +68,15 @@ android {
         sourceCompatibility = JavaVersion.VERSION_17
         targetCompatibility = JavaVersion.VERSION_17
     }
-    kotlinOptions {
-        jvmTarget = "17"
-    }
     packaging {
-        // Bundles are memory-mapped from disk by ExecuTorch; native libraries are loaded from
-        // the APK uncompressed.
+        // Native libraries stay uncompressed in the APK and are loaded from it directly.
         jniLibs.useLegacyPackaging = false
+    }
+}
+
+kotlin {
+    compilerOptions {
+        jvmTarget.set(JvmTarget.JVM_17)
     }
 }
 

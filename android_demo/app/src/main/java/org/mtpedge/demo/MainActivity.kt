@@ -25,7 +25,7 @@ import org.json.JSONObject
 class MainActivity : Activity() {
     // The core forbids overlapping calls on one engine: every engine call runs on this thread.
     private val worker = Executors.newSingleThreadExecutor()
-    private var engine: Engine? = null
+    @Volatile private var engine: Engine? = null
     private var bundles: List<File> = emptyList()
 
     private lateinit var bundleSpinner: Spinner
