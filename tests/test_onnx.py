@@ -198,3 +198,19 @@ def test_onnx_quant_scheme_is_checked(model_dir, tmp_path):
     line = error_line(CliRunner().invoke(export, [*args, "--group-size", "24"]))
     assert "power of two" in line
     assert not (tmp_path / "b").exists()
+
+
+def test_qwen_style_attention_and_tied_head_export(tmp_path):
+    """Biased q/k/v projections, per-head q/k norms (qwen2 / qwen3) and a tied LM head."""
+    model = tiny_model(
+        seed=5, vocab=VOCAB, dtype=torch.float32, attention_bias=True, qk_norm=True,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    assert model.lm_head is None
+    path = tmp_path / "qwen.onnx"
+    methods = export_program(
+        model, path, quant="fp32", group_size=0, max_seq_len=MAX_SEQ_LEN, max_chunk=CHUNK
+    )
+    session = OnnxSession(path, methods["forward"], MAX_SEQ_LEN, VOCAB, CHUNK)
+    eager = EagerSession(model, MAX_SEQ_LEN, CHUNK)
+    torch.testing.assert_close(prefill(session, PROMPT), prefill(eager, PROMPT), atol=1e-4, rtol=0)
