@@ -99,13 +99,40 @@ def run_suite(
     progress: Callable[[str], None] | None = None,
 ) -> dict:
     """Run every prompt plain and speculative (greedy), `repeat` times; returns the report body."""
-    rows = []
-    totals = {"ar_tokens": 0, "ar_s": 0.0, "spec_tokens": 0, "spec_s": 0.0}
-    steps = drafted = accepted = 0
-    accepted_pos = [0] * config.k
-    drafted_pos = [0] * config.k
-    ttft_ar, ttft_spec = [], []
+    suite = Suite(config.k, repeat)
     for i, p in enumerate(prompts):
+        row = suite.run_prompt(session, encode, drafter, p, config, max_new_tokens)
+        if progress:
+            progress(f"[{i + 1}/{len(prompts)}] {progress_line(row)}")
+    return suite.body()
+
+
+def progress_line(row: dict) -> str:
+    return (
+        f"{row['id']}: plain {row['ar_tokens_per_s']:.1f} tok/s, "
+        f"spec {row['spec_tokens_per_s']:.1f} tok/s, tau {row['tau']:.2f}, "
+        f"{'identical' if row['identical'] else 'DIFFERS'}"
+    )
+
+
+class Suite:
+    """Accumulates prompt results into the report body, one prompt at a time, so that callers
+    can interleave several bundles prompt by prompt (`mtp-bench --compare`)."""
+
+    def __init__(self, k: int, repeat: int = 1):
+        self.k, self.repeat = k, repeat
+        self.rows: list[dict] = []
+        # per repeat pass: decode tokens and seconds of plain and speculative runs
+        self.passes = [
+            {"ar_tokens": 0, "ar_s": 0.0, "spec_tokens": 0, "spec_s": 0.0} for _ in range(repeat)
+        ]
+        self.steps = self.drafted = self.accepted = 0
+        self.accepted_pos = [0] * k
+        self.drafted_pos = [0] * k
+        self.ttft_ar: list[float] = []
+        self.ttft_spec: list[float] = []
+
+    def run_prompt(self, session, encode, drafter, p: Prompt, config, max_new_tokens=None) -> dict:
         prompt_ids = encode(p.prompt)
         cfg = GenerationConfig(
             max_new_tokens=max_new_tokens or p.max_new_tokens,
@@ -115,7 +142,7 @@ def run_suite(
             eos_ids=config.eos_ids,
         )
         ar_rates, spec_rates = [], []
-        for _ in range(repeat):
+        for totals in self.passes:
             # Interleaved, so that machine drift affects both alike.
             plain = generate(session, prompt_ids, None, cfg)
             spec = generate(session, prompt_ids, drafter, cfg)
@@ -125,15 +152,17 @@ def run_suite(
             totals["ar_s"] += plain.stats.decode_seconds
             totals["spec_tokens"] += _decode_tokens(spec)
             totals["spec_s"] += spec.stats.decode_seconds
-            ttft_ar.append(plain.stats.ttft_ms)
-            ttft_spec.append(spec.stats.ttft_ms)
+            self.ttft_ar.append(plain.stats.ttft_ms)
+            self.ttft_spec.append(spec.stats.ttft_ms)
         s = spec.stats
-        steps += s.verify_steps
-        drafted += s.drafted_tokens
-        accepted += s.accepted_tokens
-        for j in range(config.k):
-            accepted_pos[j] += s.accepted_per_position[j] if j < len(s.accepted_per_position) else 0
-            drafted_pos[j] += s.drafted_per_position[j] if j < len(s.drafted_per_position) else 0
+        self.steps += s.verify_steps
+        self.drafted += s.drafted_tokens
+        self.accepted += s.accepted_tokens
+        for j in range(self.k):
+            if j < len(s.accepted_per_position):
+                self.accepted_pos[j] += s.accepted_per_position[j]
+            if j < len(s.drafted_per_position):
+                self.drafted_pos[j] += s.drafted_per_position[j]
         row = {
             "id": p.id,
             "category": p.category,
@@ -151,48 +180,69 @@ def run_suite(
             "ar_ms_per_step": round(
                 plain.stats.verify_seconds * 1e3 / max(plain.stats.verify_steps, 1), 4
             ),
+            "ttft_ms_ar": round(statistics.median(self.ttft_ar[-self.repeat :]), 3),
+            "ttft_ms_spec": round(statistics.median(self.ttft_spec[-self.repeat :]), 3),
             "stop_reason_ar": plain.stop_reason,
             "stop_reason_spec": spec.stop_reason,
             **compare_runs(plain, spec),
         }
-        rows.append(row)
-        if progress:
-            progress(
-                f"[{i + 1}/{len(prompts)}] {p.id}: plain {row['ar_tokens_per_s']:.1f} tok/s, "
-                f"spec {row['spec_tokens_per_s']:.1f} tok/s, tau {row['tau']:.2f}, "
-                f"{'identical' if row['identical'] else 'DIFFERS'}"
-            )
-    ar_step = statistics.median(r["ar_ms_per_step"] for r in rows)
-    verify_step = statistics.median(r["verify_ms_per_step"] for r in rows)
-    draft_step = statistics.median(r["draft_ms_per_step"] for r in rows)
-    ar = _rate(totals["ar_tokens"], totals["ar_s"])
-    sp = _rate(totals["spec_tokens"], totals["spec_s"])
-    divergent = [r for r in rows if not r["identical"]]
-    summary = {
-        "prompts": len(rows),
-        "lossless": all(r["near_tie"] for r in divergent),
-        "divergences": len(divergent),
-        "near_tie_divergences": sum(1 for r in divergent if r["near_tie"]),
-        "near_tie_tolerance": NEAR_TIE,
-        "ar_tokens_per_s": round(ar, 3),
-        "spec_tokens_per_s": round(sp, 3),
-        "speedup": round(_rate(sp, ar), 4),
-        "tau": round(sum(r["spec_tokens"] - 1 for r in rows) / max(steps, 1), 4),
-        "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
-        "acceptance_by_position": [
-            round(a / d, 4) if d else None for a, d in zip(accepted_pos, drafted_pos, strict=True)
-        ],
-        # What speculation costs per step, against one plain decoding step (medians of prompts):
-        "ar_ms_per_step": round(ar_step, 4),
-        "verify_ms_per_step": round(verify_step, 4),
-        "verify_over_decode": round(_rate(verify_step, ar_step), 4),
-        "draft_ms_per_step": round(draft_step, 4),
-        "draft_over_decode": round(_rate(draft_step, ar_step), 4),
-        "ttft_ms_ar": round(statistics.median(ttft_ar), 3),
-        "ttft_ms_spec": round(statistics.median(ttft_spec), 3),
-        "peak_rss_mb": round(peak_rss_mb(), 1),
-    }
-    return {"summary": summary, "per_category": per_category(rows), "prompts": rows}
+        if self.repeat > 1:
+            row["ar_tokens_per_s_runs"] = [round(r, 3) for r in ar_rates]
+            row["spec_tokens_per_s_runs"] = [round(r, 3) for r in spec_rates]
+        self.rows.append(row)
+        return row
+
+    def body(self) -> dict:
+        rows = self.rows
+        ar_step = statistics.median(r["ar_ms_per_step"] for r in rows)
+        verify_step = statistics.median(r["verify_ms_per_step"] for r in rows)
+        draft_step = statistics.median(r["draft_ms_per_step"] for r in rows)
+        ar_runs = [_rate(t["ar_tokens"], t["ar_s"]) for t in self.passes]
+        spec_runs = [_rate(t["spec_tokens"], t["spec_s"]) for t in self.passes]
+        ar, sp = statistics.median(ar_runs), statistics.median(spec_runs)
+        divergent = [r for r in rows if not r["identical"]]
+        summary = {
+            "prompts": len(rows),
+            "lossless": all(r["near_tie"] for r in divergent),
+            "divergences": len(divergent),
+            "near_tie_divergences": sum(1 for r in divergent if r["near_tie"]),
+            "near_tie_tolerance": NEAR_TIE,
+            "ar_tokens_per_s": round(ar, 3),
+            "spec_tokens_per_s": round(sp, 3),
+            "speedup": round(_rate(sp, ar), 4),
+            "tau": round(sum(r["spec_tokens"] - 1 for r in rows) / max(self.steps, 1), 4),
+            "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else 0.0,
+            "acceptance_by_position": [
+                round(a / d, 4) if d else None
+                for a, d in zip(self.accepted_pos, self.drafted_pos, strict=True)
+            ],
+            # What speculation costs per step, against one plain decoding step (medians):
+            "ar_ms_per_step": round(ar_step, 4),
+            "verify_ms_per_step": round(verify_step, 4),
+            "verify_over_decode": round(_rate(verify_step, ar_step), 4),
+            "draft_ms_per_step": round(draft_step, 4),
+            "draft_over_decode": round(_rate(draft_step, ar_step), 4),
+            "ttft_ms_ar": round(statistics.median(self.ttft_ar), 3),
+            "ttft_ms_spec": round(statistics.median(self.ttft_spec), 3),
+            "peak_rss_mb": round(peak_rss_mb(), 1),
+        }
+        if self.repeat > 1:
+            # Each pass over the suite is one measurement; the headline is their median.
+            speedups = [_rate(s, a) for a, s in zip(ar_runs, spec_runs, strict=True)]
+            summary["repeats"] = self.repeat
+            summary["spread"] = {
+                name: {
+                    "min": round(min(v), 4),
+                    "max": round(max(v), 4),
+                    "runs": [round(x, 4) for x in v],
+                }
+                for name, v in (
+                    ("ar_tokens_per_s", ar_runs),
+                    ("spec_tokens_per_s", spec_runs),
+                    ("speedup", speedups),
+                )
+            }
+        return {"summary": summary, "per_category": per_category(rows), "prompts": rows}
 
 
 def per_category(rows: list[dict]) -> dict:

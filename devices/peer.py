@@ -15,6 +15,13 @@ def textllmrunner_baseline(pte: Path, tokenizer_json: Path, prompts: list[tuple[
     Returns {"tokens_per_s", "prompts", "generated_tokens"} or {"error": why} when the runner
     cannot run the program.
     """
+    outputs = _forward_outputs(pte)
+    if outputs != 1:
+        # TextLLMRunner asserts on a second output and aborts the whole process.
+        return {
+            "error": f"TextLLMRunner reads single-output programs; {pte.name} returns {outputs} "
+            "(logits and the hidden states the MTP drafter reads)"
+        }
     try:
         import executorch.kernels.quantized  # noqa: F401  (registers the quantized kernels)
         from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401
@@ -44,3 +51,9 @@ def textllmrunner_baseline(pte: Path, tokenizer_json: Path, prompts: list[tuple[
         "generated_tokens": tokens + len(prompts),
         "ttft_ms_median": sorted(ttft)[len(ttft) // 2],
     }
+
+
+def _forward_outputs(pte: Path) -> int:
+    from executorch.runtime import Runtime
+
+    return Runtime.get().load_program(pte).metadata("forward").num_outputs()

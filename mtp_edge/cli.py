@@ -286,45 +286,73 @@ def run(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_strings, a
     default=None,
     help="JSONL prompts file (default: the built-in suite).",
 )
-@click.option("--repeat", default=1, show_default=True, help="Runs per prompt (medians).")
+@click.option(
+    "--repeat", default=1, show_default=True, help="Passes over the suite (medians and spread)."
+)
 @click.option(
     "--max-new-tokens", default=None, type=int, help="Override every prompt's max_new_tokens."
 )
 @click.option("--json", "json_out", default=None, help="Write the JSON report here.")
 @click.option("--markdown", "markdown_out", default=None, help="Write a Markdown summary here.")
-def bench(prompts_path, repeat, max_new_tokens, json_out, markdown_out, **opts):
+@click.option(
+    "--report",
+    "report_dir",
+    default=None,
+    help="Write a Markdown report with PNG plots and the machine's description here.",
+)
+@click.option(
+    "--compare",
+    multiple=True,
+    help="Another bundle to measure side by side with --bundle (repeatable); prompts interleaved.",
+)
+def bench(
+    prompts_path, repeat, max_new_tokens, json_out, markdown_out, report_dir, compare, **opts
+):
     """Plain vs speculative greedy decoding on the same backend, over a prompt suite."""
-    from mtp_edge.devices.harness import load_prompts, run_suite, to_markdown
+    from pathlib import Path
+
+    from mtp_edge.devices.harness import Suite, load_prompts, progress_line, to_markdown
 
     if repeat < 1:
         raise UserError(f"--repeat must be >= 1, got {repeat}")
     if max_new_tokens is not None and max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if compare and opts["bundle"] is None:
+        raise UserError("--compare puts bundles side by side: give the first one with --bundle")
     prompts = load_prompts(prompts_path)
-    ctx = setup(opts)
-    body = run_suite(
-        ctx.session,
-        ctx.encode,
-        ctx.drafter,
-        prompts,
-        ctx.config,
-        max_new_tokens,
-        repeat,
-        progress=lambda line: click.echo(line, err=True),
-    )
-    report = {
-        "bundle": ctx.bundle,
-        "model": ctx.name,
-        "backend": ctx.session.name,
-        "drafter": "none" if ctx.drafter is None else ctx.drafter.name,
-        "k": ctx.config.k,
-        "threads": torch.get_num_threads(),
-        "command": " ".join(["mtp-bench", *sys.argv[1:]]),
-        **body,
-    }
-    if ctx.bundle is not None and ctx.session.name == "executorch":
-        from pathlib import Path
+    machine = None
+    if report_dir is not None:
+        from mtp_edge.devices.report import machine_description
 
+        click.echo("[machine] measuring memory bandwidth and matmul throughput", err=True)
+        machine = machine_description()  # before ExecuTorch takes the cores
+    setups = [setup(opts)] + [setup({**opts, "bundle": b}) for b in compare]
+    suites = [Suite(ctx.config.k, repeat) for ctx in setups]
+    for i, p in enumerate(prompts):
+        # Every bundle in turn on the same prompt, so that machine drift affects all alike.
+        for ctx, suite in zip(setups, suites, strict=True):
+            row = suite.run_prompt(
+                ctx.session, ctx.encode, ctx.drafter, p, ctx.config, max_new_tokens
+            )
+            tag = f" {Path(ctx.bundle).name}:" if compare else ""
+            click.echo(f"[{i + 1}/{len(prompts)}]{tag} {progress_line(row)}", err=True)
+    command = " ".join(["mtp-bench", *sys.argv[1:]])
+    reports = [
+        {
+            "bundle": ctx.bundle,
+            "model": ctx.name,
+            "backend": ctx.session.name,
+            "drafter": "none" if ctx.drafter is None else ctx.drafter.name,
+            "k": ctx.config.k,
+            "threads": torch.get_num_threads(),
+            "command": command,
+            **suite.body(),
+        }
+        for ctx, suite in zip(setups, suites, strict=True)
+    ]
+    for ctx, report in zip(setups, reports, strict=True):
+        if ctx.bundle is None or ctx.session.name != "executorch":
+            continue
         from mtp_edge.devices.peer import textllmrunner_baseline
 
         click.echo(
@@ -335,11 +363,17 @@ def bench(prompts_path, repeat, max_new_tokens, json_out, markdown_out, **opts):
         report["peer_textllmrunner"] = textllmrunner_baseline(
             bundle_dir / "target.pte", bundle_dir / "tokenizer.json", runs
         )
-    markdown = to_markdown(report)
-    write_atomic(json_out, json.dumps(report, indent=2) + "\n")
+    markdown = "\n".join(to_markdown(r) for r in reports)
+    body = reports[0] if len(reports) == 1 else {"command": command, "runs": reports}
+    write_atomic(json_out, json.dumps(body, indent=2) + "\n")
     write_atomic(markdown_out, markdown)
+    if report_dir is not None:
+        from mtp_edge.devices.report import write_report
+
+        path = write_report(report_dir, reports, command, machine)
+        click.echo(f"[report] {path}", err=True)
     click.echo(markdown)
-    if not report["summary"]["lossless"]:
+    if not all(r["summary"]["lossless"] for r in reports):
         raise UserError("speculative output diverged from plain output beyond a near-tie: a bug")
 
 
@@ -537,3 +571,122 @@ def train(
     summary = train_heads(options, progress=lambda line: click.echo(line, err=True))
     if summary:
         click.echo(json.dumps(summary))
+
+
+@click.command(cls=OneLineErrors)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (with every figure's source).")
+@click.option("--sources", is_flag=True, help="List where each figure comes from.")
+def devices(as_json, sources):
+    """The device catalog, and this machine measured live."""
+    from dataclasses import asdict
+
+    from mtp_edge.devices.catalog import catalog, devices_table, host_device
+
+    click.echo("[host] measuring memory bandwidth and matmul throughput", err=True)
+    entries = [host_device(), *catalog()]
+    if as_json:
+        click.echo(json.dumps([asdict(d) for d in entries], indent=2))
+        return
+    click.echo(devices_table(entries))
+    if sources:
+        for d in entries:
+            click.echo(f"{d.name}:")
+            for figure, source in d.sources.items():
+                click.echo(f"  {figure}: {source}")
+
+
+@click.command(cls=OneLineErrors)
+@click.option("--bundle", required=True, help="The bundle to predict for (ExecuTorch).")
+@click.option(
+    "--device",
+    "device_names",
+    multiple=True,
+    default=("host",),
+    show_default=True,
+    help="host (measured live) | a catalog name (mtp-devices) | all (repeatable).",
+)
+@click.option(
+    "--from-bench",
+    default=None,
+    help="mtp-bench JSON of this bundle: its tau and acceptance (and, for host, the measured "
+    "tokens/s to compare with).",
+)
+@click.option("--json", "json_out", default=None, help="Write the predictions as JSON here.")
+@click.option("--markdown", "markdown_out", default=None, help="Write the table here.")
+def predict(bundle, device_names, from_bench, json_out, markdown_out):
+    """Roofline prediction of plain and speculative tokens/s and the speedup on a device."""
+    from mtp_edge.devices import predict as roofline
+    from mtp_edge.devices.catalog import catalog, find_device
+    from mtp_edge.manifest import Manifest
+
+    names = [d.name for d in catalog()] if "all" in device_names else list(device_names)
+    if "all" in device_names:
+        names.insert(0, "host")
+    chosen = [find_device(name) for name in names]  # unknown names fail before measuring
+    bench_report = None
+    if from_bench is not None:
+        bench_report = roofline.load_bench(from_bench)
+    cost = roofline.bundle_cost(bundle)
+    click.echo("[calibrate] timing the bundle's programs on this machine", err=True)
+    calibration = roofline.calibrate(bundle, cost)
+    acceptance = roofline.acceptance_from(bench_report, Manifest.load(bundle, verify=False), cost.k)
+    predictions = [roofline.predict(cost, d, calibration, acceptance) for d in chosen]
+    validation = None
+    if bench_report is not None and "host" in names:
+        validation = roofline.compare_with_measured(predictions[names.index("host")], bench_report)
+    out = {
+        "bundle": bundle,
+        "command": " ".join(["mtp-predict", *sys.argv[1:]]),
+        "calibration": calibration.__dict__,
+        "predictions": predictions,
+        "host_validation": validation,
+    }
+    markdown = roofline.to_markdown(predictions, validation)
+    write_atomic(json_out, json.dumps(out, indent=2) + "\n")
+    write_atomic(markdown_out, markdown)
+    click.echo(markdown)
+
+
+@click.command(cls=OneLineErrors)
+@click.option("--device", required=True, help="host, or the serial of an adb device.")
+@click.option("--bundle", required=True, help="The bundle to measure.")
+@click.option("--prompts", "prompts_path", default=None, help="JSONL prompts (default: built in).")
+@click.option(
+    "--max-new-tokens", default=None, type=int, help="Override every prompt's max_new_tokens."
+)
+@click.option("--repeat", default=1, show_default=True, help="Runs per prompt (medians).")
+@click.option("--json", "json_out", default=None, help="Write the report (mtp-bench format).")
+@click.option(
+    "--runner",
+    default=None,
+    help="The native mtp-runner for the device (default: runtime/native/build-android/mtp-runner).",
+)
+@click.option(
+    "--as",
+    "catalog_name",
+    default=None,
+    help="Catalog device to predict with (default: matched from the device's SoC).",
+)
+def profile(device, bundle, prompts_path, max_new_tokens, repeat, json_out, runner, catalog_name):
+    """Measure plain vs speculative decoding on the host or an adb device, next to the
+    roofline prediction for that device."""
+    from mtp_edge.devices.harness import load_prompts
+    from mtp_edge.devices.profile import profile_device
+
+    if repeat < 1:
+        raise UserError(f"--repeat must be >= 1, got {repeat}")
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    report = profile_device(
+        device,
+        bundle,
+        load_prompts(prompts_path),
+        prompts_path,
+        max_new_tokens,
+        repeat,
+        runner,
+        catalog_name,
+        json_out,
+        progress=lambda line: click.echo(line, err=True),
+    )
+    click.echo(report["markdown"])

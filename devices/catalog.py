@@ -1,0 +1,168 @@
+"""The device catalog (devices/catalog.json) and this machine's own figures, measured live.
+
+Phones and laptops are described by published figures, each with the page it comes from; the
+host is measured instead, because a VM's or a laptop's real memory bandwidth and core count are
+what its decoding speed follows, whatever its spec sheet says.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+
+from mtp_edge.errors import UserError
+
+
+@dataclass
+class Device:
+    name: str
+    title: str
+    kind: str  # phone | laptop | board | host
+    soc: str
+    abi: str
+    ram_gb: float | None
+    bandwidth_gbs: float  # memory bandwidth: peak (catalog) or measured (host)
+    cpu: str
+    cpu_int8_gops: float  # peak int8 dot-product throughput of the big cores (host: measured)
+    cpu_fp32_gflops: float | None
+    gpu_fp32_tflops: float | None
+    npu_int8_tops: float | None
+    sources: dict  # figure -> where it comes from
+    measured: bool = False  # True for the host: figures from live probes, not spec sheets
+
+
+def catalog() -> list[Device]:
+    data = json.loads(resources.files("mtp_edge.devices").joinpath("catalog.json").read_text())
+    out = []
+    for d in data["devices"]:
+        figures = {k: v for k, v in d.items() if isinstance(v, dict)}
+        out.append(
+            Device(
+                name=d["name"],
+                title=d["title"],
+                kind=d["kind"],
+                soc=d["soc"],
+                abi=d["abi"],
+                ram_gb=d["ram_gb"]["value"],
+                bandwidth_gbs=d["memory_bandwidth_gbs"]["value"],
+                cpu=d["cpu"]["value"],
+                cpu_int8_gops=d["cpu_int8_gops"]["value"],
+                cpu_fp32_gflops=d["cpu_fp32_gflops"]["value"],
+                gpu_fp32_tflops=d["gpu_fp32_tflops"]["value"],
+                npu_int8_tops=d["npu_int8_tops"]["value"],
+                sources={k: v["source"] for k, v in figures.items()},
+            )
+        )
+    return out
+
+
+def find_device(name: str) -> Device:
+    """A catalog device by name, or the host measured live for 'host'."""
+    if name == "host":
+        return host_device()
+    devices = catalog()
+    for d in devices:
+        if d.name == name:
+            return d
+    names = ", ".join(d.name for d in devices)
+    raise UserError(f"unknown device '{name}': use host or one of {names} (see mtp-devices)")
+
+
+@cache
+def host_device() -> Device:
+    """This machine, measured now: memory read bandwidth, int8 and fp32 matmul throughput."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    bandwidth = measure_bandwidth_gbs()
+    int8, fp32 = measure_matmul_gops()
+    how = "measured live on this machine"
+    return Device(
+        name="host",
+        title=f"this machine ({platform.node()})",
+        kind="host",
+        soc=cpu_model(),
+        abi=platform.machine(),
+        ram_gb=round(ram, 1),
+        bandwidth_gbs=round(bandwidth, 1),
+        cpu=f"{cores} cores, {cpu_model()}",
+        cpu_int8_gops=round(int8, 1),
+        cpu_fp32_gflops=round(fp32, 1),
+        gpu_fp32_tflops=None,
+        npu_int8_tops=None,
+        sources={
+            "memory_bandwidth_gbs": f"{how}: numpy sum over a 512 MB array (read stream)",
+            "cpu_int8_gops": f"{how}: torch._int_mm 1024^3 int8 matmul",
+            "cpu_fp32_gflops": f"{how}: torch 1024^3 fp32 matmul",
+            "ram_gb": "os.sysconf",
+        },
+        measured=True,
+    )
+
+
+def cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def measure_bandwidth_gbs(megabytes: int = 512, runs: int = 5) -> float:
+    """Read bandwidth: summing an array far larger than the caches streams it from DRAM, as a
+    decoding step streams the weights. The best of a few runs (others may share the machine)."""
+    import numpy as np
+
+    a = np.ones(megabytes * 2**20 // 8)
+    a.sum()  # touch every page before timing
+    best = float("inf")
+    for _ in range(runs):
+        t = time.perf_counter()
+        a.sum()
+        best = min(best, time.perf_counter() - t)
+    return a.nbytes / best / 1e9
+
+
+def measure_matmul_gops(n: int = 1024, runs: int = 5) -> tuple[float, float]:
+    """int8 and fp32 matmul throughput (Gop/s) with torch's current thread count: the peak the
+    CPU's dot-product units reach on a large, cache-friendly problem."""
+    import torch
+
+    best = {}
+    ints = [torch.randint(-64, 64, (n, n), dtype=torch.int8) for _ in range(2)]
+    floats = [torch.randn(n, n) for _ in range(2)]
+    for name, f, (a, b) in (("int8", torch._int_mm, ints), ("fp32", torch.mm, floats)):
+        f(a, b)  # warm up
+        t_best = float("inf")
+        for _ in range(runs):
+            t = time.perf_counter()
+            f(a, b)
+            t_best = min(t_best, time.perf_counter() - t)
+        best[name] = 2 * n**3 / t_best / 1e9
+    return best["int8"], best["fp32"]
+
+
+def devices_table(devices: list[Device]) -> str:
+    """The catalog as a Markdown table (what mtp-devices prints)."""
+
+    def show(v, fmt="{:g}"):
+        return "—" if v is None else fmt.format(v)
+
+    lines = [
+        "| name | device | SoC | RAM GB | bandwidth GB/s | CPU int8 Gop/s | CPU fp32 GFLOP/s "
+        "| GPU fp32 TFLOPS | NPU int8 TOPS |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for d in devices:
+        lines.append(
+            f"| {d.name} | {d.title} | {d.soc} | {show(d.ram_gb)} | {show(d.bandwidth_gbs)}"
+            f"{' (measured)' if d.measured else ''} | {show(d.cpu_int8_gops)} | "
+            f"{show(d.cpu_fp32_gflops)} | {show(d.gpu_fp32_tflops)} | {show(d.npu_int8_tops)} |"
+        )
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,560 @@
+"""Roofline prediction of plain and speculative decoding speed on a device.
+
+One forward call of T tokens at context length C costs
+    t(T, C) = overhead + max(bytes(T, C) / bandwidth, flops(T, C) / compute)
+where bytes are the weights streamed from the bundle's own files (all but the embedding table,
+of which only T rows are read), the KV cache read up to C and written for T, and the logits and
+hidden activations; flops are 2 per matmul weight per token plus attention over C.
+
+Plain decoding emits one token per t(1, C). Speculative decoding emits tau tokens (measured on
+the host, `--from-bench`) per verify call t(k+1, C) plus the drafter's steps. On a memory-bound
+chip t(k+1) is close to t(1), which is where the speedup comes from; the prediction says which
+limit binds for each call.
+
+Device compute and bandwidth are peak figures; kernels reach a fraction of them. That fraction,
+and the per-call overhead (dispatch, threadpool wake-ups, the loop's own work), are measured on
+the host by timing the bundle's programs (`calibrate`), and carried over to catalog devices.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from functools import cache
+from pathlib import Path
+
+from mtp_edge.devices.catalog import Device, host_device
+from mtp_edge.errors import UserError
+from mtp_edge.manifest import Manifest
+
+F32 = 4  # the KV cache, logits and hidden states are float32 in our programs
+# Bytes per weight of the target's linear layers for each scheme (weights + one bf16 scale per
+# group; group 0 = one scale per output channel, negligible).
+WEIGHT_BITS = {"8da4w": 4, "int4": 4, "8da8w": 8, "int8": 8, "fp32": 32}
+# CPU read streams on phone SoCs reach about this fraction of the LPDDR peak (assumption; the
+# host's own bandwidth is measured, not scaled).
+CATALOG_BANDWIDTH_EFFICIENCY = 0.6
+
+
+@dataclass
+class ProgramShape:
+    """What one .pte program reads and computes, taken from the program itself."""
+
+    file_bytes: int
+    embedding_bytes: int  # the token embedding table (a gather: T rows read per call)
+    embedding_rows: int
+    hidden: int  # width of the embedding table's rows (0 without a table)
+    layers: int  # attention layers (KV cache pairs); 0 for the MTP drafter step
+    kv_heads: int
+    head_dim: int
+    q_heads: int
+    cache_len: int
+
+    @property
+    def streamed_bytes(self) -> int:
+        return self.file_bytes - self.embedding_bytes
+
+    @property
+    def row_bytes(self) -> float:
+        return self.embedding_bytes / self.embedding_rows if self.embedding_rows else 0.0
+
+
+@cache
+def program_shape(path: Path, vocab_size: int) -> ProgramShape:
+    """Read the KV-cache buffers and the embedding table from an ExecuTorch program."""
+    from executorch.exir._serialize._program import deserialize_pte_binary
+    from executorch.exir.schema import Tensor
+
+    try:
+        program = deserialize_pte_binary(path.read_bytes())
+    except Exception as e:  # a file that is not a .pte: say which one
+        raise UserError(f"cannot read ExecuTorch program {path}: {e}") from None
+    program = getattr(program, "program", program)
+    plan = next(p for p in program.execution_plan if p.name == "forward")
+    tensors = [v.val for v in plan.values if isinstance(v.val, Tensor)]
+    elem = {"FLOAT": 4, "HALF": 2, "BFLOAT16": 2, "CHAR": 1, "BYTE": 1, "LONG": 8, "INT": 4}
+
+    def nbytes(t) -> int:
+        n = 1
+        for s in t.sizes:
+            n *= s
+        return n * elem.get(t.scalar_type.name, 4)
+
+    # The static caches are what ExecuTorch's llama::update_cache writes (its second argument),
+    # one K and one V per layer, [1, S, H, D]; llama::custom_sdpa's first argument is the query
+    # [1, T, Hq, D].
+    caches, queries = {}, []
+    for chain in plan.chains:
+        for instruction in chain.instructions:
+            call = instruction.instr_args
+            if not hasattr(call, "op_index"):
+                continue
+            op = plan.operators[call.op_index].name
+            if op == "llama::update_cache":
+                caches[call.args[1]] = plan.values[call.args[1]].val
+            elif op == "llama::custom_sdpa":
+                queries.append(plan.values[call.args[0]].val)
+    kv = list(caches.values())
+    kv_heads = kv[0].sizes[2] if kv else 0
+    head_dim = kv[0].sizes[3] if kv else 0
+    q_heads = queries[0].sizes[2] if queries else kv_heads
+    # Constant tensors with one row per token id: the embedding table and its scales.
+    table = [
+        t
+        for t in tensors
+        if t.allocation_info is None and len(t.sizes) == 2 and t.sizes[0] == vocab_size
+    ]
+    return ProgramShape(
+        file_bytes=path.stat().st_size,
+        embedding_bytes=sum(nbytes(t) for t in table),
+        embedding_rows=vocab_size if table else 0,
+        hidden=max((t.sizes[1] for t in table), default=0),
+        layers=len(kv) // 2,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        q_heads=q_heads,
+        cache_len=kv[0].sizes[1] if kv else 0,
+    )
+
+
+@dataclass
+class BundleCost:
+    """Bytes and FLOPs per call of a bundle's target and drafter, from its files."""
+
+    name: str
+    target: ProgramShape
+    target_bits: float  # bits per linear weight incl. scales
+    vocab: int
+    hidden: int
+    drafter_kind: str
+    drafter: ProgramShape | None
+    k: int
+
+    @property
+    def target_params(self) -> float:
+        """Linear-layer weights (incl. the LM head), from their bytes and the scheme."""
+        return self.target.streamed_bytes * 8 / self.target_bits
+
+    def target_call(self, tokens: int, context: int) -> tuple[float, float]:
+        """(bytes, flops) of one target call of `tokens` tokens after `context` positions."""
+        t = self.target
+        kv_per_position = 2 * t.layers * t.kv_heads * t.head_dim * F32
+        activations = tokens * (self.vocab + self.hidden) * F32  # logits + hidden out
+        activations += tokens * t.layers * 8 * self.hidden * F32  # residual stream in/out
+        nbytes = (
+            t.streamed_bytes
+            + tokens * t.row_bytes
+            + kv_per_position * (context + tokens)  # read the cache, write the new slots
+            + activations
+        )
+        attention = 4 * t.layers * t.q_heads * t.head_dim * tokens * (context + tokens)
+        return nbytes, 2 * self.target_params * tokens + attention
+
+    def draft_step(self) -> tuple[float, float]:
+        """(bytes, flops) of one MTP drafter step (it has no KV cache: weights only)."""
+        d = self.drafter
+        if d is None:
+            return 0.0, 0.0
+        weights = d.streamed_bytes + d.row_bytes
+        return weights + 2 * self.hidden * F32, 2 * d.streamed_bytes * 8 / self.target_bits
+
+
+def bundle_cost(bundle_dir: str | Path) -> BundleCost:
+    path = Path(bundle_dir)
+    m = Manifest.load(path, verify=False)
+    if m.backend != "executorch":
+        raise UserError(f"mtp-predict reads ExecuTorch bundles; {path} is '{m.backend}'")
+    target_file = m.models["target"]
+    quant = target_file.quant
+    bits = WEIGHT_BITS.get(quant.get("scheme"), 32)
+    group = quant.get("group_size") or 0
+    if bits < 32 and group:
+        bits += 16 / group
+    kind = m.drafter.get("kind", "none")
+    target = program_shape(path / target_file.file, m.vocab_size)
+    drafter = None
+    if kind in ("mtp", "draft-lm") and "drafter" in m.models:
+        drafter = program_shape(path / m.models["drafter"].file, m.vocab_size)
+    return BundleCost(
+        name=path.name,
+        target=target,
+        target_bits=bits,
+        vocab=m.vocab_size,
+        hidden=target.hidden,
+        drafter_kind=kind,
+        drafter=drafter,
+        k=m.drafter.get("k", 4),
+    )
+
+
+@dataclass
+class Calibration:
+    """Measured on the host: what the roofline alone does not know."""
+
+    bandwidth_gbs: float  # memory read bandwidth, probed at calibration time
+    compute_gops: float  # achieved by a compute-bound target call (a full prefill chunk)
+    compute_efficiency: float  # compute_gops / the host's int8 matmul probe
+    target_overhead_ms: float  # a 1-token call minus its memory and compute time
+    draft_overhead_ms: float  # one draft step (incl. the drafter's Python) minus its roofline
+    plain_loop_ms: float  # the loop's own work per plain step (a session that costs nothing)
+    spec_loop_ms: float  # the same per verify step of k+1 tokens
+    measured_ms: dict  # the raw timings
+
+
+def _median_ms(fn, runs: int) -> float:
+    fn()  # warm up
+    times = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+class _FreeSession:
+    """A session whose calls cost nothing: timing the loop around it measures the loop alone."""
+
+    name = "free"
+
+    def __init__(self, vocab: int, hidden: int, max_chunk: int, token: int):
+        import torch
+
+        self.vocab_size, self.max_seq_len, self.max_chunk = vocab, 4096, max_chunk
+        self.logits = torch.zeros(max_chunk, vocab)
+        self.logits[:, token] = 1.0
+        self.hidden = torch.zeros(max_chunk, hidden)
+
+    def forward(self, tokens, start, return_hidden=False):
+        logits = self.logits[: len(tokens)]
+        return (logits, self.hidden[: len(tokens)]) if return_hidden else logits
+
+
+class _RepeatDrafter:
+    """Drafts the free session's token k times, so every step verifies and accepts k+1."""
+
+    name, needs_hidden = "repeat", True
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def propose(self, context, hidden, k, sampler):
+        from mtp_edge.runtime.drafters import Draft
+
+        return Draft([self.token] * k)
+
+
+def loop_overheads(cost: BundleCost, steps: int = 64) -> tuple[float, float]:
+    """Per-step cost of the draft-verify loop itself (ms), plain and speculative."""
+    from mtp_edge.runtime.loop import GenerationConfig, generate
+
+    token = 7
+    session = _FreeSession(cost.vocab, cost.hidden, cost.k + 1, token)
+    prompt = list(range(10, 42))
+    out = []
+    for drafter, tokens in ((None, steps), (_RepeatDrafter(token), steps * (cost.k + 1))):
+        config = GenerationConfig(max_new_tokens=tokens + 1, k=cost.k)
+        runs = []
+        for _ in range(3):
+            s = generate(session, prompt, drafter, config).stats
+            runs.append((s.decode_seconds - s.draft_seconds) / max(s.verify_steps, 1) * 1e3)
+        out.append(min(runs))
+    return out[0], out[1]
+
+
+def calibrate(bundle_dir: str | Path, cost: BundleCost) -> Calibration:
+    """Open the bundle and calibrate on it (see `calibrate_session`)."""
+    from mtp_edge.runtime.bundle import bundle_drafter, open_bundle, target_session
+    from mtp_edge.runtime.drafters import NgramDrafter
+
+    host_device()  # probe the matmul peak before ExecuTorch takes the cores
+    bundle = open_bundle(bundle_dir)
+    drafter = NgramDrafter() if cost.drafter_kind == "ngram" else bundle_drafter(bundle)
+    return calibrate_session(target_session(bundle), drafter, cost)
+
+
+def calibrate_session(
+    session, drafter, cost: BundleCost, context: int = 256, runs: int = 7
+) -> Calibration:
+    """Time the bundle's programs on this machine: a 1-token call (overhead), a full prefill
+    chunk (achieved compute), the drafter's proposals, the loop around a free session; and probe
+    the memory bandwidth right then, since other load on the machine changes all of them.
+
+    The session's cache slots from `context` on are written; a generation that starts at 0
+    overwrites them before it reads them."""
+    from mtp_edge.devices.catalog import measure_bandwidth_gbs
+    from mtp_edge.runtime.sampling import Sampler, SamplingParams
+
+    host = host_device()
+    chunk = min(session.max_chunk, session.max_seq_len // 2)
+    context = max(min(context, session.max_seq_len - chunk - 1), 8)
+    bw = measure_bandwidth_gbs(megabytes=256, runs=3) * 1e9
+    one = _median_ms(lambda: session.forward([5], context), runs)
+    full = _median_ms(lambda: session.forward([5] * chunk, context), max(3, runs // 3))
+    memory_full = call_time(*cost.target_call(chunk, context), bw, float("inf"), 0.0).ms
+    compute = cost.target_call(chunk, context)[1] / max((full - memory_full) / 1e3, 1e-6)
+    b1, f1 = cost.target_call(1, context)
+    target_overhead = max(one - call_time(b1, f1, bw, compute, 0.0).ms, 0.0)
+    plain_loop, spec_loop = loop_overheads(cost)
+    # The drafter's whole proposal of k tokens, as the loop calls it: right after a target call,
+    # which has pushed the drafter's weights out of the caches.
+    draft_ms = draft_overhead = 0.0
+    sampler = Sampler(SamplingParams())
+    if drafter is not None:
+        history = [(i * 7) % 500 + 10 for i in range(context)]
+        hidden = None
+        if drafter.needs_hidden:
+            hidden = session.forward(history[-8:], context - 8, return_hidden=True)[1]
+        times = []
+        for _ in range(runs):
+            session.forward([5], context)
+            t = time.perf_counter()
+            drafter.propose(history, hidden, cost.k, sampler)
+            times.append(time.perf_counter() - t)
+        draft_ms = statistics.median(times) * 1e3
+        cold = draft_proposal(cost, cost.k, bw, compute, 0.0)
+        draft_overhead = max((draft_ms - cold.ms) / cost.k, 0.0)
+    return Calibration(
+        bandwidth_gbs=round(bw / 1e9, 2),
+        compute_gops=round(compute / 1e9, 2),
+        compute_efficiency=round(min(compute / 1e9 / host.cpu_int8_gops, 1.0), 4),
+        target_overhead_ms=round(target_overhead, 3),
+        draft_overhead_ms=round(draft_overhead, 3),
+        plain_loop_ms=round(plain_loop, 3),
+        spec_loop_ms=round(spec_loop, 3),
+        measured_ms={
+            "target_1_token": round(one, 3),
+            f"target_{chunk}_tokens": round(full, 3),
+            f"draft_proposal_k{cost.k}": round(draft_ms, 3),
+            "context": context,
+            "host_int8_probe_gops": host.cpu_int8_gops,
+        },
+    )
+
+
+def average(calibrations: list[Calibration]) -> Calibration:
+    """The mean of calibrations taken before and after a measurement (machine drift)."""
+    first = calibrations[0]
+    fields = {
+        name: round(statistics.mean(getattr(c, name) for c in calibrations), 4)
+        for name in asdict(first)
+        if name != "measured_ms"
+    }
+    return Calibration(**fields, measured_ms={"runs": [c.measured_ms for c in calibrations]})
+
+
+@dataclass
+class CallTime:
+    ms: float
+    memory_ms: float
+    compute_ms: float
+    overhead_ms: float
+
+    @property
+    def bound(self) -> str:
+        parts = {
+            "memory": self.memory_ms,
+            "compute": self.compute_ms,
+            "overhead": self.overhead_ms,
+        }
+        return max(parts, key=parts.get)
+
+
+def call_time(nbytes, flops, bandwidth, compute, overhead_ms) -> CallTime:
+    """Overhead + memory time + compute time. Not the max of the two: at these sizes a CPU's
+    quantized matmul kernels hardly overlap streaming the weights with the arithmetic (on the
+    host, a 5-token call costs what the sum predicts, the max underestimates it by a third)."""
+    memory_ms = nbytes / bandwidth * 1e3
+    compute_ms = flops / compute * 1e3
+    return CallTime(overhead_ms + memory_ms + compute_ms, memory_ms, compute_ms, overhead_ms)
+
+
+def draft_proposal(cost: BundleCost, steps: float, bandwidth, compute, overhead_ms) -> CallTime:
+    """`steps` MTP drafter steps: its weights come from DRAM once (the target call before has
+    evicted them), then from the cache; each step pays its arithmetic and its overhead."""
+    nbytes, flops = cost.draft_step()
+    return call_time(nbytes, flops * steps, bandwidth, compute, overhead_ms * steps)
+
+
+def acceptance_from(bench: dict | None, manifest: Manifest, k: int) -> dict:
+    """tau and drafted tokens per step: measured (`--from-bench`), else the bundle's own
+    held-out estimate from training its drafter."""
+    if bench is not None:
+        s = bench["summary"]
+        accepted = max(s["tau"] - 1, 0.0)
+        rate = s["acceptance_rate"]
+        drafted = accepted / rate if rate > 0 else float(k)
+        rows = bench.get("prompts", [])
+        context = (
+            statistics.mean(r["prompt_tokens"] + r["ar_tokens"] / 2 for r in rows) if rows else 256
+        )
+        return {
+            "tau": s["tau"],
+            "drafted_per_step": round(min(drafted, k), 3),
+            "context": round(context),
+            "source": "measured on the host (--from-bench)",
+        }
+    recipe = manifest.drafter.get("recipe", {})
+    if "heldout_tau" in recipe:
+        return {
+            "tau": recipe["heldout_tau"],
+            "drafted_per_step": float(k),
+            "context": 256,
+            "source": "the drafter's held-out tau from training (manifest); pass --from-bench",
+        }
+    return {"tau": None, "drafted_per_step": float(k), "context": 256, "source": "none"}
+
+
+def predict(
+    cost: BundleCost,
+    device: Device,
+    calibration: Calibration,
+    acceptance: dict,
+) -> dict:
+    """Plain and speculative tokens/s on `device`, which limit binds, and the speedup.
+
+    The host uses what calibration measured; a catalog device its peak figures scaled by the
+    efficiencies the host reached (bandwidth: an assumed fraction, see above). Per-call overheads
+    are carried over from the host unscaled."""
+    if device.measured:
+        bandwidth = calibration.bandwidth_gbs * 1e9
+        compute = calibration.compute_gops * 1e9
+    else:
+        bandwidth = device.bandwidth_gbs * 1e9 * CATALOG_BANDWIDTH_EFFICIENCY
+        compute = device.cpu_int8_gops * 1e9 * calibration.compute_efficiency
+    context = acceptance["context"]
+    k = cost.k
+    plain = call_time(
+        *cost.target_call(1, context),
+        bandwidth,
+        compute,
+        calibration.target_overhead_ms + calibration.plain_loop_ms,
+    )
+    out = {
+        "device": device.name,
+        "bundle": cost.name,
+        "context": context,
+        "bandwidth_gbs_used": round(bandwidth / 1e9, 2),
+        "compute_gops_used": round(compute / 1e9, 1),
+        "plain": {**_show(plain), "tokens_per_s": round(1e3 / plain.ms, 2)},
+        "acceptance": acceptance,
+    }
+    tau = acceptance["tau"]
+    if tau is None or cost.drafter_kind == "none":
+        return out
+    verify = call_time(
+        *cost.target_call(k + 1, context),
+        bandwidth,
+        compute,
+        calibration.target_overhead_ms + calibration.spec_loop_ms,
+    )
+    drafted = acceptance["drafted_per_step"]
+    if cost.drafter_kind == "mtp":
+        step = draft_proposal(cost, drafted, bandwidth, compute, calibration.draft_overhead_ms)
+        draft_ms = step.ms
+    elif cost.drafter_kind == "draft-lm" and cost.drafter is not None:
+        # A draft model: one call per drafted token plus one catch-up call (like plain decoding).
+        draft_shape = BundleCost(
+            cost.name, cost.drafter, cost.target_bits, cost.vocab, cost.hidden, "none", None, k
+        )
+        calls = drafted + 1
+        nbytes, flops = draft_shape.target_call(1, context)
+        step = call_time(
+            nbytes * calls,
+            flops * calls,
+            bandwidth,
+            compute,
+            calibration.target_overhead_ms * calls,
+        )
+        draft_ms = step.ms
+    else:  # n-gram lookup: no model; its measured proposal time (Python) carried over
+        step, draft_ms = None, calibration.draft_overhead_ms * k
+    step_ms = verify.ms + draft_ms
+    spec_tps = tau / step_ms * 1e3
+    out["speculative"] = {
+        "verify": _show(verify),
+        "draft": _show(step) if step else None,
+        "draft_ms_per_verify": round(draft_ms, 3),
+        "ms_per_verify": round(step_ms, 3),
+        "tokens_per_s": round(spec_tps, 2),
+    }
+    out["speedup"] = round(spec_tps / out["plain"]["tokens_per_s"], 3)
+    return out
+
+
+def _show(t: CallTime) -> dict:
+    d = {k: round(v, 3) for k, v in asdict(t).items()}
+    d["bound"] = t.bound
+    return d
+
+
+def load_bench(path: str | Path) -> dict:
+    """An mtp-bench JSON (one run; with --compare, its first run)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise UserError(f"cannot read bench report {path}: {e.strerror}") from None
+    except ValueError as e:
+        raise UserError(f"{path} is not JSON ({e}): pass the file mtp-bench --json wrote") from None
+    data = data["runs"][0] if "runs" in data else data
+    if "summary" not in data or "tau" not in data["summary"]:
+        raise UserError(f"{path} is not an mtp-bench report: it has no summary with tau")
+    return data
+
+
+def compare_with_measured(prediction: dict, bench: dict) -> dict:
+    """Predicted vs measured tokens/s on the host, and the relative error of each."""
+    s = bench["summary"]
+    out = {}
+    pairs = [("plain", prediction["plain"]["tokens_per_s"], s["ar_tokens_per_s"])]
+    if "speculative" in prediction:
+        pairs.append(
+            ("speculative", prediction["speculative"]["tokens_per_s"], s["spec_tokens_per_s"])
+        )
+        pairs.append(("speedup", prediction["speedup"], s["speedup"]))
+    for name, predicted, measured in pairs:
+        error = (predicted - measured) / measured if measured else None
+        out[name] = {
+            "predicted": predicted,
+            "measured": measured,
+            "error": None if error is None else round(error, 4),
+            "within_25_percent": error is not None and abs(error) <= 0.25,
+        }
+    return out
+
+
+def to_markdown(predictions: list[dict], validation: dict | None = None) -> str:
+    lines = [
+        "| device | plain tok/s | plain bound | spec tok/s | verify bound | speedup | tau |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for p in predictions:
+        spec = p.get("speculative")
+        lines.append(
+            f"| {p['device']} | {p['plain']['tokens_per_s']:.1f} | {p['plain']['bound']} | "
+            + (
+                f"{spec['tokens_per_s']:.1f} | {spec['verify']['bound']} | {p['speedup']:.2f}x | "
+                f"{p['acceptance']['tau']:.2f} |"
+                if spec
+                else "— | — | — | — |"
+            )
+        )
+    if predictions:
+        a = predictions[0]["acceptance"]
+        lines += ["", f"tau and acceptance: {a['source']}; context {a['context']} tokens."]
+    if validation:
+        lines += [
+            "",
+            "Host: predicted vs measured (mtp-bench)",
+            "",
+            "| quantity | predicted | measured | error | within ±25% |",
+            "|---|---|---|---|---|",
+        ]
+        for name, v in validation.items():
+            error = "—" if v["error"] is None else f"{v['error']:+.1%}"
+            lines.append(
+                f"| {name} | {v['predicted']:.2f} | {v['measured']:.2f} | {error} | "
+                f"{'yes' if v['within_25_percent'] else 'NO'} |"
+            )
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,252 @@
+"""`mtp-bench --report DIR`: a Markdown page with PNG plots, the machine, and the command.
+
+One or several bench reports (`--compare`) go side by side: speedup and tau per category,
+acceptance by draft position, plain vs speculative tokens/s per prompt, time to first token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import tempfile
+from pathlib import Path
+
+from mtp_edge.devices.catalog import host_device
+
+
+def machine_description() -> dict:
+    """CPU, cores, RAM and memory bandwidth (measured now), and the library versions."""
+    import executorch
+    import torch
+
+    host = host_device()
+    return {
+        "cpu": host.soc,
+        "cores": os.cpu_count(),
+        "ram_gb": host.ram_gb,
+        "memory_bandwidth_gbs": host.bandwidth_gbs,
+        "int8_matmul_gops": host.cpu_int8_gops,
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "executorch": getattr(executorch, "__version__", "unknown"),
+        "threads": int(os.environ.get("OMP_NUM_THREADS", 0)) or torch.get_num_threads(),
+    }
+
+
+def label(report: dict) -> str:
+    name = Path(report.get("bundle") or report.get("model") or "?").name
+    return f"{name} ({report.get('drafter')}, k={report.get('k')})"
+
+
+def write_report(out_dir: str | Path, reports: list[dict], command: str, machine: dict) -> Path:
+    """Write report.md, report.json and the PNGs into `out_dir` (via a temporary directory,
+    renamed into place, so an interrupted run leaves no half report)."""
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        plots = make_plots(tmp, reports)
+        (tmp / "report.json").write_text(
+            json.dumps({"machine": machine, "command": command, "runs": reports}, indent=2) + "\n"
+        )
+        (tmp / "report.md").write_text(markdown(reports, command, machine, plots))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return out / "report.md"
+
+
+def make_plots(directory: Path, reports: list[dict]) -> dict[str, str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    files = {}
+    names = [label(r) for r in reports]
+    width = 0.8 / len(reports)
+
+    # 1. speedup and tau per category
+    categories = sorted({c for r in reports for c in r["per_category"]})
+    x = np.arange(len(categories))
+    fig, axes = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
+    for i, (r, name) in enumerate(zip(reports, names, strict=True)):
+        pc = r["per_category"]
+        for ax, key in zip(axes, ("speedup", "tau"), strict=True):
+            values = [pc.get(c, {}).get(key, 0) for c in categories]
+            ax.bar(x + i * width - 0.4 + width / 2, values, width, label=name)
+    axes[0].axhline(1.0, color="black", linewidth=0.8)
+    axes[0].set_ylabel("speedup (spec / plain tok/s)")
+    axes[1].set_ylabel("tau (tokens per verify)")
+    axes[1].set_xticks(x, categories, rotation=20)
+    axes[0].legend(fontsize=8)
+    axes[0].set_title("Speedup and tau per category (medians over the category's prompts)")
+    files["category"] = _save(fig, directory / "speedup_tau_by_category.png")
+
+    # 2. acceptance by draft position
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r, name in zip(reports, names, strict=True):
+        acc = r["summary"]["acceptance_by_position"]
+        ax.plot(range(1, len(acc) + 1), [a or 0 for a in acc], marker="o", label=name)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance (kept / drafted)")
+    ax.set_ylim(0, 1)
+    ax.set_title("Acceptance by draft position")
+    ax.legend(fontsize=8)
+    files["acceptance"] = _save(fig, directory / "acceptance_by_position.png")
+
+    # 3. tokens/s per prompt, plain vs speculative
+    ids = [row["id"] for row in reports[0]["prompts"]]
+    x = np.arange(len(ids))
+    fig, ax = plt.subplots(figsize=(max(8, len(ids) * 0.35), 4.5))
+    ax.plot(
+        x,
+        [row["ar_tokens_per_s"] for row in reports[0]["prompts"]],
+        "k_",
+        ms=12,
+        mew=2,
+        label=f"plain ({names[0]})",
+    )
+    for r, name in zip(reports, names, strict=True):
+        rows = {row["id"]: row for row in r["prompts"]}
+        ax.plot(
+            x,
+            [rows[i]["spec_tokens_per_s"] if i in rows else np.nan for i in ids],
+            "o",
+            label=f"speculative, {name}",
+        )
+        if r is not reports[0]:
+            ax.plot(
+                x,
+                [rows[i]["ar_tokens_per_s"] if i in rows else np.nan for i in ids],
+                "_",
+                ms=12,
+                mew=2,
+                label=f"plain ({name})",
+            )
+    ax.set_xticks(x, ids, rotation=90, fontsize=7)
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title("Plain vs speculative decoding speed per prompt")
+    ax.legend(fontsize=8)
+    files["tokens"] = _save(fig, directory / "tokens_per_s_per_prompt.png")
+
+    # 4. time to first token
+    fig, ax = plt.subplots(figsize=(max(8, len(ids) * 0.35), 4))
+    for r, name in zip(reports, names, strict=True):
+        rows = {row["id"]: row for row in r["prompts"]}
+        for key, marker, what in (("ttft_ms_ar", "_", "plain"), ("ttft_ms_spec", "o", "spec")):
+            ax.plot(
+                x,
+                [rows[i].get(key, np.nan) if i in rows else np.nan for i in ids],
+                marker,
+                label=f"{what}, {name}",
+            )
+    ax.set_xticks(x, ids, rotation=90, fontsize=7)
+    ax.set_ylabel("time to first token (ms)")
+    ax.set_title("Time to first token (prefill) per prompt")
+    ax.legend(fontsize=8)
+    files["ttft"] = _save(fig, directory / "ttft_per_prompt.png")
+    return files
+
+
+def _save(fig, path: Path) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path.name
+
+
+def markdown(reports: list[dict], command: str, machine: dict, plots: dict[str, str]) -> str:
+    lines = [
+        "# mtp-bench report",
+        "",
+        f"Command: `{command}`",
+        "",
+        "## Machine",
+        "",
+        f"- CPU: {machine['cpu']}, {machine['cores']} cores, {machine['threads']} threads used",
+        f"- RAM: {machine['ram_gb']} GB; memory read bandwidth measured now: "
+        f"{machine['memory_bandwidth_gbs']} GB/s; int8 matmul: {machine['int8_matmul_gops']} Gop/s",
+        f"- {machine['os']}, Python {machine['python']}, torch {machine['torch']}, "
+        f"ExecuTorch {machine['executorch']}",
+        "",
+        "## Summary",
+        "",
+        "| run | prompts | plain tok/s | spec tok/s | speedup | tau | acceptance "
+        "| verify/decode | draft/decode | TTFT plain / spec ms | lossless |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in reports:
+        s = r["summary"]
+        lines.append(
+            f"| {label(r)} | {s['prompts']} | {_spread(s, 'ar_tokens_per_s')} | "
+            f"{_spread(s, 'spec_tokens_per_s')} | {_spread(s, 'speedup', 'x')} | {s['tau']:.2f} | "
+            f"{s['acceptance_rate']:.2f} | {s['verify_over_decode']:.2f} | "
+            f"{s['draft_over_decode']:.3f} | {s['ttft_ms_ar']:.0f} / {s['ttft_ms_spec']:.0f} | "
+            f"{'yes' if s['lossless'] else 'NO'} ({s['divergences']} divergences, "
+            f"{s['near_tie_divergences']} near-ties) |"
+        )
+    if any("spread" in r["summary"] for r in reports):
+        lines += [
+            "",
+            f"Medians over {reports[0]['summary'].get('repeats')} passes over the suite; "
+            "[min–max] across passes.",
+        ]
+    if len(reports) > 1:
+        lines += [
+            "",
+            "The runs were interleaved prompt by prompt (plain, then speculative, for each "
+            "bundle in turn), so machine drift affects all alike.",
+        ]
+    lines += [
+        "",
+        "## Plots",
+        "",
+        f"![speedup and tau per category]({plots['category']})",
+        "",
+        f"![acceptance by draft position]({plots['acceptance']})",
+        "",
+        f"![tokens/s per prompt]({plots['tokens']})",
+        "",
+        f"![time to first token]({plots['ttft']})",
+        "",
+    ]
+    for r in reports:
+        lines += [
+            f"## Per category: {label(r)}",
+            "",
+            "| category | prompts | plain tok/s | spec tok/s | speedup | tau | identical |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for name, c in r["per_category"].items():
+            lines.append(
+                f"| {name} | {c['prompts']} | {c['ar_tokens_per_s']:.1f} | "
+                f"{c['spec_tokens_per_s']:.1f} | {c['speedup']:.2f}x | {c['tau']:.2f} | "
+                f"{c['identical']}/{c['prompts']} |"
+            )
+        peer = r.get("peer_textllmrunner")
+        if peer:
+            lines += [
+                "",
+                "Peer baseline, ExecuTorch TextLLMRunner on the same target .pte (plain): "
+                + (f"{peer['tokens_per_s']:.1f} tok/s" if "error" not in peer else peer["error"]),
+            ]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _spread(summary: dict, key: str, unit: str = "") -> str:
+    value = f"{summary[key]:.2f}{unit}" if unit else f"{summary[key]:.1f}"
+    spread = summary.get("spread", {}).get(key)
+    if spread:
+        value += f" [{spread['min']:.2f}–{spread['max']:.2f}]"
+    return value

@@ -1,0 +1,483 @@
+"""Device catalog, roofline prediction, the bench report, and mtp-profile (host and adb).
+
+The adb path runs against tests/fake_adb/adb, a stand-in that records every command and answers
+like one phone would (no phone is attached to the machine these tests run on).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from tiny import hf_reference, save_hf_dir
+
+from mtp_edge.cli import bench, devices, export, predict, profile
+from mtp_edge.devices import predict as roofline
+from mtp_edge.devices.catalog import Device, catalog, find_device, host_device
+from mtp_edge.devices.profile import merge_reports, runner_abi
+from mtp_edge.manifest import Manifest
+
+FAKE_ADB = Path(__file__).parent / "fake_adb"
+
+
+def error_line(result) -> str:
+    """The one `error:` line a failing command printed (after any progress lines)."""
+    assert result.exit_code != 0, result.output
+    assert "Traceback" not in result.output
+    last = result.output.strip().splitlines()[-1]
+    assert last.startswith("error: "), result.output
+    return last
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_hf_dir(hf_reference("llama", seed=5), tmp_path_factory.mktemp("model"))
+
+
+def export_tiny(model_dir, out: Path, *extra: str) -> Path:
+    args = ["--model", str(model_dir), "--out", str(out), "--max-seq-len", "96"]
+    result = CliRunner().invoke(export, [*args, "--quality-tokens", "0", *extra])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+@pytest.fixture(scope="module")
+def bundle(model_dir, tmp_path_factory):
+    """A tiny 8da4w bundle with the n-gram drafter (no heads ship for a random model)."""
+    root = tmp_path_factory.mktemp("bundles")
+    return export_tiny(model_dir, root / "tiny-8da4w", "--quant", "8da4w", "--group-size", "32")
+
+
+@pytest.fixture(scope="module")
+def bundle_8bit(model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("bundles8")
+    return export_tiny(model_dir, root / "tiny-8da8w", "--quant", "8da8w", "--group-size", "0")
+
+
+@pytest.fixture()
+def prompts(tmp_path) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    rows = [
+        {
+            "id": "a",
+            "category": "code",
+            "prompt": "def add(a, b): return a + b",
+            "max_new_tokens": 8,
+        },
+        {"id": "b", "category": "chat", "prompt": "hello hello hello", "max_new_tokens": 8},
+        {"id": "c", "category": "qa", "prompt": "one two three one two", "max_new_tokens": 8},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+# --- catalog -------------------------------------------------------------------------------------
+
+
+def test_catalog_names_a_source_for_every_figure():
+    devices = catalog()
+    assert len(devices) >= 12
+    assert {"phone", "laptop"} <= {d.kind for d in devices}
+    assert len({d.name for d in devices}) == len(devices)
+    for d in devices:
+        assert d.bandwidth_gbs > 0 and d.cpu_int8_gops > 0, d.name
+        for figure in ("memory_bandwidth_gbs", "ram_gb", "cpu", "cpu_int8_gops", "npu_int8_tops"):
+            assert d.sources[figure].strip(), (d.name, figure)
+
+
+def test_host_is_measured_live():
+    host = find_device("host")
+    assert host.measured and host.bandwidth_gbs > 0.1 and host.cpu_int8_gops > 0.1
+    assert "measured" in host.sources["memory_bandwidth_gbs"]
+
+
+def test_mtp_devices_lists_host_and_catalog():
+    result = CliRunner().invoke(devices, ["--json"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)
+    assert rows[0]["name"] == "host" and rows[0]["measured"]
+    assert len(rows) == len(catalog()) + 1
+
+
+def test_unknown_device_is_one_line_error(bundle):
+    result = CliRunner().invoke(predict, ["--bundle", str(bundle), "--device", "pixel-99"])
+    assert "unknown device 'pixel-99'" in error_line(result)
+
+
+# --- roofline ------------------------------------------------------------------------------------
+
+
+def test_program_shape_is_read_from_the_pte(bundle, bundle_8bit):
+    """The tiny llama: 2 layers, 4 query heads and 2 KV heads of 16 dims, cache of 96."""
+    cost = roofline.bundle_cost(bundle)
+    t = cost.target
+    assert (t.layers, t.q_heads, t.kv_heads, t.head_dim, t.cache_len) == (2, 4, 2, 16, 96)
+    assert 0 < t.embedding_bytes < t.file_bytes
+    assert cost.vocab == 97 and cost.hidden == 64
+    # 8-bit weights stream more bytes than 4-bit ones (a tiny program is mostly structure)
+    cost8 = roofline.bundle_cost(bundle_8bit)
+    assert cost8.target_bits == 8 and cost.target_bits == 4 + 16 / 32
+    assert cost8.target.streamed_bytes > 1.25 * t.streamed_bytes
+
+
+def test_cost_grows_with_tokens_and_context(bundle):
+    cost = roofline.bundle_cost(bundle)
+    t = cost.target
+    b1, f1 = cost.target_call(1, 0)
+    b5, f5 = cost.target_call(5, 0)
+    b1c, f1c = cost.target_call(1, 40)
+    kv_per_position = 2 * t.layers * t.kv_heads * t.head_dim * 4
+    assert b1c - b1 == pytest.approx(40 * kv_per_position)
+    assert f1c - f1 == pytest.approx(4 * t.layers * t.q_heads * t.head_dim * 40)
+    assert b5 > b1 and f5 > 4.9 * f1 - 1  # weights are read once, the math is per token
+
+
+def synthetic_cost() -> roofline.BundleCost:
+    shape = roofline.ProgramShape(
+        file_bytes=110_000_000,
+        embedding_bytes=10_000_000,
+        embedding_rows=10_000,
+        hidden=512,
+        layers=10,
+        kv_heads=2,
+        head_dim=64,
+        q_heads=8,
+        cache_len=1024,
+    )
+    return roofline.BundleCost("synthetic", shape, 4.0, 10_000, 512, "ngram", None, 4)
+
+
+def device(bandwidth_gbs: float, int8_gops: float) -> Device:
+    return Device(
+        "test", "test", "phone", "soc", "arm64-v8a", 8, bandwidth_gbs, "cpu", int8_gops,
+        None, None, None, {}, measured=True,
+    )  # fmt: skip
+
+
+CALIBRATION = roofline.Calibration(
+    bandwidth_gbs=50.0,
+    compute_gops=1000.0,
+    compute_efficiency=0.5,
+    target_overhead_ms=1.0,
+    draft_overhead_ms=0.0,
+    plain_loop_ms=0.0,
+    spec_loop_ms=0.0,
+    measured_ms={},
+)
+
+
+def test_prediction_on_a_memory_bound_device():
+    """Hand-computed: 100 MB of weights at 50 GB/s = 2 ms; 200 MFLOP at 1 Top/s = 0.2 ms."""
+    cost = synthetic_cost()
+    acceptance = {"tau": 2.5, "drafted_per_step": 4.0, "context": 0, "source": "test"}
+    p = roofline.predict(cost, device(50, 2000), CALIBRATION, acceptance)
+    b1, f1 = cost.target_call(1, 0)
+    assert p["plain"]["ms"] == pytest.approx(1.0 + b1 / 50e9 * 1e3 + f1 / 1e12 * 1e3, abs=1e-3)
+    assert p["plain"]["bound"] == "memory"
+    b5, f5 = cost.target_call(5, 0)
+    verify_ms = 1.0 + b5 / 50e9 * 1e3 + f5 / 1e12 * 1e3
+    assert p["speculative"]["tokens_per_s"] == pytest.approx(2.5 / verify_ms * 1e3, rel=1e-3)
+    assert p["speedup"] > 1.5  # a 5-token verify costs little more than 1 token
+
+
+def test_prediction_on_a_compute_starved_device():
+    """With little compute the verify call is compute-bound and speculation stops paying."""
+    cost = synthetic_cost()
+    slow = roofline.Calibration(**{**CALIBRATION.__dict__, "compute_gops": 20.0})
+    acceptance = {"tau": 1.3, "drafted_per_step": 4.0, "context": 0, "source": "test"}
+    p = roofline.predict(cost, device(50, 40), slow, acceptance)
+    assert p["speculative"]["verify"]["bound"] == "compute"
+    assert p["speedup"] < 1.0
+
+
+def test_catalog_device_uses_peak_times_efficiency():
+    cost = synthetic_cost()
+    phone = [d for d in catalog() if d.name == "galaxy-s24-ultra"][0]
+    acceptance = {"tau": 2.0, "drafted_per_step": 4.0, "context": 64, "source": "test"}
+    p = roofline.predict(cost, phone, CALIBRATION, acceptance)
+    assert p["bandwidth_gbs_used"] == pytest.approx(76.8 * roofline.CATALOG_BANDWIDTH_EFFICIENCY)
+    assert p["compute_gops_used"] == pytest.approx(phone.cpu_int8_gops * 0.5, abs=0.1)
+
+
+def test_predict_cli_compares_with_the_bench_on_host(bundle, prompts, tmp_path):
+    bench_json = tmp_path / "bench.json"
+    args = ["--bundle", str(bundle), "--prompts", str(prompts), "--json", str(bench_json)]
+    result = CliRunner().invoke(bench, args)
+    assert result.exit_code == 0, result.output
+    out = tmp_path / "predict.json"
+    args = ["--bundle", str(bundle), "--device", "host", "--device", "pixel-9"]
+    result = CliRunner().invoke(
+        predict, [*args, "--from-bench", str(bench_json), "--json", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert [p["device"] for p in data["predictions"]] == ["host", "pixel-9"]
+    measured = json.loads(bench_json.read_text())["summary"]
+    validation = data["host_validation"]
+    assert validation["plain"]["measured"] == measured["ar_tokens_per_s"]
+    assert validation["speculative"]["measured"] == measured["spec_tokens_per_s"]
+    assert validation["plain"]["predicted"] > 0
+    assert data["predictions"][0]["acceptance"]["tau"] == measured["tau"]
+
+
+def test_predict_refuses_a_file_that_is_not_a_bench_report(bundle, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    result = CliRunner().invoke(predict, ["--bundle", str(bundle), "--from-bench", str(bad)])
+    assert "not an mtp-bench report" in error_line(result)
+
+
+# --- the report ----------------------------------------------------------------------------------
+
+
+def test_bench_report_with_compare_and_repeat(bundle, bundle_8bit, prompts, tmp_path):
+    out = tmp_path / "report"
+    args = ["--bundle", str(bundle), "--compare", str(bundle_8bit), "--prompts", str(prompts)]
+    args += ["--repeat", "2", "--report", str(out), "--json", str(tmp_path / "bench.json")]
+    result = CliRunner().invoke(bench, args)
+    assert result.exit_code == 0, result.output
+    # interleaved: every prompt on both bundles before the next prompt
+    lines = [line for line in result.stderr.splitlines() if line.startswith("[")]
+    order = [line.split()[1].rstrip(":") for line in lines if "/3]" in line]
+    assert order == ["tiny-8da4w", "tiny-8da8w"] * 3
+    page = (out / "report.md").read_text()
+    pngs = [
+        "speedup_tau_by_category.png",
+        "acceptance_by_position.png",
+        "tokens_per_s_per_prompt.png",
+        "ttft_per_prompt.png",
+    ]
+    for png in pngs:
+        assert f"]({png})" in page
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "memory read bandwidth measured now" in page and "mtp-bench" in page
+    report = json.loads((out / "report.json").read_text())
+    assert report["machine"]["memory_bandwidth_gbs"] > 0
+    runs = report["runs"]
+    assert [Path(r["bundle"]).name for r in runs] == ["tiny-8da4w", "tiny-8da8w"]
+    for r in runs:
+        spread = r["summary"]["spread"]
+        assert len(spread["ar_tokens_per_s"]["runs"]) == 2
+        low, high = spread["ar_tokens_per_s"]["min"], spread["ar_tokens_per_s"]["max"]
+        assert low <= r["summary"]["ar_tokens_per_s"] <= high
+        assert all(len(row["ar_tokens_per_s_runs"]) == 2 for row in r["prompts"])
+    assert not list(tmp_path.glob(".report*"))  # written via a temporary directory
+
+
+def test_compare_needs_a_first_bundle(prompts):
+    result = CliRunner().invoke(bench, ["--compare", "x", "--prompts", str(prompts)])
+    assert "--compare" in error_line(result)
+
+
+def test_builtin_suite_meets_the_issue():
+    from mtp_edge.devices.harness import load_prompts
+
+    suite = load_prompts()
+    categories = {p.category for p in suite}
+    assert len(suite) >= 40 and len(categories) >= 7
+    assert {
+        "code",
+        "chat",
+        "summarization",
+        "math",
+        "translation",
+        "structured",
+        "qa",
+    } <= categories
+
+
+# --- mtp-profile on the host ---------------------------------------------------------------------
+
+
+def test_profile_on_host_reports_measurement_and_prediction(bundle, prompts, tmp_path):
+    out = tmp_path / "host.json"
+    args = ["--device", "host", "--bundle", str(bundle), "--prompts", str(prompts)]
+    result = CliRunner().invoke(profile, [*args, "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["summary"]["prompts"] == 3 and len(report["prompts"]) == 3
+    assert report["prediction"]["device"] == "host"
+    assert set(report["host_validation"]) == {"plain", "speculative", "speedup"}
+    assert "predicted" in result.stdout and "measured" in result.stdout
+
+
+# --- mtp-profile over adb (stand-in adb) ---------------------------------------------------------
+
+
+@pytest.fixture()
+def fake_adb(tmp_path, monkeypatch):
+    """The stand-in adb first on PATH; returns (set_scenario, recorded_commands, device_root)."""
+    log, root = tmp_path / "adb.log", tmp_path / "device"
+    root.mkdir()
+    monkeypatch.setenv("PATH", f"{FAKE_ADB}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("ADB", raising=False)
+    monkeypatch.setenv("FAKE_ADB_LOG", str(log))
+    monkeypatch.setenv("FAKE_ADB_ROOT", str(root))
+
+    def scenario(name: str):
+        monkeypatch.setenv("FAKE_ADB_SCENARIO", name)
+
+    def commands() -> list[list[str]]:
+        return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+    scenario("ok")
+    return scenario, commands, root
+
+
+@pytest.fixture()
+def runner_binary(tmp_path) -> Path:
+    """A file with the ELF header of an arm64 executable (the device never runs it here)."""
+    path = tmp_path / "mtp-runner"
+    header = b"\x7fELF\x02\x01\x01" + bytes(9) + struct.pack("<HH", 2, 0xB7)
+    path.write_bytes(header + bytes(44))
+    return path
+
+
+def run_profile(bundle, prompts, runner_binary, tmp_path, *extra):
+    args = ["--device", "FAKE123", "--bundle", str(bundle), "--prompts", str(prompts)]
+    args += ["--runner", str(runner_binary), "--json", str(tmp_path / "device.json"), *extra]
+    return CliRunner().invoke(profile, args)
+
+
+def test_profile_over_adb_pushes_runs_and_pulls(bundle, prompts, runner_binary, tmp_path, fake_adb):
+    _, commands, root = fake_adb
+    result = run_profile(bundle, prompts, runner_binary, tmp_path, "--max-new-tokens", "16")
+    assert result.exit_code == 0, result.output
+    calls = [c[2:] for c in commands() if c[:2] == ["-s", "FAKE123"]]
+    pushes = {c[2] for c in calls if c[0] == "push"}
+    for f in Path(bundle).iterdir():
+        assert f"/data/local/tmp/mtp/bundle/{f.name}" in pushes
+    assert "/data/local/tmp/mtp/mtp-runner" in pushes
+    shells = [c[1] for c in calls if c[0] == "shell"]
+    assert "chmod 755 /data/local/tmp/mtp/mtp-runner" in shells
+    runs = [s for s in shells if "./mtp-runner" in s]
+    assert len(runs) == 3
+    assert all(s.startswith("cd /data/local/tmp/mtp && ./mtp-runner --bundle bundle") for s in runs)
+    assert all("--max-new-tokens 16" in s and "--repeat 1" in s for s in runs)
+    assert [c[1] for c in calls if c[0] == "pull"] == [
+        f"/data/local/tmp/mtp/out/{i:03d}.json" for i in range(3)
+    ]
+    # device checks before anything is pushed
+    first_push = next(i for i, c in enumerate(calls) if c[0] == "push")
+    asked = " ".join(c[1] for c in calls[:first_push] if c[0] == "shell")
+    for check in ("ro.product.model", "ro.soc.model", "ro.product.cpu.abi", "df -k", "battery"):
+        assert check in asked
+    assert (root / "data/local/tmp/mtp/bundle/manifest.json").exists()
+    report = json.loads((tmp_path / "device.json").read_text())
+    assert report["device_info"]["model"] == "Pixel 9"
+    assert report["summary"]["prompts"] == 3 and report["prediction"]["device"] == "pixel-9"
+    assert "Pixel 9" in result.stderr and "pixel-9" in result.stdout
+
+
+def test_merged_device_report_recomputes_totals(bundle, prompts, runner_binary, tmp_path, fake_adb):
+    """The stand-in answers 40+i tok/s plain, 64+2i speculative for prompt i (32 decode tokens)."""
+    result = run_profile(bundle, prompts, runner_binary, tmp_path)
+    assert result.exit_code == 0, result.output
+    s = json.loads((tmp_path / "device.json").read_text())["summary"]
+    plain_seconds = sum(32 / (40 + i) for i in range(3))
+    spec_seconds = sum(32 / (64 + 2 * i) for i in range(3))
+    assert s["ar_tokens_per_s"] == pytest.approx(96 / plain_seconds, rel=1e-3)
+    assert s["spec_tokens_per_s"] == pytest.approx(96 / spec_seconds, rel=1e-3)
+    assert s["tau"] == pytest.approx(2.0) and s["acceptance_by_position"] == [0.5, 0.25, 0.15, 0.1]
+
+
+@pytest.mark.parametrize(
+    "scenario, fragment",
+    [
+        ("no-device", "no device FAKE123 attached"),
+        ("unauthorized", "unauthorized: unlock it and accept"),
+        ("offline", "is offline"),
+        ("wrong-abi", "device FAKE123 is x86_64, but mtp-runner is built for arm64-v8a"),
+        ("low-storage", "MB free in /data/local/tmp/mtp"),
+    ],
+)
+def test_profile_device_errors(
+    bundle, prompts, runner_binary, tmp_path, fake_adb, scenario, fragment
+):
+    set_scenario, commands, _ = fake_adb
+    set_scenario(scenario)
+    result = run_profile(bundle, prompts, runner_binary, tmp_path)
+    assert fragment in error_line(result)
+    assert not [c for c in commands() if "push" in c]  # refused before pushing anything
+
+
+def test_device_lost_mid_run_keeps_what_was_measured(
+    bundle, prompts, runner_binary, tmp_path, fake_adb
+):
+    set_scenario, _, _ = fake_adb
+    set_scenario("lost-after-2")
+    result = run_profile(bundle, prompts, runner_binary, tmp_path)
+    line = error_line(result)
+    assert "lost" in line and "kept the 2 of 3 prompts" in line
+    partial = json.loads((tmp_path / "device.json").read_text())
+    assert [r["id"] for r in partial["prompts"]] == ["a", "b"]
+    assert partial["incomplete"]["prompts_measured"] == 2
+    assert partial["summary"]["prompts"] == 2
+
+
+def test_no_adb_on_path(bundle, prompts, runner_binary, tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no adb here
+    monkeypatch.delenv("ADB", raising=False)
+    result = run_profile(bundle, prompts, runner_binary, tmp_path)
+    assert "adb is not installed" in error_line(result)
+
+
+def test_missing_runner_says_how_to_build_it(bundle, prompts, tmp_path, fake_adb):
+    result = run_profile(bundle, prompts, tmp_path / "nowhere", tmp_path)
+    assert "no native runner" in error_line(result) and "--runner" in error_line(result)
+
+
+def test_runner_abi_from_elf_header(runner_binary, tmp_path):
+    assert runner_abi(runner_binary) == "arm64-v8a"
+    script = tmp_path / "script"
+    script.write_text("#!/bin/sh\n")
+    assert runner_abi(script) is None
+
+
+def test_merge_of_one_part_is_that_part():
+    part = {
+        "bundle": "b",
+        "backend": "executorch",
+        "drafter": "mtp",
+        "k": 2,
+        "summary": {
+            "lossless": True,
+            "near_tie_tolerance": 0.02,
+            "acceptance_rate": 0.5,
+            "acceptance_by_position": [0.6, 0.4],
+            **dict.fromkeys(
+                ["ar_ms_per_step", "verify_ms_per_step", "verify_over_decode", "draft_ms_per_step"]
+                + ["draft_over_decode", "ttft_ms_ar", "ttft_ms_spec"],
+                1.0,
+            ),
+        },
+        "prompts": [
+            {
+                "id": "x",
+                "category": "c",
+                "ar_tokens": 11,
+                "spec_tokens": 11,
+                "ar_tokens_per_s": 10.0,
+                "spec_tokens_per_s": 20.0,
+                "speedup": 2.0,
+                "tau": 2.0,
+                "verify_steps": 5,
+                "identical": True,
+            }
+        ],
+    }
+    merged = merge_reports([part])["summary"]
+    assert merged["ar_tokens_per_s"] == pytest.approx(10.0)
+    assert merged["speedup"] == pytest.approx(2.0)
+    assert merged["tau"] == pytest.approx(2.0)
+    assert merged["acceptance_rate"] == pytest.approx(0.5)
+    assert merged["acceptance_by_position"] == [0.6, 0.4]
+
+
+def test_manifest_still_loads_after_profile(bundle):
+    Manifest.load(bundle)  # the bundle is read, never changed, by the commands above
+    assert host_device() is host_device()  # measured once per process
