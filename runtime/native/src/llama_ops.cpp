@@ -9,9 +9,20 @@
 #include <executorch/runtime/kernel/kernel_includes.h>
 #include <executorch/runtime/kernel/operator_registry.h>
 
+#include <executorch/runtime/core/function_ref.h>
+
 #include <cmath>
 #include <cstring>
 #include <vector>
+
+// The wheel ships the thread pool library but not its header; this is the call we make.
+namespace executorch::extension::threadpool {
+class ThreadPool {
+ public:
+  void run(executorch::runtime::FunctionRef<void(size_t)> fn, size_t range);
+};
+ThreadPool* get_threadpool();
+}  // namespace executorch::extension::threadpool
 
 namespace mtp {
 namespace {
@@ -29,6 +40,45 @@ bool check(KernelRuntimeContext& ctx, bool ok, const char* what) {
     ctx.fail(Error::InvalidArgument);
   }
   return ok;
+}
+
+// On x86-64 the attention is compiled for AVX-512, AVX2+FMA and the baseline, picked at load
+// time (the baseline has only 4-wide SSE); aarch64's baseline already has NEON.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define MTP_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2,fma", "default")))
+#else
+#define MTP_VECTOR_CLONES
+#endif
+
+// One query row against `visible` cache rows (stride `stride` floats apart): softmax(q.k * scale)
+// weighted sum of v into `out`. The dot product keeps eight partial sums so that it vectorizes
+// (one running sum is a dependency chain the compiler may not reorder).
+MTP_VECTOR_CLONES
+void attend_row(const float* q, const float* k, const float* v, int64_t stride, int64_t visible,
+                int64_t D, float scale, float* scores, float* acc, float* out) {
+  float best = -INFINITY;
+  for (int64_t j = 0; j < visible; ++j) {
+    const float* kj = k + j * stride;
+    float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8)
+      for (int l = 0; l < 8; ++l) part[l] += q[d + l] * kj[d + l];
+    float rest = 0.f;
+    for (; d < D; ++d) rest += q[d] * kj[d];
+    scores[j] = (((part[0] + part[1]) + (part[2] + part[3])) +
+                 ((part[4] + part[5]) + (part[6] + part[7])) + rest) *
+                scale;
+    best = std::max(best, scores[j]);
+  }
+  float total = 0.f;
+  for (int64_t d = 0; d < D; ++d) acc[d] = 0.f;
+  for (int64_t j = 0; j < visible; ++j) {
+    const float w = std::exp(scores[j] - best);
+    total += w;
+    const float* vj = v + j * stride;
+    for (int64_t d = 0; d < D; ++d) acc[d] += w * vj[d];
+  }
+  for (int64_t d = 0; d < D; ++d) out[d] = acc[d] / total;
 }
 
 void update_cache(KernelRuntimeContext& ctx, Span<EValue*> stack) {
@@ -73,33 +123,17 @@ void custom_sdpa(KernelRuntimeContext& ctx, Span<EValue*> stack) {
   const float* vp = v.const_data_ptr<float>();
   float* op = out.mutable_data_ptr<float>();
   const int64_t group = Hq / Hkv;
-  std::vector<float> scores(start + T);
-  std::vector<float> acc(D);
-  for (int64_t i = 0; i < T; ++i) {
+  // One task per (query, head), spread over ExecuTorch's thread pool (XNNPACK's pool too).
+  auto attend = [&](size_t task) {
+    const int64_t i = int64_t(task) / Hq, h = int64_t(task) % Hq, kvh = h / group;
     const int64_t visible = start + i + 1;
-    for (int64_t h = 0; h < Hq; ++h) {
-      const float* qi = qp + (i * Hq + h) * D;
-      const int64_t kvh = h / group;
-      float best = -INFINITY;
-      for (int64_t j = 0; j < visible; ++j) {
-        const float* kj = kp + (j * Hkv + kvh) * D;
-        float dot = 0.f;
-        for (int64_t d = 0; d < D; ++d) dot += qi[d] * kj[d];
-        scores[j] = dot * scale;
-        best = std::max(best, scores[j]);
-      }
-      float total = 0.f;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = 0; j < visible; ++j) {
-        const float w = std::exp(scores[j] - best);
-        total += w;
-        const float* vj = vp + (j * Hkv + kvh) * D;
-        for (int64_t d = 0; d < D; ++d) acc[d] += w * vj[d];
-      }
-      float* o = op + (i * Hq + h) * D;
-      for (int64_t d = 0; d < D; ++d) o[d] = acc[d] / total;
-    }
-  }
+    thread_local std::vector<float> scores, acc;
+    scores.resize(visible);
+    acc.resize(D);
+    attend_row(qp + (i * Hq + h) * D, kp + kvh * D, vp + kvh * D, Hkv * D, visible, D, scale,
+               scores.data(), acc.data(), op + (i * Hq + h) * D);
+  };
+  executorch::extension::threadpool::get_threadpool()->run(attend, size_t(T * Hq));
 }
 
 }  // namespace

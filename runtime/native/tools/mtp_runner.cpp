@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include <executorch/runtime/platform/platform.h>
+
 #include "engine.h"
 #include "errors.h"
 #include "suite.h"
@@ -40,6 +42,14 @@ std::vector<int64_t> parse_ids(const std::string& text) {
   std::string part;
   while (std::getline(in, part, ',')) ids.push_back(number<int64_t>("--prompt-ids", part));
   return ids;
+}
+
+// ExecuTorch's info lines (CPU probing, thread pool size) would bury the runner's progress on
+// stderr; its errors still come through.
+void quiet_executorch_info(et_timestamp_t, et_pal_log_level_t level, const char*, const char*,
+                           size_t, const char* message, size_t length) {
+  if (level == kError || level == kFatal)
+    std::fprintf(stderr, "executorch: %.*s\n", int(length), message);
 }
 
 void write_atomic(const std::string& path, const std::string& text) {
@@ -170,6 +180,8 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  executorch::runtime::register_pal(
+      executorch::runtime::PalImpl::create(quiet_executorch_info, __FILE__));
   try {
     return run(argc, argv);
   } catch (const mtp::UserError& e) {
