@@ -466,7 +466,7 @@ def export(
         heads=heads,
         k=k,
         quant=quant,
-        group_size=default_group_size(quant) if group_size is None else group_size,
+        group_size=default_group_size(quant, target_name) if group_size is None else group_size,
         embedding_quant=embedding_quant,
         draft_quant=draft_quant or quant,
         max_seq_len=max_seq_len,

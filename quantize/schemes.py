@@ -32,9 +32,9 @@ _REFUSED = {
 }
 
 
-# What --quant each export target takes, and its default. ONNX: int4 = onnxruntime's MatMulNBits
-# (blockwise), int8 = its dynamic quantization, fp32. Core ML: int4 per block, int8 per channel,
-# or fp16 weights; Core ML computes in fp16 whatever the weights.
+# What --quant each export target takes, and its default. ONNX: int4 / int8 = onnxruntime's
+# MatMulNBits (blockwise weights, fp32 activations), or fp32. Core ML: int4 per block, int8 per
+# channel, or fp16 weights; Core ML computes in fp16 whatever the weights.
 TARGET_SCHEMES = {
     "android": LINEAR_SCHEMES,
     "onnx": ("int4", "int8", "fp32"),
@@ -43,9 +43,10 @@ TARGET_SCHEMES = {
 DEFAULT_SCHEME = {"android": "8da4w", "onnx": "int4", "coreml": "int4"}
 
 
-def default_group_size(linear: str) -> int:
-    """What a scheme uses when the user gives no group size (only 4-bit weights are grouped)."""
-    return 32 if linear in ("8da4w", "int4") else 0
+def default_group_size(linear: str, target: str = "android") -> int:
+    """What a scheme uses when the user gives no group size: 32 for 4-bit weights (and for
+    ONNX's blockwise int8), else 0 = one scale per output channel."""
+    return 32 if linear in ("8da4w", "int4") or (target, linear) == ("onnx", "int8") else 0
 
 
 def check_target_scheme(target: str, name: str, group: int) -> None:
@@ -56,10 +57,11 @@ def check_target_scheme(target: str, name: str, group: int) -> None:
             f"--quant {name} is not available for --target {target}: choose one of "
             f"{', '.join(valid)}"
         )
-    if name == "int4" and (group < 16 or group & (group - 1)):
+    blockwise = name == "int4" or (target, name) == ("onnx", "int8")
+    if blockwise and (group < 16 or group & (group - 1)):
         raise UserError(
-            f"--group-size {group}: int4 for {target} takes a block size that is a power of two "
-            ">= 16 (default 32)"
+            f"--group-size {group}: {name} for {target} takes a block size that is a power of "
+            "two >= 16 (default 32)"
         )
 
 
