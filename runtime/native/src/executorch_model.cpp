@@ -27,16 +27,39 @@ using executorch::runtime::EValue;
 
 std::unique_ptr<Module> load(const std::string& pte) {
   register_llama_ops();
-  auto module = std::make_unique<Module>(pte, Module::LoadMode::Mmap);
+  // Shared arenas: a program's forward and verify methods keep one KV cache (a shared mutable
+  // buffer); with separate arenas each method would write and read a cache of its own.
+  auto module = std::make_unique<Module>(pte, Module::LoadMode::Mmap, nullptr, nullptr, nullptr,
+                                         /*share_memory_arenas=*/true);
   if (module->load_method("forward") != Error::Ok)
     throw UserError("cannot load the forward method of " + pte +
                     ": not an mtp-export program, or built for another ExecuTorch version");
   return module;
 }
 
+// Calls of 2..kExactRowsMax tokens (the loop's verifications) go through the program's `verify`
+// method when it has one, in windows of its static width padded with copies of the last token
+// (their rows are dropped and their cache slots overwritten by the next call): each row then
+// equals bitwise the one-token forward at its position, whatever the kernels. The same rule as
+// runtime/executorch_session.py, so both runtimes make the same calls.
+constexpr int64_t kExactRowsMax = 16;
+
+void append(Output& out, Output&& piece) {
+  out.vocab = piece.vocab, out.dim = piece.dim;
+  out.rows += piece.rows;
+  out.logits.insert(out.logits.end(), piece.logits.begin(), piece.logits.end());
+  out.hidden.insert(out.hidden.end(), piece.hidden.begin(), piece.hidden.end());
+}
+
 class ExecuTorchModel : public Model {
  public:
-  explicit ExecuTorchModel(const std::string& pte) : pte_(pte), module_(load(pte)) {}
+  explicit ExecuTorchModel(const std::string& pte) : pte_(pte), module_(load(pte)) {
+    auto names = module_->method_names();
+    if (names.ok() && names->count("verify") && module_->load_method("verify") == Error::Ok) {
+      auto meta = module_->method_meta("verify");
+      if (meta.ok() && meta->num_inputs() > 0) verify_width_ = meta->input_tensor_meta(0)->sizes()[1];
+    }
+  }
 
   Output forward(const std::vector<int64_t>& tokens, int64_t start, bool want_hidden,
                  bool last_only) override {
@@ -44,20 +67,53 @@ class ExecuTorchModel : public Model {
     if (T < 1 || T > max_chunk)
       throw std::runtime_error("a call takes 1.." + std::to_string(max_chunk) + " tokens");
     if (start + T > max_seq_len) throw std::runtime_error("positions beyond the cache");
+    if (verify_width_ == 0 || T < 2 || T > kExactRowsMax)
+      return call(tokens, start, want_hidden, last_only);
+    Output out;
+    for (int64_t i = 0; i < T; i += verify_width_) {
+      const int64_t end = std::min(T, i + verify_width_);
+      append(out, call({tokens.begin() + i, tokens.begin() + end}, start + i, want_hidden, false));
+    }
+    if (last_only) {
+      out.logits.erase(out.logits.begin(), out.logits.end() - out.vocab);
+      if (want_hidden) out.hidden.erase(out.hidden.begin(), out.hidden.end() - out.dim);
+      out.rows = 1;
+    }
+    return out;
+  }
+
+ private:
+  Output call(const std::vector<int64_t>& tokens, int64_t start, bool want_hidden,
+              bool last_only) {
+    const int64_t n = int64_t(tokens.size()), w = verify_width_;
+    if (n == 1 || !(0 < n && n <= w)) return run("forward", tokens, start, n, want_hidden, last_only);
+    if (start + w <= max_seq_len) {
+      std::vector<int64_t> padded = tokens;
+      padded.resize(w, tokens.back());
+      return run("verify", padded, start, n, want_hidden, last_only);
+    }
+    Output out;  // too close to the end of the cache for the padding: one row per call
+    for (int64_t i = 0; i < n; ++i) append(out, run("forward", {tokens[i]}, start + i, 1, want_hidden, false));
+    return out;
+  }
+
+  // Runs `method` on tokens at `start`; returns its first n rows (only row n-1 with last_only).
+  Output run(const char* method, const std::vector<int64_t>& tokens, int64_t start, int64_t n,
+             bool want_hidden, bool last_only) {
     std::vector<int64_t> ids = tokens;
     int64_t pos = start;
-    auto ids_t = from_blob(ids.data(), {1, int32_t(T)}, ScalarType::Long);
+    auto ids_t = from_blob(ids.data(), {1, int32_t(ids.size())}, ScalarType::Long);
     auto pos_t = from_blob(&pos, {1}, ScalarType::Long);
-    auto result = module_->execute("forward", {EValue(ids_t), EValue(pos_t)});
+    auto result = module_->execute(method, {EValue(ids_t), EValue(pos_t)});
     if (!result.ok())
-      throw std::runtime_error("ExecuTorch forward failed on " + pte_ + " (error " +
-                               std::to_string(int(result.error())) + ")");
+      throw std::runtime_error(std::string("ExecuTorch ") + method + " failed on " + pte_ +
+                               " (error " + std::to_string(int(result.error())) + ")");
     const auto& outputs = result.get();
     Output out;
     const auto& logits = outputs[0].toTensor();
     out.vocab = logits.size(2);
-    const int64_t first = last_only ? T - 1 : 0;
-    out.rows = T - first;
+    const int64_t first = last_only ? n - 1 : 0;
+    out.rows = n - first;
     const float* lp = logits.const_data_ptr<float>() + first * out.vocab;
     out.logits.assign(lp, lp + out.rows * out.vocab);
     if (want_hidden) {
@@ -73,9 +129,9 @@ class ExecuTorchModel : public Model {
     return out;
   }
 
- private:
   std::string pte_;
   std::unique_ptr<Module> module_;
+  int64_t verify_width_ = 0;  // 0: the program has no verify method
 };
 
 class ExecuTorchStep : public StepProgram {
