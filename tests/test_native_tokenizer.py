@@ -20,8 +20,8 @@ from pathlib import Path
 
 import gguf
 import pytest
+from tokenizers import Regex, decoders, pre_tokenizers
 from tokenizers import Tokenizer as Backend
-from tokenizers import decoders, pre_tokenizers
 
 from mtp_edge import tokenizer as tokenizer_module
 from mtp_edge.checkpoints import default_model_path
@@ -373,6 +373,28 @@ def sentencepiece(tokens, types, add_space_prefix: bool) -> Backend:
     return backend
 
 
+# A split regex with more of the syntax than ours use (class unions of \p{..}, a quantified
+# case-insensitive group), as GPT-4o-style tokenizer.json files carry.
+CASED_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def cased_split(tokens, merges, types) -> Backend:
+    backend = byte_level(tokens, merges, types, "llama-bpe")
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(CASED_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    return backend
+
+
 def metaspace(tokens, types, prepend_scheme: str, split: bool) -> Backend:
     """The same SentencePiece vocabulary the way converted Llama/Mistral tokenizer.json files
     often state it: a Metaspace pre-tokenizer and decoder instead of normalizers."""
@@ -404,6 +426,7 @@ KINDS = [
     "sentencepiece-no-prefix",
     "metaspace-first",
     "metaspace-split",
+    "cased-split",
 ]
 
 
@@ -415,6 +438,8 @@ def tokenizer_file(request, gguf_vocabulary, tmp_path_factory) -> tuple[Path, Ba
         backend = Tokenizer.from_gguf(reader).backend
     elif kind in ("gpt2", "llama3", "qwen2"):
         backend = byte_level(tokens, merges, types, {"llama3": "llama-bpe"}.get(kind, kind))
+    elif kind == "cased-split":
+        backend = cased_split(tokens, merges, types)
     elif kind == "metaspace-first":
         backend = metaspace(tokens, types, "first", split=False)
     elif kind == "metaspace-split":
@@ -447,7 +472,7 @@ def test_encode_and_decode_match_tokenizers(mtp_tokenize, tokenizer_file, corpus
     reference_decoded = reference.decode_batch(expected, skip_special_tokens=True)
     for doc, want, have in zip(corpus, reference_decoded, decoded, strict=True):
         assert have == want, f"{doc[:200]!r}: {_first_difference(want, have)}"
-    if path.parent.name.startswith(("gpt2", "llama3", "default")):
+    if path.parent.name.startswith(("gpt2", "llama3", "default", "cased-split")):
         # Byte-level BPE without a normalizer loses nothing but the special tokens.
         for doc, have in zip(corpus, decoded, strict=True):
             stripped = doc
