@@ -44,9 +44,12 @@ def _run(command: list[str]) -> None:
 
 @pytest.fixture(scope="session")
 def mtp_tokenize() -> Path:
-    """Configure runtime/native once (the build dir is reused) and build only mtp-tokenize."""
+    """Build only mtp-tokenize in runtime/native/build, configured (once) as
+    mtp_edge.runtime.native.build configures it."""
     print("building mtp-tokenize with cmake (-j1)...", file=sys.stderr)
-    _run(["cmake", "-S", str(NATIVE), "-B", str(BUILD), "-DCMAKE_BUILD_TYPE=Release"])
+    if not (BUILD / "CMakeCache.txt").is_file():
+        configure = ["cmake", "-S", str(NATIVE), "-B", str(BUILD), "-DCMAKE_BUILD_TYPE=Release"]
+        _run(configure + [f"-DMTP_PYTHON={sys.executable}"])
     _run(["cmake", "--build", str(BUILD), "--target", "mtp-tokenize", "-j1"])
     return BUILD / "mtp-tokenize"
 
