@@ -779,26 +779,20 @@ Tokenizer::~Tokenizer() = default;
 Tokenizer::Tokenizer(Tokenizer&&) noexcept = default;
 Tokenizer& Tokenizer::operator=(Tokenizer&&) noexcept = default;
 
-Tokenizer Tokenizer::from_json(const std::string& json_text) {
-  auto impl = std::make_unique<Impl>();
-  try {
-    impl->load(json::parse(json_text));
-  } catch (const json::exception& e) {
-    throw std::runtime_error(std::string("malformed tokenizer.json: ") + e.what());
-  }
-  return Tokenizer(std::move(impl));
-}
-
 Tokenizer Tokenizer::load(const std::string& tokenizer_json_path) {
   std::ifstream file(tokenizer_json_path, std::ios::binary);
   if (!file) throw std::runtime_error("cannot open " + tokenizer_json_path);
   std::stringstream buffer;
   buffer << file.rdbuf();
+  auto impl = std::make_unique<Impl>();
   try {
-    return from_json(buffer.str());
+    impl->load(json::parse(buffer.str()));
+  } catch (const json::exception& e) {
+    throw std::runtime_error(tokenizer_json_path + ": malformed tokenizer.json: " + e.what());
   } catch (const std::runtime_error& e) {
     throw std::runtime_error(tokenizer_json_path + ": " + e.what());
   }
+  return Tokenizer(std::move(impl));
 }
 
 std::vector<int32_t> Tokenizer::encode(const std::string& text) const {
@@ -846,13 +840,6 @@ int32_t Tokenizer::vocab_size() const {
   int32_t size = static_cast<int32_t>(impl_->vocab_r.size());
   for (const auto& token : impl_->added) size = std::max(size, token.id + 1);
   return size;
-}
-
-std::string Tokenizer::id_to_token(int32_t id) const {
-  auto added = impl_->added_by_id.find(id);
-  if (added != impl_->added_by_id.end()) return impl_->added[added->second].text;
-  if (id >= 0 && static_cast<size_t>(id) < impl_->vocab_r.size()) return impl_->vocab_r[id];
-  return {};
 }
 
 }  // namespace mtp

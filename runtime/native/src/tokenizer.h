@@ -16,7 +16,6 @@ class Tokenizer {
  public:
   // Throws std::runtime_error with a message naming the file and what is wrong.
   static Tokenizer load(const std::string& tokenizer_json_path);
-  static Tokenizer from_json(const std::string& json_text);
 
   // No bos is added; added/special tokens written in the text are matched whole.
   // Throws std::invalid_argument if text is not valid UTF-8.
@@ -26,8 +25,6 @@ class Tokenizer {
   std::string decode(const std::vector<int32_t>& ids) const;
   // One more than the largest id of the vocabulary and the added tokens.
   int32_t vocab_size() const;
-  // The token's string (byte-level alphabet for byte-level BPE), or "" for an unknown id.
-  std::string id_to_token(int32_t id) const;
 
   ~Tokenizer();
   Tokenizer(Tokenizer&&) noexcept;
