@@ -175,8 +175,18 @@ def _quantize(mlmodel, quant: str, group_size: int):
         op = OpLinearQuantizerConfig(
             mode="linear_symmetric", dtype="int8", granularity="per_channel", weight_threshold=0
         )
-    # The linear layers (and the LM head); the embedding table stays fp16 for its gather.
-    config = OptimizationConfig(op_type_configs={"linear": op})
+    # The linear layers, the LM head and the embedding table (a tied head and the token gather
+    # read one weight, which coremltools quantizes for all its uses or none); not the rotary
+    # tables, which are gathered too.
+    embedding_gathers = [
+        o.name
+        for function in mlmodel._mil_program.functions.values()
+        for o in function.operations
+        if o.op_type == "gather" and "embed" in o.x.name
+    ]
+    config = OptimizationConfig(
+        op_type_configs={"linear": op}, op_name_configs=dict.fromkeys(embedding_gathers, op)
+    )
     return linear_quantize_weights(mlmodel, config)
 
 

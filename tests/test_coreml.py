@@ -94,17 +94,33 @@ def test_package_structure(scheme):
     assert [i.name for i in functions["draft_step"].input] == ["h", "token"]
     assert [o.name for o in functions["draft_step"].output] == ["draft_logits", "next_h"]
     assert not functions["draft_step"].state
-    # Quantized weights: the iOS 18 constexpr op that dequantizes (per block or per channel).
+    # Quantized weights: the iOS 18 constexpr op that dequantizes (per block or per channel),
+    # one per linear layer and one for the embedding table.
     for name in ("decode", "draft_step"):
         dequant = [op for op in mil_ops(spec, name) if op.type == "constexpr_blockwise_shift_scale"]
         linears = [op for op in mil_ops(spec, name) if op.type == "linear"]
         if SCHEMES[scheme] is None:
             assert not dequant
         else:
-            assert len(dequant) == len(linears) > 0
+            assert len(dequant) == len(linears) + 1 and linears
             data = dequant[0].inputs["data"].arguments[0]  # the packed weights, inline
             dtype = data.value.type.tensorType.dataType
             assert ct.proto.MIL_pb2.DataType.Name(dtype).lower() == SCHEMES[scheme]
+
+
+def test_tied_lm_head_quantizes(tmp_path):
+    """A tied head and the embedding gather read one weight: quantized once, for both."""
+    import coremltools as ct
+
+    model = tiny_model(seed=3, vocab=VOCAB, dtype=torch.float32, tie_word_embeddings=True)
+    path = tmp_path / "tied.mlpackage"
+    export_package(
+        model, None, path, quant="int4", draft_quant="int4", group_size=32,
+        max_seq_len=MAX_SEQ_LEN, max_chunk=CHUNK, k=K,
+    )  # fmt: skip
+    spec = ct.utils.load_spec(str(path))
+    ops = collections.Counter(op.type for op in mil_ops(spec, "verify"))
+    assert ops["constexpr_blockwise_shift_scale"] == ops["linear"] == 2 * 7 + 1
 
 
 def test_target_functions_share_their_weights():
