@@ -55,6 +55,7 @@ extern "C" int mtp_generate(mtp_engine* handle, const char* prompt, const char* 
     mtp::GenerationConfig config;
     config.max_new_tokens = options.value("max_new_tokens", int64_t(128));
     config.k = options.value("k", int64_t(engine.manifest().default_k()));
+    engine.check_k(config.k);
     config.sampling.temperature = options.value("temperature", 0.0);
     config.sampling.top_k = options.value("top_k", 0);
     config.sampling.top_p = options.value("top_p", 1.0);

@@ -61,6 +61,13 @@ Engine::Engine(const std::string& bundle_dir, const EngineOptions& options)
 
 Engine::~Engine() = default;
 
+void Engine::check_k(int64_t k) const {
+  if (k < 0 || k + 1 > target_->max_chunk)
+    throw UserError("--k must be in 0.." + std::to_string(target_->max_chunk - 1) +
+                    " (k drafts and the pending token go in one call of at most " +
+                    std::to_string(target_->max_chunk) + " tokens), got " + std::to_string(k));
+}
+
 bool Engine::has_tokenizer() const {
 #ifdef MTP_HAVE_TOKENIZER
   return tokenizer_.has_value();

@@ -37,6 +37,8 @@ class Engine {
   Model& target() { return *target_; }
   Drafter* drafter() { return drafter_.get(); }  // null: plain decoding only
   std::string drafter_name() const { return drafter_ ? drafter_->name() : "none"; }
+  // Throws UserError unless k drafts plus the pending token fit one target call.
+  void check_k(int64_t k) const;
 
   // Prompt text -> ids ready for prefill: one user turn of the bundle's chat format when
   // `chat`, bos first when the tokenizer adds one. Throws UserError without a tokenizer.

@@ -52,10 +52,14 @@ bool check(KernelRuntimeContext& ctx, bool ok, const char* what) {
 
 // One query row against `visible` cache rows (stride `stride` floats apart): softmax(q.k * scale)
 // weighted sum of v into `out`. The dot product keeps eight partial sums so that it vectorizes
-// (one running sum is a dependency chain the compiler may not reorder).
-MTP_VECTOR_CLONES
-void attend_row(const float* q, const float* k, const float* v, int64_t stride, int64_t visible,
-                int64_t D, float scale, float* scores, float* acc, float* out) {
+// (one running sum is a dependency chain the compiler may not reorder). kD > 0 fixes the head
+// size at compile time (64 and 128 cover our models), which keeps the output accumulator in
+// registers; kD = 0 reads it from D.
+template <int kD>
+MTP_VECTOR_CLONES void attend_row(const float* q, const float* k, const float* v, int64_t stride,
+                                  int64_t visible, int64_t D, float scale, float* scores,
+                                  float* out) {
+  if (kD > 0) D = kD;
   float best = -INFINITY;
   for (int64_t j = 0; j < visible; ++j) {
     const float* kj = k + j * stride;
@@ -70,15 +74,16 @@ void attend_row(const float* q, const float* k, const float* v, int64_t stride, 
                 scale;
     best = std::max(best, scores[j]);
   }
+  float acc[kD > 0 ? kD : 256];
+  float* a = kD > 0 || D <= 256 ? acc : out;  // a larger head accumulates in place
+  for (int64_t d = 0; d < D; ++d) a[d] = 0.f;
   float total = 0.f;
-  for (int64_t d = 0; d < D; ++d) acc[d] = 0.f;
-  for (int64_t j = 0; j < visible; ++j) {
-    const float w = std::exp(scores[j] - best);
-    total += w;
+  for (int64_t j = 0; j < visible; ++j) total += (scores[j] = std::exp(scores[j] - best));
+  for (int64_t j = 0; j < visible; ++j) {  // no call in this loop: a stays in registers
     const float* vj = v + j * stride;
-    for (int64_t d = 0; d < D; ++d) acc[d] += w * vj[d];
+    for (int64_t d = 0; d < D; ++d) a[d] += scores[j] * vj[d];
   }
-  for (int64_t d = 0; d < D; ++d) out[d] = acc[d] / total;
+  for (int64_t d = 0; d < D; ++d) out[d] = a[d] / total;
 }
 
 void update_cache(KernelRuntimeContext& ctx, Span<EValue*> stack) {
@@ -127,11 +132,11 @@ void custom_sdpa(KernelRuntimeContext& ctx, Span<EValue*> stack) {
   auto attend = [&](size_t task) {
     const int64_t i = int64_t(task) / Hq, h = int64_t(task) % Hq, kvh = h / group;
     const int64_t visible = start + i + 1;
-    thread_local std::vector<float> scores, acc;
+    thread_local std::vector<float> scores;
     scores.resize(visible);
-    acc.resize(D);
-    attend_row(qp + (i * Hq + h) * D, kp + kvh * D, vp + kvh * D, Hkv * D, visible, D, scale,
-               scores.data(), acc.data(), op + (i * Hq + h) * D);
+    auto row = D == 64 ? attend_row<64> : D == 128 ? attend_row<128> : attend_row<0>;
+    row(qp + (i * Hq + h) * D, kp + kvh * D, vp + kvh * D, Hkv * D, visible, D, scale,
+        scores.data(), op + (i * Hq + h) * D);
   };
   executorch::extension::threadpool::get_threadpool()->run(attend, size_t(T * Hq));
 }

@@ -146,6 +146,7 @@ int run(int argc, char** argv) {
   std::cerr << "[load] " << bundle << std::endl;
   mtp::Engine engine(bundle, engine_options);
   options.config.k = k >= 0 ? k : engine.manifest().default_k();
+  engine.check_k(options.config.k);
   options.config.eos_ids = engine.manifest().eos_ids;
   nlohmann::json body = mtp::run_suite(engine, prompts, options, [](const std::string& line) {
     std::cerr << line << std::endl;
