@@ -60,6 +60,21 @@ def native_encode(binary: Path, tokenizer_json: Path, docs: list[str]) -> list[l
     return [[int(i) for i in line.split()] for line in out.split("\n")[:-1]]
 
 
+def native_pieces(binary: Path, tokenizer_json: Path, docs: list[str]) -> list[list[str]]:
+    lines = "".join(json.dumps(d) + "\n" for d in docs)
+    out = _native(binary, tokenizer_json, "--pieces", lines)
+    return [json.loads(line) for line in out.split("\n")[:-1]]
+
+
+def reference_pieces(backend: Backend, text: str) -> list[str]:
+    """How `tokenizers` splits a text without added tokens: normalizer, then pre-tokenizer."""
+    if backend.normalizer is not None:
+        text = backend.normalizer.normalize_str(text)
+    if backend.pre_tokenizer is None:
+        return [text] if text else []
+    return [piece for piece, _ in backend.pre_tokenizer.pre_tokenize_str(text)]
+
+
 def native_decode(binary: Path, tokenizer_json: Path, id_lists: list[list[int]]) -> list[str]:
     lines = "".join(" ".join(map(str, ids)) + "\n" for ids in id_lists)
     out = _native(binary, tokenizer_json, "--decode", lines)
@@ -495,14 +510,31 @@ def test_decode_arbitrary_ids(mtp_tokenize, tokenizer_file):
     assert native_decode(mtp_tokenize, path, id_lists) == want
 
 
+def newer_code_points() -> list[int]:
+    """Code points Python's unicodedata calls unassigned but `tokenizers`' regex engine knows."""
+    unknown = "".join(chr(c) for c in range(0x110000) if unicodedata.category(chr(c)) == "Cn")
+    split = pre_tokenizers.Split(Regex(r"\P{Cn}"), behavior="removed")
+    kept = set("".join(piece for piece, _ in split.pre_tokenize_str(unknown)))
+    return [ord(c) for c in unknown if c not in kept]
+
+
 def test_every_code_point(mtp_tokenize, tokenizer_file):
-    """Each assigned code point of Unicode (as Python knows it) between letters, digits and
-    spaces: checks the generated category, White_Space, case-fold and NFC tables."""
+    """Each assigned code point (as Python or `tokenizers` knows it) between letters, digits
+    and spaces: checks the generated category, White_Space, case-fold and NFC tables."""
     path, reference = tokenizer_file
     rng = random.Random(4)
     fillers = ["a", "1", " ", "'", "\u0301", "x ", "'s", "\n"]
-    text = "".join(chr(c) + rng.choice(fillers) for c in ASSIGNED)
+    code_points = ASSIGNED + newer_code_points()
+    assert len(code_points) > len(ASSIGNED)
+    text = "".join(chr(c) + rng.choice(fillers) for c in code_points)
     docs = _cut(text)
+    assert not any(t.content in text for t in reference.get_added_tokens_decoder().values())
+    # Ids alone would hide a wrong class for a rare character (its bytes merge with nothing),
+    # so the pieces are compared too.
+    got_pieces = native_pieces(mtp_tokenize, path, docs)
+    for doc, have in zip(docs, got_pieces, strict=True):
+        want = reference_pieces(reference, doc)
+        assert have == want, f"{doc[:80]!r}: {_first_difference(want, have)}"
     expected = [e.ids for e in reference.encode_batch(docs, add_special_tokens=False)]
     got = native_encode(mtp_tokenize, path, docs)
     for doc, want, have in zip(docs, expected, got, strict=True):

@@ -565,25 +565,35 @@ struct Tokenizer::Impl {
       if (s.len) out.push_back(s.id);
   }
 
-  // Text between added tokens; at_start: it begins the input.
-  void encode_text(const std::u32string& text, bool at_start, std::vector<int32_t>& out) const {
-    std::u32string normalized = text;
-    normalize(normalized);
-    bool first = at_start;
-    for (const auto& segment : split_added(normalized, normalized_starts)) {
-      if (segment.id >= 0) {
-        out.push_back(segment.id);
-        first = false;
+  // What the model sees of `text`, in order: each added token's id (with piece == nullptr) or
+  // each pre-tokenized piece (id -1), as tokenizers' encode produces them.
+  template <class Emit>
+  void pre_tokenize(const std::u32string& text, const Emit& emit) const {
+    bool at_start = true;  // the piece begins the input (Metaspace's "first" scheme asks)
+    for (const auto& raw : split_added(text, raw_starts)) {
+      if (raw.id >= 0) {
+        emit(nullptr, raw.id);
+        at_start = false;
         continue;
       }
-      std::vector<Piece> pieces{{segment.text, first}}, next;
-      first = false;
-      for (const auto& step : pre_tokenizers) {
-        next.clear();
-        step.apply(pieces, next);
-        pieces.swap(next);
+      std::u32string normalized = raw.text;
+      normalize(normalized);
+      for (const auto& segment : split_added(normalized, normalized_starts)) {
+        if (segment.id >= 0) {
+          emit(nullptr, segment.id);
+          at_start = false;
+          continue;
+        }
+        if (segment.text.empty()) continue;  // empty text yields nothing, even with a prefix
+        std::vector<Piece> pieces{{segment.text, at_start}}, next;
+        at_start = false;
+        for (const auto& step : pre_tokenizers) {
+          next.clear();
+          step.apply(pieces, next);
+          pieces.swap(next);
+        }
+        for (const auto& piece : pieces) emit(&piece.text, -1);
       }
-      for (const auto& piece : pieces) bpe(piece.text, out);
     }
   }
 
@@ -795,17 +805,31 @@ Tokenizer Tokenizer::load(const std::string& tokenizer_json_path) {
   return Tokenizer(std::move(impl));
 }
 
-std::vector<int32_t> Tokenizer::encode(const std::string& text) const {
+namespace {
+
+std::u32string code_points(const std::string& text) {
   std::u32string chars;
   if (!unicode::decode_utf8(text, chars)) throw std::invalid_argument("text is not valid UTF-8");
+  return chars;
+}
+
+}  // namespace
+
+std::vector<int32_t> Tokenizer::encode(const std::string& text) const {
   std::vector<int32_t> ids;
-  bool at_start = true;
-  for (const auto& segment : impl_->split_added(chars, impl_->raw_starts)) {
-    if (segment.id >= 0) ids.push_back(segment.id);
-    else impl_->encode_text(segment.text, at_start, ids);
-    at_start = false;
-  }
+  impl_->pre_tokenize(code_points(text), [&](const std::u32string* piece, int32_t id) {
+    if (piece) impl_->bpe(*piece, ids);
+    else ids.push_back(id);
+  });
   return ids;
+}
+
+std::vector<std::string> Tokenizer::pieces(const std::string& text) const {
+  std::vector<std::string> out;
+  impl_->pre_tokenize(code_points(text), [&](const std::u32string* piece, int32_t id) {
+    out.push_back(piece ? to_utf8(*piece) : impl_->added[impl_->added_by_id.at(id)].text);
+  });
+  return out;
 }
 
 std::string Tokenizer::decode(const std::vector<int32_t>& ids) const {

@@ -20,6 +20,9 @@ class Tokenizer {
   // No bos is added; added/special tokens written in the text are matched whole.
   // Throws std::invalid_argument if text is not valid UTF-8.
   std::vector<int32_t> encode(const std::string& text) const;
+  // The pieces BPE sees (normalized and pre-tokenized; added tokens as written), for looking
+  // at how a text is split. Throws std::invalid_argument if text is not valid UTF-8.
+  std::vector<std::string> pieces(const std::string& text) const;
   // Special tokens are skipped (as `tokenizers` decode(ids, skip_special_tokens=True));
   // unknown ids are ignored; bytes that do not form UTF-8 become U+FFFD.
   std::string decode(const std::vector<int32_t>& ids) const;

@@ -3,6 +3,8 @@
 //   mtp-tokenize tokenizer.json < text            ids of the whole input, one line
 //   mtp-tokenize tokenizer.json --jsonl < lines   each line a JSON string -> one line of ids
 //   mtp-tokenize tokenizer.json --decode < lines  each line of ids -> one JSON string
+//   mtp-tokenize tokenizer.json --pieces < lines  each line a JSON string -> the JSON list of
+//                                                 pieces BPE sees (how the text was split)
 #include <iostream>
 #include <iterator>
 #include <sstream>
@@ -28,10 +30,11 @@ int run(int argc, char** argv) {
   std::string path, mode = "text";
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
-    if (arg == "--jsonl" || arg == "--decode" || arg == "--vocab-size") {
+    if (arg == "--jsonl" || arg == "--decode" || arg == "--pieces" || arg == "--vocab-size") {
       mode = arg.substr(2);
     } else if (arg == "-h" || arg == "--help") {
-      std::cout << "usage: mtp-tokenize TOKENIZER_JSON [--jsonl | --decode | --vocab-size]\n";
+      std::cout << "usage: mtp-tokenize TOKENIZER_JSON [--jsonl | --decode | --pieces | "
+                   "--vocab-size]\n";
       return 0;
     } else if (path.empty() && arg.rfind("--", 0) != 0) {
       path = arg;
@@ -50,6 +53,11 @@ int run(int argc, char** argv) {
   } else if (mode == "jsonl") {
     for (std::string line; std::getline(std::cin, line);)
       print_ids(tokenizer.encode(nlohmann::json::parse(line).get<std::string>()));
+  } else if (mode == "pieces") {
+    for (std::string line; std::getline(std::cin, line);) {
+      const auto pieces = tokenizer.pieces(nlohmann::json::parse(line).get<std::string>());
+      std::cout << nlohmann::json(pieces).dump() << "\n";
+    }
   } else {
     for (std::string line; std::getline(std::cin, line);) {
       std::istringstream fields(line);
