@@ -8,7 +8,16 @@ so that ExecuTorch's own runner (TextLLMRunner) can run it too:
   [1, max_seq_len, kv_heads, head_dim], written in place by `llama.update_cache`; attention is
   `llama.custom_sdpa`, which reads for a query at position p only the slots <= p. The slots of
   rejected drafts are never read and the next call overwrites them: rollback costs nothing;
-- constant methods carrying the metadata the runner reads (max_seq_len, vocab size, eos ids...).
+- constant methods carrying the metadata the runner reads (max_seq_len, vocab size, eos ids...);
+- with a drafter, a `verify(tokens [1, W], input_pos [1])` method sharing forward's KV cache, for
+  checking k+1 = W tokens. Speculative output must equal plain output token for token, so each
+  row of a verify must be bitwise what a one-token forward computes at that position. XNNPACK's
+  linear layers are row-independent (also with dynamically quantized activations: each row has
+  its own scale), but `custom_sdpa` is not: a W-row call computes every row's scores over the
+  keys of the whole block and in different tiles, so rows move by a few ulps — and in a
+  quantized model an ulp that crosses an int8 rounding step grows, layer by layer, into logits
+  that differ by whole units (measured on SmolLM2-135M 8da4w: the argmax differed at 10% of
+  positions). `verify` therefore runs attention one row at a time, as the one-token call does.
 
 model.py is not changed for export: `exportable_copy` swaps, on a copy of the model, each
 attention and norm for an export version made of ExecuTorch's custom ops and of ops that XNNPACK
@@ -49,6 +58,7 @@ class CustomOpAttention(nn.Module):
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = a.q_proj, a.k_proj, a.v_proj, a.o_proj
         self.q_norm, self.k_norm = a.q_norm, a.k_norm
         self.max_seq_len = max_seq_len
+        self.rows_apart = False  # set while exporting the `verify` method
         shape = (1, max_seq_len, a.num_kv_heads, a.head_dim)
         self.register_buffer("k_cache", torch.zeros(shape), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape), persistent=False)
@@ -76,7 +86,17 @@ class CustomOpAttention(nn.Module):
         torch._check(start + t <= self.max_seq_len)
         torch.ops.llama.update_cache(k, self.k_cache, start)
         torch.ops.llama.update_cache(v, self.v_cache, start)
-        out = torch.ops.llama.custom_sdpa(q, self.k_cache, self.v_cache, start, None, 0.0, True)
+        if self.rows_apart:
+            # One single-query SDPA per row: bitwise what a one-token call computes (below).
+            rows = [
+                torch.ops.llama.custom_sdpa(
+                    q[:, r : r + 1], self.k_cache, self.v_cache, start + r, None, 0.0, True
+                )
+                for r in range(t)
+            ]
+            out = torch.cat(rows, 1)
+        else:
+            out = torch.ops.llama.custom_sdpa(q, self.k_cache, self.v_cache, start, None, 0.0, True)
         return self.o_proj(out.view(1, -1, self.num_heads * self.head_dim))
 
 
@@ -148,12 +168,14 @@ def export_program(
     head_quant: str | None = None,
     head_group_size: int | None = None,
     return_hidden: bool = False,
+    verify_width: int = 0,
     progress: Callable[[str], None] | None = None,
 ) -> dict:
     """Quantize a copy of `model`, export it to an XNNPACK .pte at `path` (written at the very
     end) and return its methods for the bundle manifest.
 
     `head_quant` / `head_group_size` give the LM head its own scheme (default: the linear one).
+    `verify_width` W > 0 adds the row-exact `verify` method for W tokens (see the module doc).
     """
     say = progress or (lambda _message: None)
     scheme = QuantScheme(
@@ -172,11 +194,22 @@ def export_program(
     example = (torch.zeros((1, 2), dtype=torch.long), torch.zeros(1, dtype=torch.long))
     dynamic = ({1: torch.export.Dim("T", min=1, max=max_chunk)}, None)
     say(f"[export] torch.export, T in 1..{max_chunk}, cache of {max_seq_len} positions")
+    if not 0 <= verify_width <= max_chunk:
+        raise UserError(f"the verify width must be in 0..{max_chunk}, got {verify_width}")
     with torch.no_grad():
-        exported = torch.export.export(exportable, example, dynamic_shapes=dynamic, strict=True)
+        programs = {
+            "forward": torch.export.export(exportable, example, dynamic_shapes=dynamic, strict=True)
+        }
+        if verify_width:
+            say(f"[export] verify, {verify_width} tokens, attention row by row")
+            for attention in exportable.modules():
+                if isinstance(attention, CustomOpAttention):
+                    attention.rows_apart = True
+            wide = (torch.zeros((1, verify_width), dtype=torch.long), example[1])
+            programs["verify"] = torch.export.export(exportable, wide, strict=True)
         say("[lower] XNNPACK")
         edge = to_edge_transform_and_lower(
-            exported,
+            programs,
             # One partitioner for quantized and float ops alike. ExecuTorch's LLM recipe runs
             # XnnpackDynamicallyQuantizedPartitioner first, which puts every linear layer in a
             # delegate of its own; then each layer costs ~10 XNNPACK calls instead of two, and
@@ -191,18 +224,28 @@ def export_program(
                 do_quant_fusion_and_const_prop=True,  # fuses the embedding into embedding_byte
                 # The KV cache buffers get planned memory that lives as long as the loaded
                 # method; inputs are the caller's tensors, not copied into the arena.
-                memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False),
+                # verify writes the cache forward reads: one allocation for both.
+                memory_planning_pass=MemoryPlanningPass(
+                    alloc_graph_input=False, share_mutable_buffers=True
+                ),
+                emit_mutable_buffer_names=True,
                 # Plan for the largest T, not the example's.
                 sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass(),
             )
         )
     say(f"[write] {path} ({len(program.buffer) / 1e6:.0f} MB)")
     Path(path).write_bytes(program.buffer)
-    methods = method_metadata(model, max_chunk, constants)
+    methods = method_metadata(model, max_chunk, constants, verify_width)
     if return_hidden:
-        methods["forward"]["outputs"].append(
-            {"name": "hidden", "shape": [1, "T", model.config.hidden_size], "dtype": "float32"}
-        )
+        for name, width in (("forward", "T"), ("verify", verify_width)):
+            if name in methods:
+                methods[name]["outputs"].append(
+                    {
+                        "name": "hidden",
+                        "shape": [1, width, model.config.hidden_size],
+                        "dtype": "float32",
+                    }
+                )
     return methods
 
 
@@ -218,18 +261,23 @@ class WithHidden(nn.Module):
         return self.model(tokens, input_pos, return_hidden=True)
 
 
-def method_metadata(model: Transformer, max_chunk: int, constants: dict) -> dict:
+def method_metadata(
+    model: Transformer, max_chunk: int, constants: dict, verify_width: int = 0
+) -> dict:
     vocab = model.config.vocab_size
-    methods = {
-        "forward": {
+
+    def tokens_method(width) -> dict:
+        return {
             "inputs": [
-                {"name": "tokens", "shape": [1, "T"], "dtype": "int64"},
+                {"name": "tokens", "shape": [1, width], "dtype": "int64"},
                 {"name": "input_pos", "shape": [1], "dtype": "int64"},
             ],
-            "outputs": [{"name": "logits", "shape": [1, "T", vocab], "dtype": "float32"}],
-            "dynamic_dims": {"T": [1, max_chunk]},
+            "outputs": [{"name": "logits", "shape": [1, width, vocab], "dtype": "float32"}],
         }
-    }
+
+    methods = {"forward": dict(tokens_method("T"), dynamic_dims={"T": [1, max_chunk]})}
+    if verify_width:
+        methods["verify"] = tokens_method(verify_width)
     for name, value in constants.items():
         values = value if isinstance(value, list) else [value]
         dtype = "bool" if isinstance(values[0], bool) else "int64"

@@ -14,8 +14,18 @@ import torch
 
 from mtp_edge.errors import UserError
 
+# Calls of up to this many tokens go row-exact through `verify` when the program has it: the
+# loop's verifications (k + 1 <= 16 tokens). Longer calls are prefill chunks and take `forward`.
+EXACT_ROWS_MAX = 16
+
 
 class ExecuTorchSession:
+    """A session on an mtp-export program. A call of 2..EXACT_ROWS_MAX tokens on a program with
+    a `verify` method runs through verify (in windows of its width W, padded with copies of the
+    last token, whose rows are discarded and whose cache slots the next call overwrites), so that
+    each row equals bitwise the one-token forward at its position: speculative decoding then
+    reproduces plain decoding exactly, also on a quantized program."""
+
     name = "executorch"
 
     def __init__(self, pte_path: str | Path, max_seq_len: int, vocab_size: int, max_chunk: int):
@@ -33,6 +43,10 @@ class ExecuTorchSession:
         if "forward" not in self.program.method_names:
             raise UserError(f"{path} has no forward method: it is not an mtp-export program")
         self.method = self.program.load_method("forward")
+        self.verify, self.verify_width = None, 0
+        if "verify" in self.program.method_names:
+            self.verify = self.program.load_method("verify")
+            self.verify_width = self.program.metadata("verify").input_tensor_meta(0).sizes()[1]
         self.vocab_size = vocab_size
         self.max_seq_len = max_seq_len
         self.max_chunk = max_chunk
@@ -44,9 +58,30 @@ class ExecuTorchSession:
             raise ValueError(
                 f"positions up to {start + len(tokens)} exceed the cache of {self.max_seq_len}"
             )
-        outputs = self.method.execute([torch.tensor([tokens]), torch.tensor([start])])
+        if self.verify is not None and 2 <= len(tokens) <= EXACT_ROWS_MAX:
+            pieces = [
+                self._call(tokens[i : i + self.verify_width], start + i, return_hidden)
+                for i in range(0, len(tokens), self.verify_width)
+            ]
+            if not return_hidden:
+                return torch.cat(pieces)
+            return torch.cat([p[0] for p in pieces]), torch.cat([p[1] for p in pieces])
+        return self._call(tokens, start, return_hidden)
+
+    def _call(self, tokens: list[int], start: int, return_hidden: bool):
+        n, w = len(tokens), self.verify_width
+        if n == 1 or not 0 < n <= w:
+            outputs = self.method.execute([torch.tensor([tokens]), torch.tensor([start])])
+        elif start + w <= self.max_seq_len:
+            padded = tokens + tokens[-1:] * (w - n)
+            outputs = self.verify.execute([torch.tensor([padded]), torch.tensor([start])])
+        else:  # too close to the end of the cache for the padding: one row per call
+            rows = [self._call([t], start + i, return_hidden) for i, t in enumerate(tokens)]
+            if not return_hidden:
+                return torch.cat(rows)
+            return torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
         # Outputs live in the method's planned memory, which the next call overwrites.
-        logits = outputs[0][0].clone()
+        logits = outputs[0][0, :n].clone()
         if not return_hidden:
             return logits
         if len(outputs) < 2:
@@ -54,7 +89,7 @@ class ExecuTorchSession:
                 "this ExecuTorch program returns logits only, and the drafter needs the "
                 "target's hidden states: re-export with --drafter mtp, or use ngram"
             )
-        return logits, outputs[1][0].clone()
+        return logits, outputs[1][0, :n].clone()
 
 
 class ExecuTorchStep:
