@@ -69,15 +69,19 @@ def main() -> None:
     args = parser.parse_args()
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="coreml-bench-"))
     root.mkdir(parents=True, exist_ok=True)
-    rows = []
+    results = RESULTS / "coreml_export.json"
+    # Schemes measured earlier stay; the ones measured now replace theirs.
+    rows = json.loads(results.read_text())["rows"] if results.exists() else []
     for scheme in args.schemes:
         print(f"[coreml] {scheme}", flush=True)
-        rows.append(export(scheme, root / f"coreml-{scheme}"))
-        print(json.dumps(rows[-1]), flush=True)
+        row = export(scheme, root / f"coreml-{scheme}")
+        rows = [r for r in rows if r["scheme"] != scheme] + [row]
+        print(json.dumps(row), flush=True)
+    order = ["fp16", "int8", "int4"]
+    rows.sort(key=lambda r: order.index(r["scheme"]) if r["scheme"] in order else len(order))
     machine = f"{platform.machine()}, {platform.system()}, nice'd on a shared 2-core machine"
-    report = {"machine": machine, "rows": rows}
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "coreml_export.json").write_text(json.dumps(report, indent=2) + "\n")
+    results.write_text(json.dumps({"machine": machine, "rows": rows}, indent=2) + "\n")
     (RESULTS / "coreml_export.md").write_text(to_markdown(rows, machine))
 
 

@@ -21,6 +21,7 @@ import contextlib
 import copy
 import json
 import logging
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -230,7 +231,7 @@ def export_program(
     dynamic = ({1: torch.export.Dim("T", min=1, max=max_chunk)}, None, [None] * len(caches))
     outputs = ["logits", "hidden"] if return_hidden else ["logits"]
     say(f"[export] torch.onnx (dynamo), T in 1..{max_chunk}, cache of {max_seq_len} positions")
-    with torch.no_grad():
+    with torch.no_grad(), _quiet():
         program = torch.onnx.export(
             wrapper,
             example,
@@ -281,7 +282,7 @@ def _save_quantized(proto, path: Path, quant: str, group_size: int, say) -> None
         quantizer = MatMulNBitsQuantizer(
             proto, bits=bits, block_size=group_size, is_symmetric=True, accuracy_level=1
         )
-        with _quiet_quantizer():
+        with _quiet():
             quantizer.process()
         proto = quantizer.model.model
     size = proto.ByteSize()
@@ -295,14 +296,19 @@ def _save_quantized(proto, path: Path, quant: str, group_size: int, say) -> None
 
 
 @contextlib.contextmanager
-def _quiet_quantizer():
-    """The quantizer logs every node at INFO level (and configures the root logger to show it)."""
-    loggers = [logging.getLogger(n) for n in ("onnxruntime.quantization", "onnx_ir", "onnxscript")]
+def _quiet():
+    """Keep the exporter's and the quantizer's chatter out of the progress lines: the quantizer
+    logs every node at INFO level (and sets up the root logger to show it), the exporter's
+    passes log at INFO and warn about optional packages and axis names."""
+    names = ("onnxruntime.quantization", "onnx_ir", "onnxscript", "torch.onnx")
+    loggers = [logging.getLogger(n) for n in names]
     levels = [log.level for log in loggers]
     for log in loggers:
-        log.setLevel(logging.WARNING)
+        log.setLevel(logging.ERROR)
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*dynamic axes will not be renamed")
+            yield
     finally:
         for log, level in zip(loggers, levels, strict=True):
             log.setLevel(level)
@@ -334,7 +340,7 @@ def export_mtp_program(
     d, vd = head.config.hidden_size, head.config.draft_vocab_size
     example = (torch.zeros(1, d), torch.zeros(1, dtype=torch.long))
     say("[export] drafter step, torch.onnx (dynamo)")
-    with torch.no_grad():
+    with torch.no_grad(), _quiet():
         program = torch.onnx.export(
             step,
             example,
