@@ -18,7 +18,8 @@ from mtp_edge.devices.catalog import host_device
 
 def machine_description() -> dict:
     """CPU, cores, RAM and memory bandwidth (measured now), and the library versions."""
-    import executorch
+    from importlib.metadata import version
+
     import torch
 
     host = host_device()
@@ -31,7 +32,7 @@ def machine_description() -> dict:
         "os": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "executorch": getattr(executorch, "__version__", "unknown"),
+        "executorch": version("executorch"),
         "threads": int(os.environ.get("OMP_NUM_THREADS", 0)) or torch.get_num_threads(),
     }
 
@@ -47,6 +48,7 @@ def write_report(out_dir: str | Path, reports: list[dict], command: str, machine
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the report is for reading
     try:
         plots = make_plots(tmp, reports)
         (tmp / "report.json").write_text(
@@ -95,6 +97,7 @@ def make_plots(directory: Path, reports: list[dict]) -> dict[str, str]:
     for r, name in zip(reports, names, strict=True):
         acc = r["summary"]["acceptance_by_position"]
         ax.plot(range(1, len(acc) + 1), [a or 0 for a in acc], marker="o", label=name)
+    ax.set_xticks(range(1, max(len(r["summary"]["acceptance_by_position"]) for r in reports) + 1))
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance (kept / drafted)")
     ax.set_ylim(0, 1)
@@ -102,57 +105,42 @@ def make_plots(directory: Path, reports: list[dict]) -> dict[str, str]:
     ax.legend(fontsize=8)
     files["acceptance"] = _save(fig, directory / "acceptance_by_position.png")
 
-    # 3. tokens/s per prompt, plain vs speculative
+    # 3. tokens/s per prompt and 4. time to first token: one colour per run, plain as a bar
+    # marker, speculative as a dot, runs side by side around each prompt.
     ids = [row["id"] for row in reports[0]["prompts"]]
     x = np.arange(len(ids))
-    fig, ax = plt.subplots(figsize=(max(8, len(ids) * 0.35), 4.5))
-    ax.plot(
-        x,
-        [row["ar_tokens_per_s"] for row in reports[0]["prompts"]],
-        "k_",
-        ms=12,
-        mew=2,
-        label=f"plain ({names[0]})",
-    )
-    for r, name in zip(reports, names, strict=True):
-        rows = {row["id"]: row for row in r["prompts"]}
-        ax.plot(
-            x,
-            [rows[i]["spec_tokens_per_s"] if i in rows else np.nan for i in ids],
-            "o",
-            label=f"speculative, {name}",
-        )
-        if r is not reports[0]:
-            ax.plot(
-                x,
-                [rows[i]["ar_tokens_per_s"] if i in rows else np.nan for i in ids],
-                "_",
-                ms=12,
-                mew=2,
-                label=f"plain ({name})",
-            )
-    ax.set_xticks(x, ids, rotation=90, fontsize=7)
-    ax.set_ylabel("decode tokens/s")
-    ax.set_title("Plain vs speculative decoding speed per prompt")
-    ax.legend(fontsize=8)
-    files["tokens"] = _save(fig, directory / "tokens_per_s_per_prompt.png")
-
-    # 4. time to first token
-    fig, ax = plt.subplots(figsize=(max(8, len(ids) * 0.35), 4))
-    for r, name in zip(reports, names, strict=True):
-        rows = {row["id"]: row for row in r["prompts"]}
-        for key, marker, what in (("ttft_ms_ar", "_", "plain"), ("ttft_ms_spec", "o", "spec")):
-            ax.plot(
-                x,
-                [rows[i].get(key, np.nan) if i in rows else np.nan for i in ids],
-                marker,
-                label=f"{what}, {name}",
-            )
-    ax.set_xticks(x, ids, rotation=90, fontsize=7)
-    ax.set_ylabel("time to first token (ms)")
-    ax.set_title("Time to first token (prefill) per prompt")
-    ax.legend(fontsize=8)
-    files["ttft"] = _save(fig, directory / "ttft_per_prompt.png")
+    for key, (plain_key, spec_key, ylabel, title, name) in {
+        "tokens": (
+            "ar_tokens_per_s",
+            "spec_tokens_per_s",
+            "decode tokens/s",
+            "Plain vs speculative decoding speed per prompt",
+            "tokens_per_s_per_prompt.png",
+        ),
+        "ttft": (
+            "ttft_ms_ar",
+            "ttft_ms_spec",
+            "time to first token (ms)",
+            "Time to first token (prefill) per prompt",
+            "ttft_per_prompt.png",
+        ),
+    }.items():
+        fig, ax = plt.subplots(figsize=(max(8, len(ids) * 0.45), 4.5))
+        for i, (r, run) in enumerate(zip(reports, names, strict=True)):
+            rows = {row["id"]: row for row in r["prompts"]}
+            xs = x + (i - (len(reports) - 1) / 2) * 0.25
+            color = f"C{i}"
+            for field, marker, size, what in (
+                (plain_key, "_", 12, "plain"),
+                (spec_key, "o", 5, "speculative"),
+            ):
+                values = [rows[p].get(field, np.nan) if p in rows else np.nan for p in ids]
+                ax.plot(xs, values, marker, color=color, ms=size, mew=2, label=f"{what}, {run}")
+        ax.set_xticks(x, ids, rotation=90, fontsize=7)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+        files[key] = _save(fig, directory / name)
     return files
 
 
@@ -173,7 +161,7 @@ def markdown(reports: list[dict], command: str, machine: dict, plots: dict[str, 
         "",
         "## Machine",
         "",
-        f"- CPU: {machine['cpu']}, {machine['cores']} cores, {machine['threads']} threads used",
+        f"- CPU: {machine['cpu']}, {machine['cores']} cores; threads used: {machine['threads']}",
         f"- RAM: {machine['ram_gb']} GB; memory read bandwidth measured now: "
         f"{machine['memory_bandwidth_gbs']} GB/s; int8 matmul: {machine['int8_matmul_gops']} Gop/s",
         f"- {machine['os']}, Python {machine['python']}, torch {machine['torch']}, "

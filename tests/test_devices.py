@@ -373,6 +373,24 @@ def test_profile_over_adb_pushes_runs_and_pulls(bundle, prompts, runner_binary, 
     assert "Pixel 9" in result.stderr and "pixel-9" in result.stdout
 
 
+def test_profile_over_adb_with_the_real_runner(bundle, prompts, tmp_path, fake_adb):
+    """The stand-in device runs what was pushed: a host build of the native mtp-runner on the
+    pushed bundle and prompts; the pulled reports merge into one, lossless like the runner's."""
+    from mtp_edge.runtime import native
+
+    set_scenario, commands, root = fake_adb
+    set_scenario("exec")  # the stand-in reports an x86_64 device, like the host-built runner
+    runner = native.build(jobs=1)
+    result = run_profile(bundle, prompts, runner, tmp_path, "--max-new-tokens", "8")
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "device.json").read_text())
+    assert [r["id"] for r in report["prompts"]] == ["a", "b", "c"]
+    s = report["summary"]
+    assert s["prompts"] == 3 and s["lossless"] and s["ar_tokens_per_s"] > 0
+    assert all(r["identical"] or r["near_tie"] for r in report["prompts"])
+    assert (root / "data/local/tmp/mtp/out/002.json").exists()
+
+
 def test_merged_device_report_recomputes_totals(bundle, prompts, runner_binary, tmp_path, fake_adb):
     """The stand-in answers 40+i tok/s plain, 64+2i speculative for prompt i (32 decode tokens)."""
     result = run_profile(bundle, prompts, runner_binary, tmp_path)
