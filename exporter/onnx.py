@@ -25,6 +25,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+import onnx
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -35,6 +36,7 @@ from mtp_edge.mtp import MTPHead
 from mtp_edge.quantize.schemes import check_target_scheme
 
 OPSET = 18
+MIN_TOKENS = "mtp_edge.min_tokens"  # graph metadata: fewest tokens per call (the session pads)
 
 
 @torch.library.custom_op("mtp_edge::gqa", mutates_args=())
@@ -223,8 +225,12 @@ def export_program(
             f"the chunk size must be between 2 and --max-seq-len {max_seq_len}, got {max_chunk}"
         )
     c = model.config
-    wrapper = OnnxTarget(model, max_seq_len, return_hidden).eval()
-    cache_shape = (1, c.num_kv_heads, max_seq_len, c.head_dim)
+    # Quantized graphs take at least 2 tokens per call (the session pads single tokens; see
+    # _save_quantized), so their cache has one spare slot for the pad row at the last position.
+    min_tokens = 1 if quant == "fp32" else 2
+    positions = max_seq_len + min_tokens - 1
+    wrapper = OnnxTarget(model, positions, return_hidden).eval()
+    cache_shape = (1, c.num_kv_heads, positions, c.head_dim)
     past, present = cache_names(c.num_layers)
     caches = [torch.zeros(cache_shape) for _ in past]
     example = (torch.zeros((1, 2), dtype=torch.long), torch.zeros(1, dtype=torch.long), caches)
@@ -244,7 +250,9 @@ def export_program(
             optimize=True,
             verbose=False,
         )
-    _save_quantized(program.model_proto, Path(path), quant, group_size, say)
+    proto = program.model_proto
+    onnx.helper.set_model_props(proto, {MIN_TOKENS: str(min_tokens)})
+    _save_quantized(proto, Path(path), quant, group_size, say)
     vocab = c.vocab_size
     cache = {"shape": list(cache_shape), "dtype": "float32"}
     forward = {
@@ -261,26 +269,28 @@ def export_program(
         ],
         "dynamic_dims": {"T": [1, max_chunk]},
         "in_place": dict(zip(present, past, strict=True)),  # bind each pair to one buffer
+        "min_tokens": min_tokens,
     }
     return {"forward": forward}
 
 
 def _save_quantized(proto, path: Path, quant: str, group_size: int, say) -> None:
     """Quantize the exported graph's MatMul weights and write it to `path` as one file."""
-    import onnx
-
     if quant in ("int4", "int8"):
         from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
         bits = int(quant[3:])
         say(f"[quantize] {quant} MatMulNBits, block {group_size}")
-        # accuracy_level 1 (fp32 activations): each row of a call is computed on its own, so a
-        # token's logits do not depend on the other tokens in the call, and verifying k+1 tokens
-        # gives what k+1 single steps give (lossless). Measured on SmolLM2-135M: level 4 (int8
-        # activations) changes verify-vs-decode logits by up to 0.7, and onnxruntime's dynamic
-        # int8 quantization (one activation scale per tensor) does the same; level 1 by 7e-5.
+        # accuracy_level 4: int8 activations (quantized per row) and integer dot products, the
+        # fast CPU path. A call of one token takes another kernel path, whose logits differ by
+        # up to 0.7 on SmolLM2-135M from those of the same token in a longer call; calls of 2+
+        # tokens agree exactly row by row. So the session pads single-token calls to two
+        # (min_tokens), and verifying k+1 tokens gives exactly what k+1 steps give: lossless.
+        # (Level 1, fp32 activations, is consistent without padding but makes a 5-token call
+        # 3x a 1-token call; onnxruntime's dynamic int8 quantization uses one activation scale
+        # per tensor, so a token's logits depend on the other tokens of the call.)
         quantizer = MatMulNBitsQuantizer(
-            proto, bits=bits, block_size=group_size, is_symmetric=True, accuracy_level=1
+            proto, bits=bits, block_size=group_size, is_symmetric=True, accuracy_level=4
         )
         with _quiet():
             quantizer.process()

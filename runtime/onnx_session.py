@@ -103,15 +103,21 @@ class OnnxSession:
             method = signature(self.session)
         check_signature(self.session, path, method)
         self.vocab_size, self.max_seq_len, self.max_chunk = vocab_size, max_seq_len, max_chunk
+        # Quantized graphs compute a one-token call on another kernel path than longer calls,
+        # with other rounding: such calls are padded to min_tokens (the pad row writes the slot
+        # after the real ones, which the next call overwrites; the cache has a spare slot).
+        metadata = self.session.get_modelmeta().custom_metadata_map
+        self.min_tokens = int(metadata.get("mtp_edge.min_tokens", "1"))
+        positions = max_seq_len + self.min_tokens - 1
         self.output_names = [o["name"] for o in method["outputs"]]
         self.binding = self.session.io_binding()
         self.caches: dict[str, ort.OrtValue] = {}
         for present, past in method["in_place"].items():
             spec = next(i for i in method["inputs"] if i["name"] == past)
-            if spec["shape"][2] != max_seq_len:
+            if spec["shape"][2] != positions:
                 raise UserError(
                     f"{path.name} holds {spec['shape'][2]} positions, the manifest says "
-                    f"{max_seq_len}: re-export the bundle"
+                    f"{positions}: re-export the bundle"
                 )
             cache = ort.OrtValue.ortvalue_from_numpy(np.zeros(spec["shape"], np.float32))
             self.caches[past] = cache
@@ -134,7 +140,8 @@ class OnnxSession:
                 "this ONNX model returns logits only, and the drafter needs the target's hidden "
                 "states: re-export with --drafter mtp, or use ngram"
             )
-        ids = np.array([tokens], dtype=np.int64)
+        n = len(tokens)
+        ids = np.array([tokens + [0] * (self.min_tokens - n)], dtype=np.int64)
         pos = np.array([start], dtype=np.int64)
         self.binding.bind_cpu_input("tokens", ids)
         self.binding.bind_cpu_input("input_pos", pos)
@@ -142,10 +149,10 @@ class OnnxSession:
             self.binding.bind_output(name)
         self.session.run_with_iobinding(self.binding)
         outputs = dict(zip(self.bound, self.binding.get_outputs(), strict=True))
-        logits = torch.from_numpy(outputs["logits"].numpy()[0])
+        logits = torch.from_numpy(outputs["logits"].numpy()[0, :n])
         if not return_hidden:
             return logits
-        return logits, torch.from_numpy(outputs["hidden"].numpy()[0])
+        return logits, torch.from_numpy(outputs["hidden"].numpy()[0, :n])
 
 
 class OnnxStep:

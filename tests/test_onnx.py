@@ -175,11 +175,15 @@ def test_quantized_graphs_run_and_stay_lossless(tmp_path, quant, bits):
     error = float((logits - expected).abs().max()) / float(expected.abs().max())
     assert error < (0.35 if bits == 4 else 0.05)
     # A token's logits do not depend on the other tokens of its call: verifying 5 tokens gives
-    # what 5 single steps give (what makes speculative output equal plain output).
+    # what 5 single steps give (what makes speculative output equal plain output). Single steps
+    # are padded to two tokens, into a spare cache slot at the very end.
+    assert session.min_tokens == 2
+    assert session.caches["past_key_0"].shape()[2] == MAX_SEQ_LEN + 1
     start = len(PROMPT)
     verify = session.forward([3, 30, 41, 7, 12], start)
     steps = torch.cat([session.forward([t], start + i) for i, t in enumerate([3, 30, 41, 7, 12])])
     torch.testing.assert_close(verify, steps, atol=1e-4, rtol=0)
+    assert session.forward([3], MAX_SEQ_LEN - 1).shape == (1, VOCAB)
     config = GenerationConfig(max_new_tokens=40, k=4)
     plain = generate(session, PROMPT, None, config)
     spec = generate(session, PROMPT, NgramDrafter(), config)
