@@ -78,8 +78,11 @@ def host_device() -> Device:
     """This machine, measured now: memory read bandwidth, int8 and fp32 matmul throughput."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    import torch
+
     bandwidth = measure_bandwidth_gbs()
     int8, fp32 = measure_matmul_gops()
+    threads = torch.get_num_threads()
     how = "measured live on this machine"
     return Device(
         name="host",
@@ -89,7 +92,7 @@ def host_device() -> Device:
         abi=platform.machine(),
         ram_gb=round(ram, 1),
         bandwidth_gbs=round(bandwidth, 1),
-        cpu=f"{cores} cores, {cpu_model()}",
+        cpu=f"{cores} cores ({threads} threads in the matmul probes), {cpu_model()}",
         cpu_int8_gops=round(int8, 1),
         cpu_fp32_gflops=round(fp32, 1),
         gpu_fp32_tflops=None,

@@ -1,19 +1,19 @@
 """Roofline prediction of plain and speculative decoding speed on a device.
 
 One forward call of T tokens at context length C costs
-    t(T, C) = overhead + max(bytes(T, C) / bandwidth, flops(T, C) / compute)
+    t(T, C) = overhead + bytes(T, C) / bandwidth + flops(T, C) / compute
 where bytes are the weights streamed from the bundle's own files (all but the embedding table,
 of which only T rows are read), the KV cache read up to C and written for T, and the logits and
-hidden activations; flops are 2 per matmul weight per token plus attention over C.
+hidden activations; flops are 2 per matmul weight per token plus attention over C. (A sum, not
+the textbook max: see `call_time`.) The larger term is the limit that binds.
 
 Plain decoding emits one token per t(1, C). Speculative decoding emits tau tokens (measured on
-the host, `--from-bench`) per verify call t(k+1, C) plus the drafter's steps. On a memory-bound
-chip t(k+1) is close to t(1), which is where the speedup comes from; the prediction says which
-limit binds for each call.
+the host, `--from-bench`) per verify call t(k+1, C) plus the drafter's proposal. On a
+memory-bound chip t(k+1) is close to t(1), which is where the speedup comes from.
 
 Device compute and bandwidth are peak figures; kernels reach a fraction of them. That fraction,
-and the per-call overhead (dispatch, threadpool wake-ups, the loop's own work), are measured on
-the host by timing the bundle's programs (`calibrate`), and carried over to catalog devices.
+the per-call overhead, the loop's own work and the drafter's cost are measured on the host by
+timing the bundle's programs (`calibrate_session`), and carried over to catalog devices.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from mtp_edge.errors import UserError
 from mtp_edge.manifest import Manifest
 
 F32 = 4  # the KV cache, logits and hidden states are float32 in our programs
-# Bytes per weight of the target's linear layers for each scheme (weights + one bf16 scale per
-# group; group 0 = one scale per output channel, negligible).
+# Bits per weight of the target's linear layers for each scheme, before the scales (one 16-bit
+# scale per group is added; group 0 = one scale per output channel, negligible).
 WEIGHT_BITS = {"8da4w": 4, "int4": 4, "8da8w": 8, "int8": 8, "fp32": 32}
 # CPU read streams on phone SoCs reach about this fraction of the LPDDR peak (assumption; the
 # host's own bandwidth is measured, not scaled).
@@ -126,6 +126,7 @@ class BundleCost:
     name: str
     target: ProgramShape
     target_bits: float  # bits per linear weight incl. scales
+    drafter_bits: float
     vocab: int
     hidden: int
     drafter_kind: str
@@ -158,7 +159,14 @@ class BundleCost:
         if d is None:
             return 0.0, 0.0
         weights = d.streamed_bytes + d.row_bytes
-        return weights + 2 * self.hidden * F32, 2 * d.streamed_bytes * 8 / self.target_bits
+        return weights + 2 * self.hidden * F32, 2 * d.streamed_bytes * 8 / self.drafter_bits
+
+
+def weight_bits(quant: dict) -> float:
+    """Bits per linear weight of a quantization scheme, with its scales."""
+    bits = WEIGHT_BITS.get(quant.get("scheme"), 32)
+    group = quant.get("group_size") or 0
+    return bits + 16 / group if bits < 32 and group else float(bits)
 
 
 def bundle_cost(bundle_dir: str | Path) -> BundleCost:
@@ -167,11 +175,6 @@ def bundle_cost(bundle_dir: str | Path) -> BundleCost:
     if m.backend != "executorch":
         raise UserError(f"mtp-predict reads ExecuTorch bundles; {path} is '{m.backend}'")
     target_file = m.models["target"]
-    quant = target_file.quant
-    bits = WEIGHT_BITS.get(quant.get("scheme"), 32)
-    group = quant.get("group_size") or 0
-    if bits < 32 and group:
-        bits += 16 / group
     kind = m.drafter.get("kind", "none")
     target = program_shape(path / target_file.file, m.vocab_size)
     drafter = None
@@ -180,7 +183,8 @@ def bundle_cost(bundle_dir: str | Path) -> BundleCost:
     return BundleCost(
         name=path.name,
         target=target,
-        target_bits=bits,
+        target_bits=weight_bits(target_file.quant),
+        drafter_bits=weight_bits(m.models["drafter"].quant) if drafter else 32.0,
         vocab=m.vocab_size,
         hidden=target.hidden,
         drafter_kind=kind,
@@ -469,7 +473,15 @@ def predict(
     elif cost.drafter_kind == "draft-lm" and cost.drafter is not None:
         # A draft model: one call per drafted token plus one catch-up call (like plain decoding).
         draft_shape = BundleCost(
-            cost.name, cost.drafter, cost.target_bits, cost.vocab, cost.hidden, "none", None, k
+            cost.name,
+            cost.drafter,
+            cost.drafter_bits,
+            cost.drafter_bits,
+            cost.vocab,
+            cost.hidden,
+            "none",
+            None,
+            k,
         )
         calls = drafted + 1
         nbytes, flops = draft_shape.target_call(1, context)

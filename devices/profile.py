@@ -41,7 +41,6 @@ def profile_device(
     device: str,
     bundle: str,
     prompts: list[Prompt],
-    prompts_path: str | None,
     max_new_tokens: int | None,
     repeat: int,
     runner: str | None,

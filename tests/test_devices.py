@@ -148,7 +148,7 @@ def synthetic_cost() -> roofline.BundleCost:
         q_heads=8,
         cache_len=1024,
     )
-    return roofline.BundleCost("synthetic", shape, 4.0, 10_000, 512, "ngram", None, 4)
+    return roofline.BundleCost("synthetic", shape, 4.0, 32.0, 10_000, 512, "ngram", None, 4)
 
 
 def device(bandwidth_gbs: float, int8_gops: float) -> Device:
