@@ -29,8 +29,16 @@ def check_writable(out: Path) -> None:
         raise UserError(f"--out {out} exists and is not a bundle: choose another path")
 
 
-def write_bundle(out: Path, build: Callable[[Path], Manifest]) -> Manifest:
-    """Run `build(tmp_dir)`, which writes the files and returns their manifest, then publish."""
+def write_bundle(
+    out: Path,
+    build: Callable[[Path], Manifest],
+    finish: Callable[[Path, Manifest], None] | None = None,
+) -> Manifest:
+    """Run `build(tmp_dir)`, which writes the files and returns their manifest, then publish.
+
+    `finish(tmp_dir, manifest)` runs on the complete bundle before it is published (e.g. to
+    measure it through the runtime) and may add to the manifest, which is then saved again.
+    """
     out = Path(out)
     check_writable(out)
     parent = out.resolve().parent
@@ -43,6 +51,9 @@ def write_bundle(out: Path, build: Callable[[Path], Manifest]) -> Manifest:
         for entry in manifest.models.values():
             entry.sha256 = sha256(tmp / entry.file)
         manifest.save(tmp)
+        if finish is not None:
+            finish(tmp, manifest)
+            manifest.save(tmp)
         if out.exists():  # replace an older bundle: move it aside first, drop it after
             old = out.with_name(f".{out.name}.old")
             shutil.rmtree(old, ignore_errors=True)

@@ -12,7 +12,7 @@ import torch
 from mtp_edge.checkpoints import LoadedModel, load_model
 from mtp_edge.errors import UserError
 from mtp_edge.manifest import TARGETS, Manifest, ModelFile
-from mtp_edge.quantize.quality import heldout_text, perplexity
+from mtp_edge.quantize.quality import heldout_text, perplexity, verify_step_discrepancy
 from mtp_edge.quantize.schemes import QuantScheme, check_scheme, check_target_scheme
 
 # forward(tokens, start) -> logits [T, V]: how the exporter runs what it exported. The CLI passes
@@ -96,10 +96,13 @@ def export_bundle(
     out: Path | None,
     open_program: Callable[[Path, int], Forward],
     progress: Callable[[str], None] = print,
+    measure: Callable[[Path, LoadedModel, object], dict] | None = None,
 ) -> tuple[Path, Manifest]:
     """Export `options.model` for `options.target` into the bundle directory `out`.
 
-    `open_program(path, max_seq_len)` runs an exported file (for the quality report).
+    `open_program(path, max_seq_len)` runs an exported file (for the quality report);
+    `measure(bundle_dir, target, drafter)` measures the finished bundle through the runtime (the
+    drafter's acceptance) and returns entries for the quality report.
     """
     from mtp_edge.exporter.bundle import check_writable, write_bundle
 
@@ -109,8 +112,8 @@ def export_bundle(
         from mtp_edge.exporter.executorch import export_program
     elif options.target == "onnx":
         from mtp_edge.exporter.onnx import export_program
-    if options.k < 1:
-        raise UserError(f"--k must be >= 1, got {options.k}")
+    if not 1 <= options.k <= 15:
+        raise UserError(f"--k must be in 1..15, got {options.k}")
     started = time.perf_counter()
     progress(f"[load] {options.model}")
     target = load_model(options.model)
@@ -147,7 +150,7 @@ def export_bundle(
             perplexity(eager_forward(target.model, max_seq_len), heldout, max_chunk), 4
         )
 
-    def export_one(model, path: Path, quant: str, return_hidden: bool = False) -> dict:
+    def export_one(model, path: Path, quant: str, return_hidden: bool = False, **extra) -> dict:
         return export_program(
             model,
             path,
@@ -160,6 +163,7 @@ def export_bundle(
             eos_ids=tokenizer.eos_ids,
             return_hidden=return_hidden,
             progress=progress,
+            **extra,
         )
 
     def build(tmp: Path) -> Manifest:
@@ -190,7 +194,12 @@ def export_bundle(
             models = {"target": ModelFile("model.mlpackage", "", quant, methods)}
             drafter.update(settings)
         else:
-            methods = export_one(target.model, tmp / f"target{suffix}", options.quant, hidden)
+            # ExecuTorch: a row-exact verify method for k+1 tokens (see exporter/executorch.py)
+            verify = options.target == "android" and drafter_kind != "none"
+            extra = {"verify_width": options.k + 1} if verify else {}
+            methods = export_one(
+                target.model, tmp / f"target{suffix}", options.quant, hidden, **extra
+            )
             models = {"target": ModelFile(f"target{suffix}", "", quant, methods)}
         if drafter_kind == "draft-lm":
             methods = export_one(draft.model, tmp / f"drafter{suffix}", options.draft_quant)
@@ -227,6 +236,10 @@ def export_bundle(
             quality["perplexity_ratio"] = round(
                 quality["perplexity_exported"] / quality["perplexity_fp32"], 4
             )
+            progress(f"[quality] {options.k + 1}-token verify vs one-token steps")
+            quality["verify_vs_step"] = verify_step_discrepancy(
+                forward, heldout[: max_chunk + 320], options.k + 1, max_chunk
+            )
         progress("[write] tokenizer and manifest")
         tokenizer.save(tmp)
         return Manifest(
@@ -245,6 +258,12 @@ def export_bundle(
             quality=quality,
         )
 
-    manifest = write_bundle(out, build)
+    finish = None
+    if measure is not None:
+
+        def finish(directory: Path, manifest: Manifest) -> None:
+            manifest.quality.update(measure(directory, target, draft))
+
+    manifest = write_bundle(out, build, finish)
     progress(f"[done] {out} in {time.perf_counter() - started:.0f} s")
     return out, manifest

@@ -303,7 +303,8 @@ def run(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_strings, a
 @click.option(
     "--compare",
     multiple=True,
-    help="Another bundle to measure side by side with --bundle (repeatable); prompts interleaved.",
+    help="Another bundle to measure side by side with --bundle (repeatable; prompts "
+    "interleaved). DIR[,k=N][,drafter=NAME] also compares k values or drafters of one bundle.",
 )
 def bench(
     prompts_path, repeat, max_new_tokens, json_out, markdown_out, report_dir, compare, **opts
@@ -326,7 +327,7 @@ def bench(
 
         click.echo("[machine] measuring memory bandwidth and matmul throughput", err=True)
         machine = machine_description()  # before ExecuTorch takes the cores
-    setups = [setup(opts)] + [setup({**opts, "bundle": b}) for b in compare]
+    setups = [setup(opts)] + [setup({**opts, **compare_spec(b)}) for b in compare]
     suites = [Suite(ctx.config.k, repeat) for ctx in setups]
     for i, p in enumerate(prompts):
         # Every bundle in turn on the same prompt, so that machine drift affects all alike.
@@ -334,7 +335,7 @@ def bench(
             row = suite.run_prompt(
                 ctx.session, ctx.encode, ctx.drafter, p, ctx.config, max_new_tokens
             )
-            tag = f" {Path(ctx.bundle).name}:" if compare else ""
+            tag = f" {Path(ctx.bundle).name} k={ctx.config.k}:" if compare else ""
             click.echo(f"[{i + 1}/{len(prompts)}]{tag} {progress_line(row)}", err=True)
     command = " ".join(["mtp-bench", *sys.argv[1:]])
     reports = [
@@ -375,6 +376,21 @@ def bench(
     click.echo(markdown)
     if not all(r["summary"]["lossless"] for r in reports):
         raise UserError("speculative output diverged from plain output beyond a near-tie: a bug")
+
+
+def compare_spec(spec: str) -> dict:
+    """`DIR[,k=N][,drafter=NAME]` -> the bench options it overrides."""
+    path, *settings = spec.split(",")
+    out = {"bundle": path}
+    for setting in settings:
+        key, _, value = setting.partition("=")
+        if key == "k" and value.isdigit():
+            out["k"] = int(value)
+        elif key == "drafter" and value:
+            out["drafter"] = value
+        else:
+            raise UserError(f"--compare {spec}: expected DIR[,k=N][,drafter=NAME], not {setting!r}")
+    return out
 
 
 def write_atomic(path: str | None, text: str) -> None:
@@ -496,8 +512,51 @@ def export(
         Path(out) if out else None,
         open_program,
         progress=lambda line: click.echo(line, err=True),
+        measure=measure_drafter_acceptance,
     )
     click.echo(json.dumps({"bundle": str(bundle), "quality": manifest.quality}))
+
+
+ACCEPTANCE_PROMPTS, ACCEPTANCE_TOKENS = 6, 48  # held-out snippets x tokens each
+
+
+def measure_drafter_acceptance(directory, target, draft) -> dict:
+    """The quality report's drafter entry: acceptance when the eager fp32 target and drafter
+    decode held-out text greedily, and when the exported bundle does (same prompts, same k)."""
+    from mtp_edge.devices.acceptance import measure_acceptance
+    from mtp_edge.quantize.quality import heldout_text
+    from mtp_edge.runtime.bundle import bundle_drafter, open_bundle, target_session
+    from mtp_edge.runtime.drafters import DraftModelDrafter, NgramDrafter
+    from mtp_edge.runtime.mtp_drafter import mtp_drafter
+    from mtp_edge.runtime.session import EagerSession
+
+    bundle = open_bundle(directory)
+    m = bundle.manifest
+    kind, k = m.drafter["kind"], m.drafter["k"]
+    if kind == "none" or (m.backend == "coreml" and sys.platform != "darwin"):
+        return {}
+    click.echo(f"[quality] {kind} drafter acceptance, fp32 eager vs exported", err=True)
+    tokens = target.tokenizer.encode(heldout_text())
+    prompts = [tokens[i * 256 : i * 256 + 64] for i in range(ACCEPTANCE_PROMPTS)]
+    seq_len = 64 + ACCEPTANCE_TOKENS + k + 1
+    if kind == "mtp":
+        before = mtp_drafter(draft.to(target.model.dtype), target.model.embed_tokens)
+    elif kind == "draft-lm":
+        before = DraftModelDrafter(EagerSession(draft.model, seq_len))
+    else:
+        before = NgramDrafter()
+    after = bundle_drafter(bundle) or NgramDrafter()
+    eager = EagerSession(target.model, seq_len)
+    return {
+        "drafter_acceptance": {
+            "prompts": f"{ACCEPTANCE_PROMPTS} held-out snippets of 64 tokens, "
+            f"{ACCEPTANCE_TOKENS} greedy tokens each, k={k}",
+            "fp32": measure_acceptance(eager, before, prompts, k, ACCEPTANCE_TOKENS),
+            "exported": measure_acceptance(
+                target_session(bundle), after, prompts, k, ACCEPTANCE_TOKENS
+            ),
+        }
+    }
 
 
 @click.command(cls=OneLineErrors)

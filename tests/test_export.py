@@ -65,6 +65,16 @@ def test_bundle_layout(bundle):
     assert [i["name"] for i in forward["inputs"]] == ["tokens", "input_pos"]
     assert manifest.quality["perplexity_exported"] > 0
     assert manifest.quality["perplexity_ratio"] < 1.5  # 4-bit weights cost some, not everything
+    verify = manifest.models["target"].methods["verify"]  # k + 1 tokens, row-exact
+    assert verify["inputs"][0]["shape"] == [1, 5]
+    exactness = manifest.quality["verify_vs_step"]
+    assert exactness["width"] == 5 and exactness["positions"] > 0
+    assert exactness["max_abs_logit_shift"] == 0 and exactness["argmax_flips"] == 0
+    acceptance = manifest.quality["drafter_acceptance"]
+    for when in ("fp32", "exported"):
+        assert 0 <= acceptance[when]["acceptance_rate"] <= 1
+        assert 1 <= acceptance[when]["tau"] <= 5
+        assert len(acceptance[when]["acceptance_per_position"]) == 4
     assert {p.name for p in bundle.iterdir()} == {
         "manifest.json",
         "target.pte",
