@@ -268,6 +268,16 @@ def test_bench_report_with_compare_and_repeat(bundle, bundle_8bit, prompts, tmp_
     assert not list(tmp_path.glob(".report*"))  # written via a temporary directory
 
 
+def test_compare_k_values_of_one_bundle(bundle, prompts, tmp_path):
+    out = tmp_path / "bench.json"
+    args = ["--bundle", str(bundle), "--compare", f"{bundle},k=2", "--prompts", str(prompts)]
+    result = CliRunner().invoke(bench, [*args, "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert [r["k"] for r in json.loads(out.read_text())["runs"]] == [4, 2]
+    bad = CliRunner().invoke(bench, ["--bundle", str(bundle), "--compare", f"{bundle},q=1"])
+    assert "expected DIR[,k=N][,drafter=NAME]" in error_line(bad)
+
+
 def test_compare_needs_a_first_bundle(prompts):
     result = CliRunner().invoke(bench, ["--compare", "x", "--prompts", str(prompts)])
     assert "--compare" in error_line(result)
