@@ -512,8 +512,51 @@ def export(
         Path(out) if out else None,
         open_program,
         progress=lambda line: click.echo(line, err=True),
+        measure=measure_drafter_acceptance,
     )
     click.echo(json.dumps({"bundle": str(bundle), "quality": manifest.quality}))
+
+
+ACCEPTANCE_PROMPTS, ACCEPTANCE_TOKENS = 6, 48  # held-out snippets x tokens each
+
+
+def measure_drafter_acceptance(directory, target, draft) -> dict:
+    """The quality report's drafter entry: acceptance when the eager fp32 target and drafter
+    decode held-out text greedily, and when the exported bundle does (same prompts, same k)."""
+    from mtp_edge.devices.acceptance import measure_acceptance
+    from mtp_edge.quantize.quality import heldout_text
+    from mtp_edge.runtime.bundle import bundle_drafter, open_bundle, target_session
+    from mtp_edge.runtime.drafters import DraftModelDrafter, NgramDrafter
+    from mtp_edge.runtime.mtp_drafter import mtp_drafter
+    from mtp_edge.runtime.session import EagerSession
+
+    bundle = open_bundle(directory)
+    m = bundle.manifest
+    kind, k = m.drafter["kind"], m.drafter["k"]
+    if kind == "none" or (m.backend == "coreml" and sys.platform != "darwin"):
+        return {}
+    click.echo(f"[quality] {kind} drafter acceptance, fp32 eager vs exported", err=True)
+    tokens = target.tokenizer.encode(heldout_text())
+    prompts = [tokens[i * 256 : i * 256 + 64] for i in range(ACCEPTANCE_PROMPTS)]
+    seq_len = 64 + ACCEPTANCE_TOKENS + k + 1
+    if kind == "mtp":
+        before = mtp_drafter(draft.to(target.model.dtype), target.model.embed_tokens)
+    elif kind == "draft-lm":
+        before = DraftModelDrafter(EagerSession(draft.model, seq_len))
+    else:
+        before = NgramDrafter()
+    after = bundle_drafter(bundle) or NgramDrafter()
+    eager = EagerSession(target.model, seq_len)
+    return {
+        "drafter_acceptance": {
+            "prompts": f"{ACCEPTANCE_PROMPTS} held-out snippets of 64 tokens, "
+            f"{ACCEPTANCE_TOKENS} greedy tokens each, k={k}",
+            "fp32": measure_acceptance(eager, before, prompts, k, ACCEPTANCE_TOKENS),
+            "exported": measure_acceptance(
+                target_session(bundle), after, prompts, k, ACCEPTANCE_TOKENS
+            ),
+        }
+    }
 
 
 @click.command(cls=OneLineErrors)
