@@ -123,13 +123,15 @@ def assert_same_tokens(python_runs, native_ids, what: str):
             )
 
 
-def python_runs(bundle_dir, prompts, drafter) -> list:
+def python_runs(bundle_dir, prompts, drafter, adaptive_k=False, confidence=0.0) -> list:
     bundle = open_bundle(bundle_dir)
     session = target_session(bundle)
     m = bundle.manifest
-    config = GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, k=4, eos_ids=tuple(m.eos_ids))
+    config = GenerationConfig(
+        max_new_tokens=MAX_NEW_TOKENS, k=4, adaptive_k=adaptive_k, eos_ids=tuple(m.eos_ids)
+    )
     if drafter == "bundle":
-        drafter = bundle_drafter(bundle)
+        drafter = bundle_drafter(bundle, confidence)
     return [(i, generate(session, ids, drafter, config)) for i, _, ids in prompts]
 
 
@@ -154,6 +156,22 @@ def test_runner_equals_python_mtp_bundle(runner, mtp_bundle, tmp_path, drafter):
     assert sum(r["verify_steps"] for r in rows) < sum(r["spec_tokens"] for r in rows)  # drafts hit
     for r, (_, result) in zip(rows, spec, strict=True):
         assert r["stop_reason_spec"] == result.stop_reason or not r["identical"]
+
+
+@pytest.mark.parametrize("bundle_name", ["mtp_bundle", "draft_lm_bundle"])
+def test_adaptive_k_and_draft_confidence_match_python(request, runner, tmp_path, bundle_name):
+    """The same steps as Python with k adapting and drafting stopped at low confidence."""
+    bundle = request.getfixturevalue(bundle_name)
+    prompts = suite_ids(bundle)[::6]
+    options = ["--adaptive-k", "--draft-confidence", "0.3"]
+    report = run_native(runner, bundle, prompts, tmp_path, *options)
+    rows = report["prompts"]
+    spec = python_runs(bundle, prompts, "bundle", adaptive_k=True, confidence=0.3)
+    assert_same_tokens(spec, [r["spec_token_ids"] for r in rows], f"{bundle_name} adaptive")
+    for r, (_, result) in zip(rows, spec, strict=True):
+        if first_divergence(result.token_ids, r["spec_token_ids"]) is None:
+            assert r["verify_steps"] == result.stats.verify_steps
+            assert r["acceptance_rate"] == pytest.approx(result.stats.acceptance_rate, abs=1e-4)
 
 
 def test_runner_equals_python_draft_lm_bundle(runner, draft_lm_bundle, tmp_path):
