@@ -593,6 +593,12 @@ def measure_drafter_acceptance(directory, target, draft) -> dict:
     help="Tokens of offline text for the default corpus.",
 )
 @click.option("--threads", default=0, help="CPU threads (0 = torch's default).")
+@click.option(
+    "--bundle",
+    default=None,
+    help="An ExecuTorch bundle of the target (exported with --drafter mtp): it writes and labels "
+    "the text, so the heads learn the exported, quantized target they will draft for.",
+)
 @click.option("--out", required=True, help="Output heads file (.safetensors).")
 def train(
     model,
@@ -607,6 +613,7 @@ def train(
     gen_tokens,
     raw_tokens,
     threads,
+    bundle,
     out,
 ):
     """Train MTP draft heads for a target by self-distillation (runs under torchrun too)."""
@@ -626,6 +633,7 @@ def train(
         gen_tokens=gen_tokens,
         raw_tokens=raw_tokens,
         threads=threads,
+        bundle=bundle,
     )
     summary = train_heads(options, progress=lambda line: click.echo(line, err=True))
     if summary:

@@ -82,6 +82,10 @@ class TrainOptions:
     checkpoint_every: int = 500
     eval_positions: int = 4096  # held-out start positions scored per evaluation
     threads: int = 0  # 0: torch's default
+    # An ExecuTorch bundle of the same target (exported with --drafter mtp, so that it returns
+    # hidden states): it writes and labels the text instead of the eager model, so the heads
+    # learn the exported (quantized) target's states and choices — what they will be run on.
+    bundle: str | None = None
 
     def __post_init__(self):
         self.data = tuple(self.data)
@@ -107,6 +111,7 @@ class TrainOptions:
         for key in ("out", "resume", "threads", "log_every", "eval_every", "checkpoint_every"):
             values.pop(key)
         values["model"] = Path(self.model).name
+        values["bundle"] = Path(self.bundle).name if self.bundle else None
         values["data"] = [Path(p).name for p in self.data]
         return values
 
@@ -446,6 +451,40 @@ def generate_batch(
     return outputs
 
 
+def generate_with_session(session, prompts: list[list[int]], max_new: int, eos_ids) -> list:
+    """Greedy continuations (eos left out), one prompt at a time through an exported target."""
+    from mtp_edge.runtime.loop import GenerationConfig, generate
+
+    config = GenerationConfig(max_new_tokens=max_new, k=0, eos_ids=tuple(eos_ids))
+    outputs = []
+    for prompt in prompts:
+        room = session.max_seq_len - len(prompt)
+        if room < 1:
+            outputs.append([])
+            continue
+        config.max_new_tokens = min(max_new, room)
+        ids = generate(session, prompt, None, config).token_ids
+        outputs.append([t for t in ids if t not in eos_ids])
+    return outputs
+
+
+def open_target_bundle(path: str, loaded: LoadedModel):
+    """The target session of an ExecuTorch bundle of `loaded`, and the hash that names the text
+    it writes (the exported file's, so that text from the eager model is not reused)."""
+    from mtp_edge.runtime.bundle import open_bundle, target_session
+
+    bundle = open_bundle(path)
+    m = bundle.manifest
+    if m.model_name != loaded.name or m.vocab_size != loaded.config.vocab_size:
+        raise UserError(f"--bundle {path} holds {m.model_name}, not the target {loaded.name}")
+    outputs = [o["name"] for o in m.models["target"].methods["forward"]["outputs"]]
+    if "hidden" not in outputs:
+        raise UserError(
+            f"--bundle {path} does not return hidden states: export it with --drafter mtp"
+        )
+    return target_session(bundle), "bundle-" + m.models["target"].sha256[:16]
+
+
 def _read_generated(path: Path, target_hash: str) -> dict[str, dict]:
     if not path.is_file():
         return {}
@@ -467,8 +506,10 @@ def generated_sequences(
     rank: int,
     world: int,
     progress: Callable[[str], None],
+    session=None,
 ) -> list[Sequence]:
-    """Prompt + the target's greedy response, until `gen_tokens` response tokens.
+    """Prompt + the target's greedy response, until `gen_tokens` response tokens (written by
+    the exported target `session` when given, else by the eager model in batches).
 
     Responses are appended to the cache file as they are made, so an interrupted run (or any
     later run with the same target and seed) continues where it stopped.
@@ -493,8 +534,12 @@ def generated_sequences(
         mine.sort(key=lambda item: len(item[1]))  # similar lengths pad less
         responses = []
         if mine:
-            outs = generate_batch(
-                loaded.model, [ids for _, ids in mine], options.gen_max_new, tokenizer.eos_ids
+            write = generate_batch if session is None else generate_with_session
+            outs = write(
+                loaded.model if session is None else session,
+                [ids for _, ids in mine],
+                options.gen_max_new,
+                tokenizer.eos_ids,
             )
             responses = [
                 {
@@ -543,6 +588,7 @@ def build_corpus(
     rank: int,
     world: int,
     progress: Callable[[str], None],
+    session=None,
 ) -> list[Sequence]:
     rng = random.Random(options.seed)
     if options.data:
@@ -557,7 +603,9 @@ def build_corpus(
         sequences = text_sequences(
             offline_texts(), loaded.tokenizer, options.seq_len, options.raw_tokens, rng
         )
-        sequences += generated_sequences(loaded, options, target_hash, rank, world, progress)
+        sequences += generated_sequences(
+            loaded, options, target_hash, rank, world, progress, session
+        )
     return sequences
 
 
@@ -579,6 +627,23 @@ def label_sequences(model: Transformer, sequences: list[Sequence]) -> Labels:
         hidden.append(h[0].to(torch.float16))
         argmax.append(logits[0].argmax(-1))
         starts.append(torch.arange(offset + s.start, offset + n - 1))  # a next token follows
+        offset += n
+    tokens = torch.tensor([t for s in sequences for t in s.tokens])
+    remaining = torch.cat([torch.arange(len(s.tokens) - 1, -1, -1) for s in sequences])
+    return Labels(torch.cat(hidden), tokens, torch.cat(argmax), remaining, torch.cat(starts))
+
+
+def label_with_session(session, sequences: list[Sequence]) -> Labels:
+    """label_sequences through an exported target: its hidden states and argmax per position."""
+    hidden, argmax, starts = [], [], []
+    offset = 0
+    for s in sequences:
+        n = len(s.tokens)
+        for i in range(0, n, session.max_chunk):
+            logits, h = session.forward(s.tokens[i : i + session.max_chunk], i, True)
+            hidden.append(h.to(torch.float16))
+            argmax.append(logits.argmax(-1))
+        starts.append(torch.arange(offset + s.start, offset + n - 1))
         offset += n
     tokens = torch.tensor([t for s in sequences for t in s.tokens])
     remaining = torch.cat([torch.arange(len(s.tokens) - 1, -1, -1) for s in sequences])
@@ -763,12 +828,22 @@ def _train(options, rank, world, progress, began) -> dict:
     target = loaded.model.requires_grad_(False)
     target_hash = target_fingerprint(target)
     c = target.config
+    session, text_hash = None, target_hash
+    if options.bundle:
+        session, text_hash = open_target_bundle(options.bundle, loaded)
+        say(f"the exported target in {options.bundle} writes and labels the text")
 
-    sequences = build_corpus(loaded, options, target_hash, rank, world, say)
+    sequences = build_corpus(loaded, options, text_hash, rank, world, say, session)
     train_ids, heldout_ids = _split(len(sequences), options.heldout, options.seed, world)
     say(f"labelling {sum(len(s.tokens) for s in sequences)} tokens in {len(sequences)} sequences")
-    train = label_sequences(target, [sequences[i] for i in train_ids[rank::world]])
-    heldout = label_sequences(target, [sequences[i] for i in heldout_ids[rank::world]])
+
+    def label(ids: list[int]) -> Labels:
+        chosen = [sequences[i] for i in ids[rank::world]]
+        if session is not None:
+            return label_with_session(session, chosen)
+        return label_sequences(target, chosen)
+
+    train, heldout = label(train_ids), label(heldout_ids)
 
     counts = label_counts(train, c.vocab_size)
     heldout_counts = label_counts(heldout, c.vocab_size)

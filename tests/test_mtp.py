@@ -460,3 +460,57 @@ def test_native_mtp_refuses_what_it_cannot_run():
     del partial["mtp.norm.weight"]
     with pytest.raises(UserError, match="lacks norm.weight"):
         load_native_mtp(partial, target, "t")
+
+
+# --- training against an exported target -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fp32_bundle(tiny_dir, trained):
+    from click.testing import CliRunner
+
+    from mtp_edge.cli import export
+
+    out = tiny_dir / "bundle"
+    args = ["--model", str(tiny_dir / "model"), "--drafter", "mtp", "--heads", str(trained[0])]
+    args += ["--quant", "fp32", "--embedding-quant", "none", "--max-seq-len", "128"]
+    result = CliRunner().invoke(export, [*args, "--quality-tokens", "0", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_an_exported_target_labels_and_writes_the_training_text(tiny_dir, fp32_bundle):
+    """--bundle: the exported program's hidden states and choices replace the eager model's;
+    for an fp32 export they must be the eager ones (up to float rounding)."""
+    from mtp_edge import train
+
+    loaded = load_model(str(tiny_dir / "model"), dtype=torch.float32)
+    session, text_hash = train.open_target_bundle(str(fp32_bundle), loaded)
+    assert text_hash.startswith("bundle-")
+    sequences = [train.Sequence([5 + (7 * i) % 40 for i in range(n)], 2) for n in (20, 37)]
+    exported = train.label_with_session(session, sequences)
+    eager = train.label_sequences(loaded.model, sequences)
+    assert torch.equal(exported.argmax, eager.argmax)
+    torch.testing.assert_close(exported.hidden, eager.hidden, atol=2e-3, rtol=0)
+    assert torch.equal(exported.starts, eager.starts)
+    prompts = [[5, 9, 2], [1, 2, 3, 4, 5, 6, 7]]
+    eos = loaded.tokenizer.eos_ids
+    assert train.generate_with_session(session, prompts, 12, eos) == generate_batch(
+        loaded.model, prompts, 12, eos
+    )
+
+
+def test_training_with_a_bundle(tiny_dir, fp32_bundle):
+    out = tiny_dir / "from_bundle" / "heads.safetensors"
+    opts = options(tiny_dir, out=str(out), steps=20, bundle=str(fp32_bundle))
+    summary = train_heads(opts, lambda _: None)
+    assert summary["steps"] == 20 and out.is_file()
+    assert json.loads(out.with_suffix(".json").read_text())["recipe"]["bundle"] == "bundle"
+
+
+def test_a_bundle_of_another_model_is_refused(tiny_dir, fp32_bundle, tmp_path):
+    other = save_hf_dir(hf_reference("llama", seed=8), tmp_path / "other")
+    opts = options(tiny_dir, out=str(tmp_path / "h.safetensors"), model=str(other))
+    opts.bundle = str(fp32_bundle)
+    with pytest.raises(UserError, match="not the target"):
+        train_heads(opts, lambda _: None)
