@@ -250,7 +250,7 @@ def export_program(
             optimize=True,
             verbose=False,
         )
-    proto = program.model_proto
+    proto = _fuse_for_ort(program)
     onnx.helper.set_model_props(proto, {MIN_TOKENS: str(min_tokens)})
     _save_quantized(proto, Path(path), quant, group_size, say)
     vocab = c.vocab_size
@@ -272,6 +272,19 @@ def export_program(
         "min_tokens": min_tokens,
     }
     return {"forward": forward}
+
+
+def _fuse_for_ort(program) -> onnx.ModelProto:
+    """onnxscript's fusions for onnxruntime: each RMSNorm (and the residual add before it)
+    becomes one (Skip)SimplifiedLayerNormalization node instead of seven elementwise ones,
+    which onnxruntime does not fuse itself here. A decode step is short enough (a few ms) for
+    per-node overhead to matter: the graph drops from ~1280 to ~850 nodes."""
+    import onnx_ir
+    from onnxscript.rewriter.ort_fusions import optimize_for_ort
+
+    with _quiet():
+        model, _ = optimize_for_ort(program.model)
+    return onnx_ir.serde.serialize_model(model)
 
 
 def _save_quantized(proto, path: Path, quant: str, group_size: int, say) -> None:
@@ -361,7 +374,7 @@ def export_mtp_program(
             optimize=True,
             verbose=False,
         )
-    _save_quantized(program.model_proto, directory / "drafter.onnx", quant, group_size, say)
+    _save_quantized(_fuse_for_ort(program), directory / "drafter.onnx", quant, group_size, say)
     ids = head.draft_ids.tolist()
     (directory / "drafter_vocab.json").write_text(json.dumps({"draft_ids": ids}))
     methods = {

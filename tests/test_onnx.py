@@ -92,6 +92,7 @@ def test_bundle_layout(mtp_bundle, draft_lm_bundle):
     graph = onnx.load(mtp_bundle / "target.onnx")
     assert max(o.version for o in graph.opset_import if o.domain in ("", "ai.onnx")) >= 17
     ops = {n.op_type for n in graph.graph.node}
+    assert "SkipSimplifiedLayerNormalization" in ops  # fused RMSNorm + residual add
     assert "GroupQueryAttention" in ops and "Concat" not in {
         n.op_type for n in graph.graph.node if any(i.startswith("past_") for i in n.input)
     }
