@@ -27,10 +27,10 @@ class ExportOptions:
     drafter: str = "auto"  # auto | none | ngram | mtp | path to a draft model
     heads: str | None = None  # MTP heads file (default: the heads shipped for the model)
     k: int = 4
-    quant: str = "8da4w"
-    group_size: int = 32
+    quant: str = "8da8w"  # quantize.schemes.DEFAULT_SCHEME["android"]
+    group_size: int = 0
     embedding_quant: str = "8w"
-    draft_quant: str = "8da4w"
+    draft_quant: str = "8da8w"
     max_seq_len: int = 2048
     max_chunk: int = 128  # most tokens per call: prefill chunk, and the verify width limit
     quality_tokens: int = 1024  # held-out tokens for the perplexity check (0 = skip)

@@ -433,7 +433,7 @@ def write_atomic(path: str | None, text: str) -> None:
 @click.option(
     "--quant",
     default=None,
-    help="Target weights. android: 8da4w | 8da8w | fp32 (default 8da4w); onnx: int4 | int8 | "
+    help="Target weights. android: 8da8w | 8da4w | fp32 (default 8da8w); onnx: int4 | int8 | "
     "fp32 (default int4); coreml: int4 | int8 | fp16 (default int4).",
 )
 @click.option(
