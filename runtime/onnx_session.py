@@ -28,6 +28,10 @@ def _session_options():
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3
+    # Workers sleep instead of spinning between calls: the loop's own work between target
+    # calls, and any other process on the cores, otherwise competes with spinning workers.
+    # Measured on 2 shared cores, 2 threads: decode 9.9 ms median without spinning, 16.9 with.
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return options
 
 
