@@ -234,6 +234,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--work", type=Path, help="keep and reuse the .pte files here")
     parser.add_argument("--schemes", help="comma-separated scheme names (default: all)")
+    parser.add_argument("--out", default="scheme_x_T", help="results/<OUT>.json and .md")
     args = parser.parse_args()
     schemes = SCHEMES
     if args.schemes:
@@ -280,7 +281,7 @@ def main() -> None:
         "command": "python benchmarks/scheme_table.py "
         f"--threads {args.threads} --rounds {args.rounds} --prompts {args.prompts} "
         f"--new-tokens {args.new_tokens}"
-        + (f" --schemes '{args.schemes}'" if args.schemes else ""),
+        + (f" --schemes '{args.schemes}' --out {args.out}" if args.schemes else ""),
         "schemes": {
             name: {
                 "settings": {k: v for k, v in asdict(scheme).items() if k != "name"},
@@ -297,9 +298,9 @@ def main() -> None:
         "not_available": NOT_AVAILABLE,
     }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "scheme_x_T.json").write_text(json.dumps(report, indent=2) + "\n")
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(report, indent=2) + "\n")
     markdown = to_markdown(report)
-    (RESULTS / "scheme_x_T.md").write_text(markdown)
+    (RESULTS / f"{args.out}.md").write_text(markdown)
     print(markdown)
 
 
