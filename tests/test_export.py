@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from tiny import hf_reference, save_hf_dir
+from tiny import hf_reference, save_hf_dir, save_random_heads
 
 from mtp_edge.cli import bench, export, run
 from mtp_edge.errors import UserError
@@ -220,24 +220,8 @@ def test_exported_fp32_logits_match_eager(model_dir, tmp_path):
 @pytest.fixture(scope="module")
 def mtp_bundle(model_dir, tmp_path_factory):
     """A bundle with an MTP drafter (random heads: lossless does not need good drafts)."""
-    from mtp_edge.checkpoints import load_model
-    from mtp_edge.mtp import MTPConfig, MTPHead, init_from_target, save_heads, target_fingerprint
-
-    target = load_model(str(model_dir))
-    c = target.config
-    config = MTPConfig(
-        c.hidden_size,
-        2 * c.hidden_size,
-        c.vocab_size,
-        64,
-        target_name=target.name,
-        target_hash=target_fingerprint(target.model),
-    )
-    torch.manual_seed(0)
-    head = MTPHead(config)
-    init_from_target(head, target.model, torch.arange(c.vocab_size - 64, c.vocab_size))
     root = tmp_path_factory.mktemp("mtp")
-    save_heads(head, config, root / "heads.safetensors")
+    save_random_heads(model_dir, root / "heads.safetensors")
     args = [
         "--model",
         str(model_dir),

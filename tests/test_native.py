@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 from click.testing import CliRunner
-from tiny import hf_reference, save_hf_dir
+from tiny import hf_reference, save_hf_dir, save_random_heads
 
 from mtp_edge.cli import export
 from mtp_edge.devices.harness import NEAR_TIE, load_prompts
@@ -54,26 +54,9 @@ def export_bundle(tmp_path_factory, *extra) -> str:
 @pytest.fixture(scope="module")
 def mtp_bundle(tmp_path_factory):
     """An 8da4w target with random MTP heads (lossless needs no good drafts)."""
-    import torch
-
-    from mtp_edge.checkpoints import load_model
-    from mtp_edge.mtp import MTPConfig, MTPHead, init_from_target, save_heads, target_fingerprint
-
     root = tmp_path_factory.mktemp("heads")
-    target = load_model(str(tiny_dir(root / "model", seed=3)))
-    c = target.config
-    config = MTPConfig(
-        c.hidden_size,
-        2 * c.hidden_size,
-        c.vocab_size,
-        64,
-        target_name=target.name,
-        target_hash=target_fingerprint(target.model),
-    )
-    torch.manual_seed(0)
-    head = MTPHead(config)
-    init_from_target(head, target.model, torch.arange(c.vocab_size - 64, c.vocab_size))
-    save_heads(head, config, root / "heads.safetensors")
+    model_dir = tiny_dir(root / "model", seed=3)
+    save_random_heads(model_dir, root / "heads.safetensors")
     return export_bundle(
         tmp_path_factory, "--drafter", "mtp", "--heads", str(root / "heads.safetensors")
     )

@@ -12,7 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from test_export import error_line
-from tiny import hf_reference, save_hf_dir, tiny_model
+from tiny import hf_reference, save_hf_dir, save_random_heads, tiny_model
 
 from mtp_edge.cli import export, run
 from mtp_edge.exporter.onnx import export_program
@@ -44,24 +44,8 @@ def cli_export(out, model_dir, *extra):
 def mtp_bundle(model_dir, tmp_path_factory):
     """fp32 target with hidden-state output and an MTP drafter (random heads: lossless does not
     need good drafts)."""
-    from mtp_edge.checkpoints import load_model
-    from mtp_edge.mtp import MTPConfig, MTPHead, init_from_target, save_heads, target_fingerprint
-
-    target = load_model(str(model_dir))
-    c = target.config
-    config = MTPConfig(
-        c.hidden_size,
-        2 * c.hidden_size,
-        c.vocab_size,
-        64,
-        target_name=target.name,
-        target_hash=target_fingerprint(target.model),
-    )
-    torch.manual_seed(0)
-    head = MTPHead(config)
-    init_from_target(head, target.model, torch.arange(c.vocab_size - 64, c.vocab_size))
     root = tmp_path_factory.mktemp("onnx-mtp")
-    save_heads(head, config, root / "heads.safetensors")
+    save_random_heads(model_dir, root / "heads.safetensors")
     extra = ["--drafter", "mtp", "--heads", str(root / "heads.safetensors"), "--quant", "fp32"]
     return cli_export(root / "bundle", model_dir, *extra, "--quality-tokens", "64")
 

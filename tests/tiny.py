@@ -120,3 +120,26 @@ def chi_square_pvalue(counts, dist: dict, samples: int) -> float:
         expected.append(pooled_exp)
     scale = sum(observed) / sum(expected)
     return chisquare(observed, [e * scale for e in expected]).pvalue
+
+
+def save_random_heads(model_dir, path):
+    """MTP heads with random weights for the model in `model_dir`, saved at `path` (lossless
+    tests do not need good drafts): a 64-token draft vocabulary at the top of the vocabulary."""
+    from mtp_edge.checkpoints import load_model
+    from mtp_edge.mtp import MTPConfig, MTPHead, init_from_target, save_heads, target_fingerprint
+
+    target = load_model(str(model_dir))
+    c = target.config
+    config = MTPConfig(
+        c.hidden_size,
+        2 * c.hidden_size,
+        c.vocab_size,
+        64,
+        target_name=target.name,
+        target_hash=target_fingerprint(target.model),
+    )
+    torch.manual_seed(0)
+    head = MTPHead(config)
+    init_from_target(head, target.model, torch.arange(c.vocab_size - 64, c.vocab_size))
+    save_heads(head, config, path)
+    return path
