@@ -17,7 +17,11 @@ so that ExecuTorch's own runner (TextLLMRunner) can run it too:
   keys of the whole block and in different tiles, so rows move by a few ulps — and in a
   quantized model an ulp that crosses an int8 rounding step grows, layer by layer, into logits
   that differ by whole units (measured on SmolLM2-135M 8da4w: the argmax differed at 10% of
-  positions). `verify` therefore runs attention one row at a time, as the one-token call does.
+  positions). `verify` therefore runs attention one row at a time, as the one-token call does;
+- with an MTP head that reads the target's cache (mtp.py), a `draft(h [1, D], token [1],
+  input_pos [1]) -> (draft_logits [1, Vd], next_h [1, D])` method: one draft step, run inside the
+  target's program so that it reads (and writes, past the verified positions) the last layer's
+  cache that forward and verify share, and the embedding table they use.
 
 model.py is not changed for export: `exportable_copy` swaps, on a copy of the model, each
 attention and norm for an export version made of ExecuTorch's custom ops and of ops that XNNPACK
@@ -45,7 +49,8 @@ from torch import nn
 
 from mtp_edge.errors import UserError
 from mtp_edge.model import Attention, RMSNorm, Transformer
-from mtp_edge.quantize.schemes import QuantScheme, check_scheme, quantize_model
+from mtp_edge.mtp import MTPHead
+from mtp_edge.quantize.schemes import QuantScheme, check_scheme, quantize_model, quantize_modules
 
 
 class CustomOpAttention(nn.Module):
@@ -119,6 +124,14 @@ class MatmulRMSNorm(nn.Module):
         return self.weight * (x * torch.rsqrt(mean + self.eps))
 
 
+def with_export_norms(module: nn.Module) -> nn.Module:
+    for parent in list(module.modules()):
+        for name, child in parent.named_children():
+            if isinstance(child, RMSNorm):
+                setattr(parent, name, MatmulRMSNorm(child))
+    return module
+
+
 def exportable_copy(model: Transformer, scheme: QuantScheme, max_seq_len: int) -> Transformer:
     """A float32, quantized copy of `model` with export attention and norms (model is untouched)."""
     model = copy.deepcopy(model).float().eval()
@@ -126,11 +139,46 @@ def exportable_copy(model: Transformer, scheme: QuantScheme, max_seq_len: int) -
     quantize_model(model, scheme)
     for layer in model.layers:
         layer.self_attn = CustomOpAttention(layer.self_attn, max_seq_len)
-    for parent in list(model.modules()):
-        for name, child in parent.named_children():
-            if isinstance(child, RMSNorm):
-                setattr(parent, name, MatmulRMSNorm(child))
-    return model
+    return with_export_norms(model)
+
+
+class DraftMethod(nn.Module):
+    """One step of a cache-reading MTP head, as a method of the target's program.
+
+    `model` is the very module forward exports (so the cache buffers have the same names and
+    the program shares them between methods); the head writes its K/V at `input_pos` in the
+    last layer's cache and attends to the slots up to it, with the ops forward uses."""
+
+    def __init__(self, model: Transformer, head: MTPHead):
+        super().__init__()
+        self.model, self.head = model, head
+
+    def forward(self, h, token, input_pos):
+        attention = self.model.layers[-1].self_attn
+        heads, kv_heads, dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
+        start = input_pos[0].item()
+        torch._check(start >= 0)
+        torch._check(start < attention.max_seq_len)
+        cos = self.model.rope_cos[input_pos].view(1, 1, dim)
+        sin = self.model.rope_sin[input_pos].view(1, 1, dim)
+
+        def attend(q, k, v):  # q [1, H, hd], k/v [1, KVH, hd]
+            q = q * cos + F.linear(q, attention.rotate) * sin
+            k = k * cos + F.linear(k, attention.rotate) * sin
+            torch.ops.llama.update_cache(k.view(1, 1, kv_heads, dim), attention.k_cache, start)
+            torch.ops.llama.update_cache(v.view(1, 1, kv_heads, dim), attention.v_cache, start)
+            out = torch.ops.llama.custom_sdpa(
+                q.view(1, 1, heads, dim), attention.k_cache, attention.v_cache, start, None, 0.0, True
+            )
+            return out.view(1, heads, dim)
+
+        return self.head.step(h, self.model.embed_tokens(token), attend)
+
+
+def draft_head_copy(head: MTPHead, scheme: QuantScheme) -> MTPHead:
+    head = copy.deepcopy(head).float().eval()
+    quantize_modules(head, QuantScheme(scheme.linear, scheme.group_size, "none"))
+    return with_export_norms(head)
 
 
 def metadata_methods(
@@ -169,6 +217,8 @@ def export_program(
     head_group_size: int | None = None,
     return_hidden: bool = False,
     verify_width: int = 0,
+    draft_head: MTPHead | None = None,
+    draft_scheme: QuantScheme | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> dict:
     """Quantize a copy of `model`, export it to an XNNPACK .pte at `path` (written at the very
@@ -176,6 +226,8 @@ def export_program(
 
     `head_quant` / `head_group_size` give the LM head its own scheme (default: the linear one).
     `verify_width` W > 0 adds the row-exact `verify` method for W tokens (see the module doc).
+    `draft_head` (a head that reads the target's cache) adds the `draft` method, quantized with
+    `draft_scheme`.
     """
     say = progress or (lambda _message: None)
     scheme = QuantScheme(
@@ -207,6 +259,13 @@ def export_program(
                     attention.rows_apart = True
             wide = (torch.zeros((1, verify_width), dtype=torch.long), example[1])
             programs["verify"] = torch.export.export(exportable, wide, strict=True)
+        if draft_head is not None:
+            say(f"[export] draft step ({draft_scheme.label()}), reading the last layer's cache")
+            inner = exportable.model if isinstance(exportable, WithHidden) else exportable
+            step = DraftMethod(inner, draft_head_copy(draft_head, draft_scheme))
+            d = model.config.hidden_size
+            draft_example = (torch.zeros(1, d), torch.zeros(1, dtype=torch.long), example[1])
+            programs["draft"] = torch.export.export(step, draft_example, strict=True)
         say("[lower] XNNPACK")
         edge = to_edge_transform_and_lower(
             programs,
@@ -236,6 +295,19 @@ def export_program(
     say(f"[write] {path} ({len(program.buffer) / 1e6:.0f} MB)")
     Path(path).write_bytes(program.buffer)
     methods = method_metadata(model, max_chunk, constants, verify_width)
+    if draft_head is not None:
+        d, vd = model.config.hidden_size, draft_head.config.draft_vocab_size
+        methods["draft"] = {
+            "inputs": [
+                {"name": "h", "shape": [1, d], "dtype": "float32"},
+                {"name": "token", "shape": [1], "dtype": "int64"},
+                {"name": "input_pos", "shape": [1], "dtype": "int64"},
+            ],
+            "outputs": [
+                {"name": "draft_logits", "shape": [1, vd], "dtype": "float32"},
+                {"name": "next_h", "shape": [1, d], "dtype": "float32"},
+            ],
+        }
     if return_hidden:
         for name, width in (("forward", "T"), ("verify", verify_width)):
             if name in methods:

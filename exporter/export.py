@@ -62,6 +62,13 @@ def eager_forward(model, max_seq_len: int) -> Forward:
     return forward
 
 
+def _write_draft_vocabulary(head, directory: Path) -> None:
+    import json
+
+    ids = head.draft_ids.tolist()
+    (directory / "drafter_vocab.json").write_text(json.dumps({"draft_ids": ids}))
+
+
 def load_drafter(options: ExportOptions, target: LoadedModel):
     """(kind, what to export): ("none"|"ngram", None), ("mtp", MTPHead), ("draft-lm", model)."""
     from mtp_edge.mtp import load_heads, shipped_heads
@@ -135,6 +142,14 @@ def export_bundle(
             "--target coreml carries no separate draft model yet: use --drafter mtp or ngram"
         )
     suffix = {"android": ".pte", "onnx": ".onnx"}.get(options.target)
+    # A head that reads the target's cache runs inside the target's program (ExecuTorch).
+    in_target = drafter_kind == "mtp" and draft.reads_target_cache
+    if in_target and options.target != "android":
+        raise UserError(
+            f"--target {options.target} cannot run MTP heads that read the target's cache yet: "
+            "use --target android, --drafter ngram, or heads trained with mtp-train "
+            "--attention none"
+        )
     config = target.config
     max_seq_len = min(options.max_seq_len, config.max_position_embeddings)
     max_chunk = min(options.max_chunk, max_seq_len)
@@ -197,6 +212,8 @@ def export_bundle(
             # ExecuTorch: a row-exact verify method for k+1 tokens (see exporter/executorch.py)
             verify = options.target == "android" and drafter_kind != "none"
             extra = {"verify_width": options.k + 1} if verify else {}
+            if in_target:  # the draft step is a method of the target's program
+                extra.update(draft_head=draft, draft_scheme=draft_scheme)
             methods = export_one(
                 target.model, tmp / f"target{suffix}", options.quant, hidden, **extra
             )
@@ -206,7 +223,14 @@ def export_bundle(
             models["drafter"] = ModelFile(f"drafter{suffix}", "", draft_quant, methods)
             drafter["model_name"] = draft.name
         if drafter_kind == "mtp":
-            if options.target == "android":
+            if in_target:
+                _write_draft_vocabulary(draft, tmp)
+                methods, settings = {}, {
+                    "draft_vocab_size": draft.config.draft_vocab_size,
+                    "hidden_size": draft.config.hidden_size,
+                    "method": "draft",  # of the target's program
+                }
+            elif options.target == "android":
                 from mtp_edge.exporter.executorch_mtp import export_mtp_program
 
                 methods, settings = export_mtp_program(
@@ -223,7 +247,7 @@ def export_bundle(
                     options.group_size,
                     progress,
                 )
-            if options.target != "coreml":
+            if options.target != "coreml" and not in_target:
                 models["drafter"] = ModelFile(f"drafter{suffix}", "", draft_quant, methods)
             models["drafter_vocab"] = ModelFile("drafter_vocab.json", "", {}, {})
             drafter.update(settings, recipe=draft.config.recipe)

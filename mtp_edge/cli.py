@@ -81,7 +81,7 @@ def build_drafter(spec: str, target, bundle, max_seq_len: int, opts: dict):
                 f"no MTP heads ship for {target.name}: pass --heads (train them with mtp-train)"
             )
         head = load_heads(heads, target.model, target.name).to(target.model.dtype)
-        return mtp_drafter(head, target.model.embed_tokens, confidence)
+        return mtp_drafter(head, target.model, confidence)
     draft = load_model(spec)
     check_same_vocabulary(
         target.tokenizer.backend.get_vocab(),
@@ -540,7 +540,7 @@ def measure_drafter_acceptance(directory, target, draft) -> dict:
     prompts = [tokens[i * 256 : i * 256 + 64] for i in range(ACCEPTANCE_PROMPTS)]
     seq_len = 64 + ACCEPTANCE_TOKENS + k + 1
     if kind == "mtp":
-        before = mtp_drafter(draft.to(target.model.dtype), target.model.embed_tokens)
+        before = mtp_drafter(draft.to(target.model.dtype), target.model)
     elif kind == "draft-lm":
         before = DraftModelDrafter(EagerSession(draft.model, seq_len))
     else:

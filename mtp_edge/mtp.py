@@ -8,10 +8,26 @@ position t and the embedding of the token at t+1, and predicts the token at t+2:
     logits = lm_head(final_norm(x))           a reduced draft vocabulary, mapped to target ids
 
 and returns x as the hidden state for its next step, so k steps run recurrently on its own output.
-There is no KV cache and no attention: the context arrives through h. The token embedding is the
-target's own table (never copied into the head's file); the LM head covers only the draft
-vocabulary (`draft_ids`), because the full head of a small target (SmolLM2: 576 x 49152) alone
-costs about a fifth of a target step.
+
+Two kinds of block (`MTPConfig.attention`):
+- "none": x + MLP(norm(x)); the context arrives only through h.
+- "target_cache" (the default for new heads): first x + Attention(norm(x)) whose keys and values
+  are the *target's last layer's KV cache* — the positions the target has verified — plus the
+  head's own K/V, which it writes into that cache at the position it drafts for. No cache of its
+  own, no prefill of one: what the head reads at a position is what the target already wrote
+  there. Writing is safe because a drafted position lies past everything the target has verified,
+  and the target overwrites those slots in its next call before any query of its own reads them
+  (the static-cache rule that makes rollback free). Its q/k/v/o start as the target's last layer's.
+  Measured on SmolLM2-135M (benchmarks/README.md): reading the context this way is what lifts the
+  first-position acceptance from ~0.4 to the EAGLE range.
+
+The token embedding is the target's own table (never copied into the head's file); the LM head
+covers only the draft vocabulary (`draft_ids`), because the full head of a small target (SmolLM2:
+576 x 49152) alone costs about a fifth of a target step.
+
+An `attend(q, k, v)` callable carries the position-dependent part (rotary embedding, the cache,
+the mask), so one head serves training (all positions at once, `TrainContext`), the eager drafter
+and every exporter.
 """
 
 from __future__ import annotations
@@ -48,6 +64,13 @@ class MTPConfig:
     # Native heads only: the block's attention evaluated over the current position alone, which
     # reduces to one D x D linear map (softmax over a single key is 1).
     self_only_attention: bool = False
+    # "none" | "target_cache": see the module doc. The attention's shape is the target's.
+    attention: str = "none"
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    qk_norm: bool = False
+    attention_bias: bool = False
     target_name: str = ""
     target_hash: str = ""
     k: int = 4  # draft steps the head was trained for
@@ -73,22 +96,106 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class MTPBlock(nn.Module):
-    """A decoder block without attention over other positions: x + MLP(norm(x))."""
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [..., heads, head_dim] with cos/sin [..., head_dim] (per position)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos.unsqueeze(-2) + torch.cat((-x2, x1), dim=-1) * sin.unsqueeze(-2)
+
+
+class CacheAttention(nn.Module):
+    """Projections of an attention over the target's cache; the attending is `attend`'s."""
 
     def __init__(self, c: MTPConfig):
         super().__init__()
-        self.attn_norm = self.attn = None
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        d, bias = c.hidden_size, c.attention_bias
+        self.q_proj = nn.Linear(d, c.num_heads * c.head_dim, bias=bias)
+        self.k_proj = nn.Linear(d, c.num_kv_heads * c.head_dim, bias=bias)
+        self.v_proj = nn.Linear(d, c.num_kv_heads * c.head_dim, bias=bias)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, d, bias=False)
+        self.q_norm = self.k_norm = None
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """x [..., D] -> o_proj(attend(q [..., H, hd], k [..., KVH, hd], v)) [..., D]."""
+        q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
+        k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return self.o_proj(attend(q, k, v).flatten(-2))
+
+
+class MTPBlock(nn.Module):
+    """x + MLP(norm(x)), after an attention step for heads that have one (module doc)."""
+
+    def __init__(self, c: MTPConfig, first: bool = True):
+        super().__init__()
+        self.attn_norm = self.attn = self.cache_attn = None
         if c.self_only_attention:
             self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
             self.attn = nn.Linear(c.hidden_size, c.hidden_size, bias=True)
+        elif c.attention == "target_cache" and first:
+            # Only the first block attends: the head owns one slot per drafted position.
+            self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+            self.cache_attn = CacheAttention(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
 
-    def forward(self, x):
+    def forward(self, x, attend: Attend | None = None):
         if self.attn is not None:
             x = x + self.attn(self.attn_norm(x))
+        if self.cache_attn is not None:
+            if attend is None:
+                raise ValueError("this head attends to the target's cache: pass `attend`")
+            x = x + self.cache_attn(self.attn_norm(x), attend)
         return x + self.mlp(self.norm(x))
+
+
+@dataclass
+class TrainContext:
+    """What training-time attention reads for B sequences padded to length L: the target's
+    last-layer keys (rotary applied) and values per position, and the rotary tables."""
+
+    k: torch.Tensor  # [B, L, KVH, hd]
+    v: torch.Tensor  # [B, L, KVH, hd]
+    key_ok: torch.Tensor  # [B, L] bool: a real position, not padding
+    cos: torch.Tensor  # [L + J, hd] by position
+    sin: torch.Tensor
+
+
+def training_attend(context: TrainContext, step: int, own: list) -> Attend:
+    """Attention of draft step `step` (0-based) from every origin t at once (EAGLE-3's
+    training-time test with the target's cache as the context): the query, at position
+    t + step + 1, sees the target's keys at positions <= t and the head's own keys of steps
+    0..step from the same origin — exactly the cache slots drafting will have written."""
+    b, length = context.key_ok.shape
+    positions = torch.arange(length) + step + 1
+    cos, sin = context.cos[positions], context.sin[positions]  # [L, hd]
+    causal = torch.ones(length, length, dtype=torch.bool).tril()[None] & context.key_ok[:, None]
+
+    def attend(q, k, v):
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        own.append((k, v))
+        kv_heads, head_dim = k.shape[-2], k.shape[-1]
+        q = q.unflatten(-2, (kv_heads, -1))  # [B, L, KVH, G, hd]
+        scale = head_dim**-0.5
+        scores = torch.einsum("blkgd,bskd->bkgls", q, context.k.to(q.dtype)) * scale
+        scores = scores.masked_fill(~causal[:, None, None], float("-inf"))
+        own_k = torch.stack([kk for kk, _ in own], dim=2)  # [B, L, S, KVH, hd]
+        own_v = torch.stack([vv for _, vv in own], dim=2)
+        own_scores = torch.einsum("blkgd,blskd->bkgls", q, own_k) * scale
+        weights = torch.softmax(torch.cat((scores, own_scores), -1).float(), -1).to(q.dtype)
+        out = torch.einsum("bkgls,bskd->blkgd", weights[..., :length], context.v.to(q.dtype))
+        out = out + torch.einsum("bkgls,blskd->blkgd", weights[..., length:], own_v)
+        return out.flatten(-3, -2)  # [B, L, H, hd]
+
+    return attend
 
 
 class MTPHead(nn.Module):
@@ -99,29 +206,40 @@ class MTPHead(nn.Module):
         self.hnorm = RMSNorm(d, config.rms_norm_eps)
         self.enorm = RMSNorm(d, config.rms_norm_eps)
         self.proj = nn.Linear(2 * d, d, bias=False)
-        self.blocks = nn.ModuleList(MTPBlock(config) for _ in range(config.num_blocks))
+        self.blocks = nn.ModuleList(MTPBlock(config, i == 0) for i in range(config.num_blocks))
         self.final_norm = RMSNorm(d, config.rms_norm_eps)
         self.lm_head = nn.Linear(d, config.draft_vocab_size, bias=False)
         self.register_buffer("draft_ids", torch.arange(config.draft_vocab_size))
 
-    def step(self, h: torch.Tensor, token_emb: torch.Tensor):
-        """h [N, D], token_emb [N, D] -> (draft logits [N, Vd], hidden for the next step [N, D])."""
+    @property
+    def reads_target_cache(self) -> bool:
+        return self.config.attention == "target_cache"
+
+    def step(self, h: torch.Tensor, token_emb: torch.Tensor, attend: Attend | None = None):
+        """h [..., D], token_emb [..., D] -> (draft logits [..., Vd], next hidden [..., D]).
+
+        `attend` (heads that read the target's cache) runs the attention at the drafted
+        position: see `training_attend` and runtime/mtp_drafter.py."""
         x = self.proj(torch.cat((self.hnorm(h), self.enorm(token_emb)), dim=-1))
         for block in self.blocks:
-            x = block(x)
+            x = block(x, attend)
         return self.lm_head(self.final_norm(x)), x
 
-    def forward(self, h: torch.Tensor, token_embs: torch.Tensor) -> torch.Tensor:
-        """Unrolled steps for training: h [N, D], token_embs [N, J, D] -> logits [N, J, Vd].
+    def forward(
+        self, h: torch.Tensor, token_embs: torch.Tensor, context: TrainContext | None = None
+    ) -> torch.Tensor:
+        """Unrolled steps for training: h [B, L, D], token_embs [B, L, J, D] -> [B, L, J, Vd].
 
-        Step j reads the embedding of the token at t+j, as drafting does once the draft of
-        step j-1 is right (which is the only case in which step j counts).
+        Origin t starts from the target's hidden state at t; step j reads the embedding of the
+        token at t+j+1, as drafting does once the draft of step j-1 is right (the only case in
+        which step j counts).
         """
-        out = []
-        for j in range(token_embs.shape[1]):
-            logits, h = self.step(h, token_embs[:, j])
+        out, own = [], []
+        for j in range(token_embs.shape[-2]):
+            attend = training_attend(context, j, own) if self.reads_target_cache else None
+            logits, h = self.step(h, token_embs[..., j, :], attend)
             out.append(logits)
-        return torch.stack(out, dim=1)
+        return torch.stack(out, dim=-2)
 
 
 def target_lm_head(target: Transformer) -> torch.Tensor:
@@ -135,7 +253,25 @@ def init_from_target(head: MTPHead, target: Transformer, draft_ids: torch.Tensor
         head.draft_ids.copy_(draft_ids)
         head.lm_head.weight.copy_(target_lm_head(target)[draft_ids])
         head.final_norm.weight.copy_(target.norm.weight)
+        block = head.blocks[0]
+        if block.cache_attn is not None:  # keys it writes start in the space of the cache's
+            last = target.layers[-1]
+            block.attn_norm.weight.copy_(last.input_layernorm.weight)
+            block.cache_attn.load_state_dict(last.self_attn.state_dict(), strict=False)
     return head
+
+
+def cache_attention_config(target: Transformer) -> dict:
+    """MTPConfig fields of a head that attends to `target`'s last-layer cache."""
+    c = target.config
+    return {
+        "attention": "target_cache",
+        "num_heads": c.num_heads,
+        "num_kv_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "qk_norm": c.qk_norm,
+        "attention_bias": c.attention_bias,
+    }
 
 
 def target_fingerprint(target: Transformer) -> str:

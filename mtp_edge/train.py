@@ -9,9 +9,12 @@ Four stages, each a plain function:
    state and its argmax next token.
 3. draft vocabulary: the tokens the target predicts most often (the head's LM head covers only
    these, which keeps a draft step cheap).
-4. training-time test (EAGLE-3): from every position, k unrolled steps on the head's own hidden
-   state, each scored against the target's argmax; early steps weigh more, as a later draft only
-   counts when the earlier ones were accepted.
+4. training-time test (EAGLE-3): whole sequences at once; from every position, k unrolled steps
+   on the head's own hidden state (and, for heads that read the target's cache, attention over
+   the target's last-layer K/V plus the head's own K/V of the earlier steps, as drafting writes
+   them), each scored against the target's distribution over the draft vocabulary (soft labels;
+   `--labels hard`: its argmax); early steps weigh more, as a later draft only counts when the
+   earlier ones were accepted.
 
 Runs under `torchrun --nproc_per_node=N` (gloo): ranks share the generation, label and train on
 their own shard of sequences, and DistributedDataParallel averages the gradients. Only rank 0
@@ -40,10 +43,12 @@ from safetensors.torch import save_file
 
 from mtp_edge.checkpoints import LoadedModel, load_model
 from mtp_edge.errors import UserError
-from mtp_edge.model import Transformer, rotate_half
+from mtp_edge.model import Transformer, rope_frequencies, rotate_half
 from mtp_edge.mtp import (
     MTPConfig,
     MTPHead,
+    TrainContext,
+    cache_attention_config,
     init_from_target,
     save_heads,
     target_fingerprint,
@@ -61,13 +66,15 @@ class TrainOptions:
     data: tuple[str, ...] = ()  # text files; empty: offline text + the target's own responses
     k: int = 4  # unrolled draft steps
     steps: int = 3000
-    batch_size: int = 256  # start positions per step (per rank)
+    batch_size: int = 512  # draft origins per step (per rank), in whole sequences
     lr: float = 1e-3
     seed: int = 0
     resume: bool = False
     draft_vocab: int = 8192
     num_blocks: int = 1
     intermediate_size: int = 0  # 0: the target's
+    attention: str = "target_cache"  # or "none": see mtp.py
+    labels: str = "soft"  # soft: the target's distribution over the draft vocabulary; hard: argmax
     gen_tokens: int = 100_000  # response tokens the target writes (default corpus only)
     gen_max_new: int = 256  # longest response
     gen_batch: int = 16  # prompts decoded together
@@ -80,7 +87,6 @@ class TrainOptions:
     log_every: int = 50
     eval_every: int = 500
     checkpoint_every: int = 500
-    eval_positions: int = 4096  # held-out start positions scored per evaluation
     threads: int = 0  # 0: torch's default
     # An ExecuTorch bundle of the same target (exported with --drafter mtp, so that it returns
     # hidden states): it writes and labels the text instead of the eager model, so the heads
@@ -100,6 +106,11 @@ class TrainOptions:
             (self.seq_len >= 2, f"--seq-len must be >= 2, got {self.seq_len}"),
             (self.gen_batch >= 1, f"--gen-batch must be >= 1, got {self.gen_batch}"),
             (self.gen_tokens >= 0 and self.raw_tokens >= 0, "token budgets must be >= 0"),
+            (
+                self.attention in ("none", "target_cache"),
+                f"--attention must be none or target_cache, got {self.attention}",
+            ),
+            (self.labels in ("soft", "hard"), f"--labels must be soft or hard, got {self.labels}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -131,6 +142,9 @@ class Labels:
     argmax: torch.Tensor  # [N] the target's next-token argmax
     remaining: torch.Tensor  # [N] positions after this one in its sequence
     starts: torch.Tensor  # [M] positions a draft may start from
+    bounds: torch.Tensor  # [S, 3] per sequence: offset, length, first draft origin (local)
+    keys: torch.Tensor | None = None  # [N, KVH, hd] float16: the target's last-layer K (roped)
+    values: torch.Tensor | None = None  # [N, KVH, hd] float16: and V
 
 
 def artifact_paths(out: str | Path) -> dict[str, Path]:
@@ -612,42 +626,63 @@ def build_corpus(
 # --- 2. labels -------------------------------------------------------------------------------
 
 
-@torch.inference_mode()
-def label_sequences(model: Transformer, sequences: list[Sequence]) -> Labels:
-    """Run the frozen target over each sequence (one teacher-forced call through the static
-    cache) and keep, per position, its final hidden state and its argmax."""
-    longest = max(len(s.tokens) for s in sequences)
-    if model.max_seq_len < longest:
-        model.setup_cache(longest)
-    hidden, argmax, starts = [], [], []
-    offset = 0
+def _labels(sequences: list[Sequence], hidden, argmax, keys=None, values=None) -> Labels:
+    starts, bounds, offset = [], [], 0
     for s in sequences:
         n = len(s.tokens)
-        logits, h = model(torch.tensor([s.tokens]), torch.tensor([0]), return_hidden=True, kv_len=n)
-        hidden.append(h[0].to(torch.float16))
-        argmax.append(logits[0].argmax(-1))
         starts.append(torch.arange(offset + s.start, offset + n - 1))  # a next token follows
+        bounds.append((offset, n, s.start))
         offset += n
     tokens = torch.tensor([t for s in sequences for t in s.tokens])
     remaining = torch.cat([torch.arange(len(s.tokens) - 1, -1, -1) for s in sequences])
-    return Labels(torch.cat(hidden), tokens, torch.cat(argmax), remaining, torch.cat(starts))
+    return Labels(
+        torch.cat(hidden),
+        tokens,
+        torch.cat(argmax),
+        remaining,
+        torch.cat(starts),
+        torch.tensor(bounds, dtype=torch.long).view(-1, 3),
+        torch.cat(keys) if keys else None,
+        torch.cat(values) if values else None,
+    )
+
+
+@torch.inference_mode()
+def label_sequences(
+    model: Transformer,
+    sequences: list[Sequence],
+    cache: bool = False,
+    dtype: torch.dtype = torch.float16,
+) -> Labels:
+    """Run the frozen target over each sequence (one teacher-forced call through the static
+    cache) and keep, per position, its final hidden state and its argmax (and with `cache`, its
+    last layer's K/V as the cache holds them), stored in `dtype`."""
+    longest = max(len(s.tokens) for s in sequences)
+    if model.max_seq_len < longest:
+        model.setup_cache(longest)
+    hidden, argmax, keys, values = [], [], [], []
+    last = model.layers[-1].self_attn
+    for s in sequences:
+        n = len(s.tokens)
+        logits, h = model(torch.tensor([s.tokens]), torch.tensor([0]), return_hidden=True, kv_len=n)
+        hidden.append(h[0].to(dtype))
+        argmax.append(logits[0].argmax(-1))
+        if cache:  # [1, KVH, S, hd] -> [n, KVH, hd]
+            keys.append(last.cache.k[0, :, :n].transpose(0, 1).to(dtype))
+            values.append(last.cache.v[0, :, :n].transpose(0, 1).to(dtype))
+    return _labels(sequences, hidden, argmax, keys, values)
 
 
 def label_with_session(session, sequences: list[Sequence]) -> Labels:
     """label_sequences through an exported target: its hidden states and argmax per position."""
-    hidden, argmax, starts = [], [], []
-    offset = 0
+    hidden, argmax = [], []
     for s in sequences:
         n = len(s.tokens)
         for i in range(0, n, session.max_chunk):
             logits, h = session.forward(s.tokens[i : i + session.max_chunk], i, True)
             hidden.append(h.to(torch.float16))
             argmax.append(logits.argmax(-1))
-        starts.append(torch.arange(offset + s.start, offset + n - 1))
-        offset += n
-    tokens = torch.tensor([t for s in sequences for t in s.tokens])
-    remaining = torch.cat([torch.arange(len(s.tokens) - 1, -1, -1) for s in sequences])
-    return Labels(torch.cat(hidden), tokens, torch.cat(argmax), remaining, torch.cat(starts))
+    return _labels(sequences, hidden, argmax)
 
 
 # --- 3. draft vocabulary ---------------------------------------------------------------------
@@ -670,42 +705,98 @@ def label_counts(labels: Labels, vocab_size: int) -> torch.Tensor:
 # --- 4. training-time test -------------------------------------------------------------------
 
 
-def unrolled(model, labels: Labels, idx, embedding, k: int, to_draft: torch.Tensor):
-    """k draft steps from positions idx: logits [B, k, Vd], draft labels [B, k] and the
-    positions read [B, k] with their validity (a step past its sequence's end is invalid)."""
+@dataclass
+class Batch:
+    h: torch.Tensor  # [B, L, D] the target's hidden state at each origin
+    embs: torch.Tensor  # [B, L, J, D] embedding of the token step j reads
+    reads: torch.Tensor  # [B, L, J] global position whose token step j reads and predicts after
+    valid: torch.Tensor  # [B, L, J] a step inside its sequence, from an allowed origin
+    context: TrainContext | None
+
+
+def sequence_batch(labels: Labels, seqs, embedding, k: int, rope, cache: bool) -> Batch:
+    """B whole sequences, padded to the longest: every position is a draft origin."""
+    bounds = labels.bounds[torch.as_tensor(seqs)]
+    offset, n, first = bounds[:, 0:1], bounds[:, 1:2], bounds[:, 2:3]
+    length = int(n.max())
+    t = torch.arange(length)[None]  # local origin
+    idx = offset + torch.minimum(t, n - 1)  # [B, L]
     steps = torch.arange(1, k + 1)
-    valid = steps[None, :] <= labels.remaining[idx][:, None]
-    offsets = torch.where(valid, idx[:, None] + steps, idx[:, None])
-    embs = F.embedding(labels.tokens[offsets], embedding)
-    logits = model(labels.hidden[idx].to(embedding.dtype), embs)
-    targets = to_draft[labels.argmax[offsets]].masked_fill(~valid, IGNORE)
-    return logits, targets, offsets, valid
+    local = t[..., None] + steps  # [B, L, J] position step j reads
+    valid = (t >= first)[..., None] & (local <= (n - 1)[..., None])
+    reads = offset[..., None] + torch.minimum(local, (n - 1)[..., None])
+    context = None
+    if cache:
+        cos, sin = rope
+        context = TrainContext(
+            labels.keys[idx], labels.values[idx], t < n, cos[: length + k], sin[: length + k]
+        )
+    h = labels.hidden[idx].to(embedding.dtype)
+    return Batch(h, F.embedding(labels.tokens[reads], embedding), reads, valid, context)
 
 
-def step_losses(logits: torch.Tensor, targets: torch.Tensor):
-    """Summed cross-entropy [k] and counted labels [k] per draft step."""
-    ce = F.cross_entropy(
-        logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="none"
-    )
-    return ce.view_as(targets).sum(0), (targets != IGNORE).sum(0)
+def draft_losses(logits, batch: Batch, labels: Labels, to_draft, teacher_head, soft: bool):
+    """Summed loss [k] and counted steps [k] per draft step. Soft: KL divergence from the
+    target's distribution restricted to the draft vocabulary (what the target would say at the
+    position step j predicts); hard: against its argmax (steps outside the vocabulary skipped)."""
+    if soft:
+        with torch.no_grad():
+            teacher = F.linear(labels.hidden[batch.reads].to(teacher_head.dtype), teacher_head)
+            teacher = torch.softmax(teacher.float(), -1)
+        # KL(teacher || head): the cross-entropy less the teacher's own entropy, so 0 is perfect
+        ce = (teacher * (teacher.clamp_min(1e-30).log() - torch.log_softmax(logits.float(), -1)))
+        ce = ce.sum(-1)
+        keep = batch.valid
+    else:
+        targets = to_draft[labels.argmax[batch.reads]]
+        keep = batch.valid & (targets != IGNORE)
+        ce = F.cross_entropy(
+            logits.flatten(0, -2).float(),
+            targets.masked_fill(~keep, 0).flatten(),
+            reduction="none",
+        ).view_as(targets)
+    ce = ce.masked_fill(~keep, 0.0)
+    return ce.flatten(0, 1).sum(0), keep.flatten(0, 1).sum(0)
 
 
 def weighted_loss(sums, counts, weights) -> torch.Tensor:
     return (weights * sums / counts.clamp(min=1)).sum() / weights.sum()
 
 
+def rope_tables(config, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    angles = torch.outer(torch.arange(length, dtype=torch.float64), rope_frequencies(config))
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def batches_of(labels: Labels, seqs: list[int], budget: int) -> list[list[int]]:
+    """Consecutive groups of sequences with about `budget` origins each."""
+    groups, group, size = [], [], 0
+    for i in seqs:
+        group.append(i)
+        size += int(labels.bounds[i, 1])
+        if size >= budget:
+            groups.append(group)
+            group, size = [], 0
+    return groups + ([group] if group else [])
+
+
 @torch.no_grad()
 def evaluate(
     head: MTPHead,
     labels: Labels,
-    positions: torch.Tensor,
     embedding: torch.Tensor,
     k: int,
     to_draft: torch.Tensor,
     weights: torch.Tensor,
     world: int,
+    rope,
+    teacher_head: torch.Tensor,
+    soft: bool,
+    budget: int,
 ) -> dict:
-    """Held-out loss and acceptance per draft position.
+    """Held-out loss and acceptance per draft position, over every origin of the held-out
+    sequences.
 
     Draft step j from a position counts as accepted when it and every earlier step equal the
     target's argmax. On text the target wrote (greedy), the steps read exactly the tokens
@@ -714,14 +805,17 @@ def evaluate(
     """
     sums, counts = torch.zeros(k, dtype=torch.float64), torch.zeros(k, dtype=torch.float64)
     hits, scored = torch.zeros(k, dtype=torch.float64), torch.zeros(k, dtype=torch.float64)
-    for idx in positions.split(1024):
-        logits, targets, offsets, valid = unrolled(head, labels, idx, embedding, k, to_draft)
-        s, c = step_losses(logits, targets)
+    cache = head.reads_target_cache
+    for group in batches_of(labels, list(range(len(labels.bounds))), budget):
+        batch = sequence_batch(labels, group, embedding, k, rope, cache)
+        logits = head(batch.h, batch.embs, batch.context)
+        s, c = draft_losses(logits, batch, labels, to_draft, teacher_head, soft)
         sums += s
         counts += c
-        right = (head.draft_ids[logits.argmax(-1)] == labels.argmax[offsets]) & valid
-        hits += (right.long().cumprod(1).bool() & valid).sum(0)
-        scored += valid.sum(0)
+        right = (head.draft_ids[logits.argmax(-1)] == labels.argmax[batch.reads]) & batch.valid
+        first_valid = batch.valid[..., 0]
+        hits += (right.long().cumprod(-1).bool() & batch.valid)[first_valid].sum(0)
+        scored += batch.valid[first_valid].sum(0)
     if world > 1:
         for t in (sums, counts, hits, scored):
             dist.all_reduce(t)
@@ -837,11 +931,15 @@ def _train(options, rank, world, progress, began) -> dict:
     train_ids, heldout_ids = _split(len(sequences), options.heldout, options.seed, world)
     say(f"labelling {sum(len(s.tokens) for s in sequences)} tokens in {len(sequences)} sequences")
 
+    cache = options.attention == "target_cache"
+
     def label(ids: list[int]) -> Labels:
         chosen = [sequences[i] for i in ids[rank::world]]
-        if session is not None:
+        # The exported program returns no K/V: heads that read the cache learn it from the
+        # eager target (the bundle still writes the text).
+        if session is not None and not cache:
             return label_with_session(session, chosen)
-        return label_sequences(target, chosen)
+        return label_sequences(target, chosen, cache)
 
     train, heldout = label(train_ids), label(heldout_ids)
 
@@ -870,6 +968,7 @@ def _train(options, rank, world, progress, began) -> dict:
         target_name=loaded.name,
         target_hash=target_hash,
         k=options.k,
+        **(cache_attention_config(target) if cache else {}),
     )
     head = init_from_target(MTPHead(config), target, draft_ids)
     model = head
@@ -880,10 +979,10 @@ def _train(options, rank, world, progress, began) -> dict:
     )
     weights = options.step_decay ** torch.arange(options.k, dtype=torch.float32)
     embedding = target.embed_tokens.weight.detach()
-    spread = torch.linspace(
-        0, len(heldout.starts) - 1, min(options.eval_positions, len(heldout.starts))
-    )
-    eval_positions = heldout.starts[spread.long()]
+    teacher_head = target_lm_head(target).detach()[draft_ids]
+    soft = options.labels == "soft"
+    longest = int(max(train.bounds[:, 1].max(), heldout.bounds[:, 1].max()))
+    rope = rope_tables(c, longest + options.k + 1)
 
     step, history = 0, []
     recipe = options.recipe()
@@ -908,8 +1007,23 @@ def _train(options, rank, world, progress, began) -> dict:
 
     def held_out() -> dict:
         return evaluate(
-            head, heldout, eval_positions, embedding, options.k, to_draft, weights, world
+            head,
+            heldout,
+            embedding,
+            options.k,
+            to_draft,
+            weights,
+            world,
+            rope,
+            teacher_head,
+            soft,
+            options.batch_size,
         )
+
+    def pick_sequences(generator) -> list[int]:
+        """Random training sequences until they hold about --batch-size draft origins."""
+        order = torch.randperm(len(train.bounds), generator=generator).tolist()
+        return batches_of(train, order, options.batch_size)[0]
 
     if step == 0:
         history.append({"step": 0, **held_out()})
@@ -918,12 +1032,15 @@ def _train(options, rank, world, progress, began) -> dict:
     while step < options.steps:
         # Batches depend only on (seed, rank, step), so a resumed run draws the same ones.
         generator = torch.Generator().manual_seed(options.seed * 1_000_003 + rank * 7919 + step)
-        pick = torch.randint(len(train.starts), (options.batch_size,), generator=generator)
-        idx = train.starts[pick]
+        batch = sequence_batch(
+            train, pick_sequences(generator), embedding, options.k, rope, cache
+        )
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, options)
-        logits, targets, _, _ = unrolled(model, train, idx, embedding, options.k, to_draft)
-        loss = weighted_loss(*step_losses(logits, targets), weights)
+        logits = model(batch.h, batch.embs, batch.context)
+        loss = weighted_loss(
+            *draft_losses(logits, batch, train, to_draft, teacher_head, soft), weights
+        )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -949,7 +1066,7 @@ def _train(options, rank, world, progress, began) -> dict:
         "target": loaded.name,
         "steps": step,
         "world_size": world,
-        "train_tokens": int(counts.sum()),
+        "train_tokens": int(train.bounds[:, 1].sum()),
         "sequences": len(sequences),
         "draft_vocab": len(draft_ids),
         "coverage": round(coverage, 4),

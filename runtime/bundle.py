@@ -18,6 +18,7 @@ class Bundle:
     path: Path
     manifest: Manifest
     tokenizer: Tokenizer
+    session: Session | None = None  # the target's, once opened: a drafter method may share it
 
 
 def open_bundle(path: str | Path) -> Bundle:
@@ -27,6 +28,14 @@ def open_bundle(path: str | Path) -> Bundle:
 
 
 def target_session(bundle: Bundle) -> Session:
+    """The bundle's target session (opened once: a drafter that is a method of the target's
+    program runs on the same loaded program and cache)."""
+    if bundle.session is None:
+        bundle.session = _open_target(bundle)
+    return bundle.session
+
+
+def _open_target(bundle: Bundle) -> Session:
     m = bundle.manifest
     file = bundle.path / m.models["target"].file
     if m.backend == "executorch":
@@ -64,13 +73,20 @@ def bundle_drafter(bundle: Bundle, min_confidence: float = 0.0):
             from mtp_edge.runtime.coreml_session import CoreMLStep
 
             step = CoreMLStep(bundle.path / m.models["target"].file)
+        elif "method" in m.drafter:  # a method of the target's program, on its cache
+            from mtp_edge.runtime.executorch_session import ExecuTorchStep
+
+            session = target_session(bundle)
+            step = ExecuTorchStep(program=session.program, method=m.drafter["method"])
+            cache_len = session.max_seq_len
         else:
             from mtp_edge.runtime.executorch_session import ExecuTorchStep
 
             step = ExecuTorchStep(bundle.path / m.models["drafter"].file)
         vocab = json.loads((bundle.path / m.models["drafter_vocab"].file).read_text())
         ids = torch.tensor(vocab["draft_ids"])
-        return MtpDrafter(step, ids, m.vocab_size, min_confidence)
+        limit = (lambda: cache_len) if "method" in m.drafter else None
+        return MtpDrafter(step, ids, m.vocab_size, min_confidence, limit)
     if kind == "draft-lm":
         from mtp_edge.runtime.drafters import DraftModelDrafter
 

@@ -135,7 +135,7 @@ class CoreMLStep:
         _require_apple()
         self.model = _load(Path(package), "draft_step")
 
-    def __call__(self, h: torch.Tensor, token: torch.Tensor):
+    def __call__(self, h: torch.Tensor, token: torch.Tensor, position: int = 0):
         feeds = {
             "h": h.float().numpy().astype(np.float32),
             "token": token.numpy().astype(np.int32),

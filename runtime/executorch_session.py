@@ -93,18 +93,27 @@ class ExecuTorchSession:
 
 
 class ExecuTorchStep:
-    """A one-step drafter program: step(h [1, D], token [1]) -> (draft_logits [1, Vd], h')."""
+    """One draft step: step(h [1, D], token [1], position) -> (draft_logits [1, Vd], h').
 
-    def __init__(self, pte_path: str | Path):
+    Either a drafter program of its own (`forward(h, token)`), or a method of the target's
+    loaded program (`draft(h, token, input_pos)`), which then shares the target's cache."""
+
+    def __init__(self, pte_path: str | Path | None = None, program=None, method: str = "forward"):
         import executorch.kernels.quantized  # noqa: F401
         from executorch.runtime import Runtime
 
         _hand_cores_to_executorch()
-        self.program = Runtime.get().load_program(Path(pte_path))
-        self.method = self.program.load_method("forward")
+        self.program = program or Runtime.get().load_program(Path(pte_path))
+        if method not in self.program.method_names:
+            raise UserError(f"the ExecuTorch program has no '{method}' method: re-export the bundle")
+        self.method = self.program.load_method(method)
+        self.takes_position = method != "forward"
 
-    def __call__(self, h: torch.Tensor, token: torch.Tensor):
-        logits, g = self.method.execute([h.float().contiguous(), token.long()])
+    def __call__(self, h: torch.Tensor, token: torch.Tensor, position: int = 0):
+        inputs = [h.float().contiguous(), token.long()]
+        if self.takes_position:
+            inputs.append(torch.tensor([position]))
+        logits, g = self.method.execute(inputs)
         return logits.clone(), g.clone()
 
 

@@ -1,9 +1,11 @@
 """The mtp drafter: runs an MTP head recurrently for k steps from the target's last hidden state.
 
-The compute is one injected function, `step_fn(h [1, D], token [1]) -> (draft_logits [1, Vd],
-next h [1, D])`, so that an exported program (e.g. an ExecuTorch method) can replace the eager
-head without touching the drafting logic. Draft logits cover the head's reduced vocabulary;
-`draft_ids` maps them back to target token ids.
+The compute is one injected function, `step_fn(h [1, D], token [1], position) -> (draft_logits
+[1, Vd], next h [1, D])`, so that an exported program (e.g. an ExecuTorch method) can replace the
+eager head without touching the drafting logic. `position` is where the drafted-from token sits:
+a head that reads the target's cache writes its K/V into the target's last-layer cache there
+(mtp.py explains why that is safe) and attends to the slots up to it. Draft logits cover the
+head's reduced vocabulary; `draft_ids` maps them back to target token ids.
 """
 
 from __future__ import annotations
@@ -12,21 +14,39 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from mtp_edge.errors import UserError
-from mtp_edge.mtp import MTPHead
+from mtp_edge.model import Transformer
+from mtp_edge.mtp import MTPHead, apply_rope
 from mtp_edge.runtime.drafters import Draft
 from mtp_edge.runtime.session import Session
 
-StepFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+StepFn = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 
 
-def eager_step_fn(head: MTPHead, embed: Callable[[torch.Tensor], torch.Tensor]) -> StepFn:
-    """The head in PyTorch, reading token embeddings from the target's table via `embed`."""
+def eager_step_fn(head: MTPHead, target: Transformer) -> StepFn:
+    """The head in PyTorch on the eager target: its embedding table and, for heads that read
+    it, its last layer's static cache (the one the eager session decodes with)."""
+
+    def attend_at(position: int):
+        cache = target.layers[-1].self_attn.cache
+        cos, sin = target.rope_cos[position], target.rope_sin[position]
+
+        def attend(q, k, v):  # q [1, H, hd], k/v [1, KVH, hd]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            cache.k[:, :, position] = k
+            cache.v[:, :, position] = v
+            keys, values = cache.k[:, :, : position + 1], cache.v[:, :, : position + 1]
+            out = F.scaled_dot_product_attention(q[:, :, None], keys, values, enable_gqa=True)
+            return out[:, :, 0]  # [1, H, hd]
+
+        return attend
 
     @torch.inference_mode()
-    def step(h: torch.Tensor, token: torch.Tensor):
-        return head.step(h, embed(token))
+    def step(h: torch.Tensor, token: torch.Tensor, position: int):
+        attend = attend_at(position) if head.reads_target_cache else None
+        return head.step(h, target.embed_tokens(token), attend)
 
     return step
 
@@ -51,6 +71,7 @@ class MtpDrafter:
         draft_ids: torch.Tensor,
         vocab_size: int,
         min_confidence: float = 0.0,
+        cache_len: Callable[[], int] | None = None,
     ):
         if not 0 <= min_confidence < 1:
             raise UserError(f"draft confidence threshold must be in [0, 1), got {min_confidence}")
@@ -58,16 +79,21 @@ class MtpDrafter:
         self.draft_ids = draft_ids.to(torch.long)
         self.vocab_size = vocab_size
         self.min_confidence = min_confidence
+        # For a head that writes the target's cache: its length (drafting stops at its end).
+        self.cache_len = cache_len
 
     def propose(self, context, hidden, k, sampler) -> Draft:
         if k <= 0 or hidden is None or len(hidden) == 0:
             return Draft([])
         h = hidden[-1:]
         token = context[-1]
+        position = len(context) - 1
+        if self.cache_len is not None:
+            k = min(k, self.cache_len() - position)
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
-        for _ in range(k):
-            logits, h = self.step_fn(h, torch.tensor([token]))
+        for i in range(k):
+            logits, h = self.step_fn(h, torch.tensor([token]), position + i)
             logits = logits[0]
             if sampler.greedy:
                 best = int(torch.argmax(logits))
@@ -89,12 +115,14 @@ class MtpDrafter:
         return Draft(tokens, torch.stack(probs) if probs else None)
 
 
-def mtp_drafter(
-    head: MTPHead, embed: Callable[[torch.Tensor], torch.Tensor], min_confidence: float = 0.0
-) -> MtpDrafter:
-    """The eager drafter: `embed` is the target's embedding (e.g. `model.embed_tokens`)."""
+def mtp_drafter(head: MTPHead, target: Transformer, min_confidence: float = 0.0) -> MtpDrafter:
+    """The eager drafter on the eager target (whose session must have set up its cache)."""
     return MtpDrafter(
-        eager_step_fn(head, embed), head.draft_ids, head.config.vocab_size, min_confidence
+        eager_step_fn(head, target),
+        head.draft_ids,
+        head.config.vocab_size,
+        min_confidence,
+        (lambda: target.max_seq_len) if head.reads_target_cache else None,
     )
 
 
@@ -109,7 +137,8 @@ def measure_step_cost(
 
     Each is the best of `repeats` calls after a warm-up call. The target step writes at position 0
     of its cache (so call this before generating, not during it) and attends to one slot: a
-    lower bound on a decode step, whose cost is dominated by reading the weights anyway.
+    lower bound on a decode step, whose cost is dominated by reading the weights anyway. The
+    draft step runs at position 1 (a head that reads the cache attends to two slots).
     """
     h = torch.zeros(1, hidden_size, dtype=dtype)
     token = torch.tensor([0])
@@ -123,6 +152,6 @@ def measure_step_cost(
             times.append(time.perf_counter() - start)
         return min(times) * 1e3
 
-    draft_ms = best_of(lambda: step_fn(h, token))
+    draft_ms = best_of(lambda: step_fn(h, token, 1))
     target_ms = best_of(lambda: target.forward([0], 0))
     return {"draft_ms": draft_ms, "target_ms": target_ms, "ratio": draft_ms / target_ms}

@@ -167,7 +167,7 @@ class OnnxStep:
         self.session = _open(path)
         check_signature(self.session, path, method)
 
-    def __call__(self, h: torch.Tensor, token: torch.Tensor):
+    def __call__(self, h: torch.Tensor, token: torch.Tensor, position: int = 0):
         feeds = {"h": h.float().contiguous().numpy(), "token": token.long().numpy()}
         logits, g = self.session.run(["draft_logits", "next_h"], feeds)
         return torch.from_numpy(logits), torch.from_numpy(g)

@@ -143,7 +143,7 @@ def torch_program_session(model, head):
         return logits[0].float(), hidden[0].float()
 
     @torch.no_grad()
-    def step(h, token):
+    def step(h, token, position=0):
         logits, g = modules["draft_step"](h.float(), token.to(torch.int32))
         return logits.float(), g.float()
 

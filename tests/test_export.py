@@ -217,11 +217,13 @@ def test_exported_fp32_logits_match_eager(model_dir, tmp_path):
     )
 
 
-@pytest.fixture(scope="module")
-def mtp_bundle(model_dir, tmp_path_factory):
-    """A bundle with an MTP drafter (random heads: lossless does not need good drafts)."""
+@pytest.fixture(scope="module", params=["target_cache", "none"])
+def mtp_bundle(model_dir, tmp_path_factory, request):
+    """A bundle with an MTP drafter (random heads: lossless does not need good drafts), of
+    both kinds: a head that reads the target's cache (a method of target.pte) and one without
+    attention (its own drafter.pte)."""
     root = tmp_path_factory.mktemp("mtp")
-    save_random_heads(model_dir, root / "heads.safetensors")
+    save_random_heads(model_dir, root / "heads.safetensors", request.param)
     args = [
         "--model",
         str(model_dir),
@@ -243,7 +245,9 @@ def mtp_bundle(model_dir, tmp_path_factory):
 
 def test_mtp_bundle_is_lossless_greedy_and_sampled(mtp_bundle):
     manifest = Manifest.load(mtp_bundle)
-    assert manifest.drafter["kind"] == "mtp" and "drafter" in manifest.models
+    in_target = "draft" in manifest.models["target"].methods
+    assert manifest.drafter["kind"] == "mtp" and ("drafter" in manifest.models) != in_target
+    assert in_target == (manifest.drafter.get("method") == "draft")
     outputs = [o["name"] for o in manifest.models["target"].methods["forward"]["outputs"]]
     assert outputs == ["logits", "hidden"]
     args = [

@@ -120,7 +120,7 @@ def test_greedy_mtp_equals_plain_float64(tiny_dir, trained, head_kind):
         prompt = target.tokenizer.encode(" ".join(rng.choice(WORDS) for _ in range(3 + 4 * n)))
         config = GenerationConfig(max_new_tokens=30 + 7 * n, k=k)
         plain = generate(session, prompt, None, config)
-        spec = generate(session, prompt, mtp_drafter(head, model.embed_tokens, confidence), config)
+        spec = generate(session, prompt, mtp_drafter(head, model, confidence), config)
         assert spec.token_ids == plain.token_ids
         assert spec.stop_reason == plain.stop_reason
         accepted += spec.stats.accepted_tokens
@@ -148,7 +148,7 @@ def sampled_counts(samples: int) -> tuple[Counter, dict, int]:
     session = EagerSession(target, 32)
     dist = exact_distribution(session, SamplingParams(**SAMPLE_PARAMS))
     # Token 1 is outside the draft vocabulary: q is zero there and the residual must supply it.
-    drafter = mtp_drafter(random_head(target, [0, 2, 3], seed=3, std=0.5), target.embed_tokens)
+    drafter = mtp_drafter(random_head(target, [0, 2, 3], seed=3, std=0.5), target)
     counts, accepted = Counter(), 0
     for seed in range(samples):
         config = GenerationConfig(
@@ -181,7 +181,7 @@ def test_drafter_probs_are_full_vocabulary_and_stop_before_drawing():
     head = random_head(target, [1, 4, 5, 9])
     hidden = torch.randn(3, 32, dtype=torch.float64)
     sampler = Sampler(SamplingParams(temperature=1.0, seed=0))
-    draft = mtp_drafter(head, target.embed_tokens).propose([3, 7], hidden, 4, sampler)
+    draft = mtp_drafter(head, target).propose([3, 7], hidden, 4, sampler)
     assert len(draft.tokens) == 4 and draft.probs.shape == (4, 16)
     outside = torch.ones(16, dtype=torch.bool)
     outside[[1, 4, 5, 9]] = False
@@ -189,7 +189,7 @@ def test_drafter_probs_are_full_vocabulary_and_stop_before_drawing():
     torch.testing.assert_close(draft.probs.sum(-1), torch.ones(4, dtype=torch.float64))
     assert all(draft.probs[i, t] > 0 for i, t in enumerate(draft.tokens))
     # A confidence above anything q reaches: nothing is drafted (the rule never sees a token).
-    strict = mtp_drafter(head, target.embed_tokens, min_confidence=0.999)
+    strict = mtp_drafter(head, target, min_confidence=0.999)
     assert strict.propose([3, 7], hidden, 4, sampler).tokens == []
     greedy = Sampler(SamplingParams())
     assert strict.propose([3, 7], hidden, 4, greedy).tokens == []
@@ -199,7 +199,7 @@ def test_draft_step_cost_is_measured():
     target = tiny_model(seed=0, vocab=48)
     head = random_head(target, list(range(24)))
     cost = measure_step_cost(
-        eager_step_fn(head, target.embed_tokens), EagerSession(target, 16), 32, torch.float64
+        eager_step_fn(head, target), EagerSession(target, 16), 32, torch.float64
     )
     print(f"tiny model: draft step {cost['draft_ms']:.3f} ms, target step {cost['target_ms']:.3f}")
     assert cost["draft_ms"] > 0 and cost["target_ms"] > 0 and cost["ratio"] > 0
@@ -514,3 +514,39 @@ def test_a_bundle_of_another_model_is_refused(tiny_dir, fp32_bundle, tmp_path):
     opts.bundle = str(fp32_bundle)
     with pytest.raises(UserError, match="not the target"):
         train_heads(opts, lambda _: None)
+
+
+def test_training_attention_is_what_drafting_computes(tiny_dir):
+    """The training-time test (all origins at once, the target's K/V as context, the head's own
+    K/V of earlier steps on the diagonal) equals drafting step by step on the eager target,
+    which writes the head's K/V into the target's cache: training learns what drafting runs."""
+    from mtp_edge.mtp import cache_attention_config
+    from mtp_edge.train import Sequence, label_sequences, rope_tables, sequence_batch
+
+    target = load_model(str(tiny_dir / "model"), dtype=torch.float64).model
+    c = target.config
+    extra = cache_attention_config(target)
+    config = MTPConfig(c.hidden_size, 2 * c.hidden_size, c.vocab_size, c.vocab_size, **extra)
+    torch.manual_seed(5)
+    head = MTPHead(config).to(torch.float64)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.2)
+    head.eval()
+    generator = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, c.vocab_size, (24,), generator=generator).tolist()
+    k = 3
+    labels = label_sequences(target, [Sequence(tokens, 0)], cache=True, dtype=torch.float64)
+    rope = tuple(t.to(torch.float64) for t in rope_tables(c, len(tokens) + k + 1))
+    batch = sequence_batch(labels, [0], target.embed_tokens.weight.detach(), k, rope, True)
+    with torch.no_grad():
+        trained = head(batch.h, batch.embs, batch.context)[0]  # [L, k, V]
+
+    session = EagerSession(target, 64)
+    step = eager_step_fn(head, target)
+    for origin in (0, 5, 17):
+        _, hidden = session.forward(tokens[: origin + 1], 0, return_hidden=True)
+        h = hidden[-1:]
+        for j in range(k):
+            logits, h = step(h, torch.tensor([tokens[origin + 1 + j]]), origin + 1 + j)
+            torch.testing.assert_close(logits[0], trained[origin, j], atol=1e-6, rtol=1e-5)

@@ -56,7 +56,7 @@ def mtp_bundle(tmp_path_factory):
     """An 8da4w target with random MTP heads (lossless needs no good drafts)."""
     root = tmp_path_factory.mktemp("heads")
     model_dir = tiny_dir(root / "model", seed=3)
-    save_random_heads(model_dir, root / "heads.safetensors")
+    save_random_heads(model_dir, root / "heads.safetensors", "none")
     return export_bundle(
         tmp_path_factory, "--drafter", "mtp", "--heads", str(root / "heads.safetensors")
     )

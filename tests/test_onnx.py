@@ -45,7 +45,7 @@ def mtp_bundle(model_dir, tmp_path_factory):
     """fp32 target with hidden-state output and an MTP drafter (random heads: lossless does not
     need good drafts)."""
     root = tmp_path_factory.mktemp("onnx-mtp")
-    save_random_heads(model_dir, root / "heads.safetensors")
+    save_random_heads(model_dir, root / "heads.safetensors", "none")
     extra = ["--drafter", "mtp", "--heads", str(root / "heads.safetensors"), "--quant", "fp32"]
     return cli_export(root / "bundle", model_dir, *extra, "--quality-tokens", "64")
 

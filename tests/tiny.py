@@ -122,14 +122,23 @@ def chi_square_pvalue(counts, dist: dict, samples: int) -> float:
     return chisquare(observed, [e * scale for e in expected]).pvalue
 
 
-def save_random_heads(model_dir, path):
+def save_random_heads(model_dir, path, attention: str = "target_cache"):
     """MTP heads with random weights for the model in `model_dir`, saved at `path` (lossless
-    tests do not need good drafts): a 64-token draft vocabulary at the top of the vocabulary."""
+    tests do not need good drafts): a 64-token draft vocabulary at the top of the vocabulary.
+    `attention`: "target_cache" (reads the target's cache) or "none" (see mtp.py)."""
     from mtp_edge.checkpoints import load_model
-    from mtp_edge.mtp import MTPConfig, MTPHead, init_from_target, save_heads, target_fingerprint
+    from mtp_edge.mtp import (
+        MTPConfig,
+        MTPHead,
+        cache_attention_config,
+        init_from_target,
+        save_heads,
+        target_fingerprint,
+    )
 
     target = load_model(str(model_dir))
     c = target.config
+    extra = cache_attention_config(target.model) if attention == "target_cache" else {}
     config = MTPConfig(
         c.hidden_size,
         2 * c.hidden_size,
@@ -137,6 +146,7 @@ def save_random_heads(model_dir, path):
         64,
         target_name=target.name,
         target_hash=target_fingerprint(target.model),
+        **extra,
     )
     torch.manual_seed(0)
     head = MTPHead(config)
