@@ -229,6 +229,7 @@ def export_bundle(
                     "draft_vocab_size": draft.config.draft_vocab_size,
                     "hidden_size": draft.config.hidden_size,
                     "method": "draft",  # of the target's program
+                    "reads_target_cache": True,
                 }
             elif options.target == "android":
                 from mtp_edge.exporter.executorch_mtp import export_mtp_program

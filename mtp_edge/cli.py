@@ -573,7 +573,9 @@ def measure_drafter_acceptance(directory, target, draft) -> dict:
 )
 @click.option("--k", default=4, show_default=True, help="Draft steps unrolled in training.")
 @click.option("--steps", default=3000, show_default=True)
-@click.option("--batch-size", default=256, show_default=True, help="Positions per step.")
+@click.option(
+    "--batch-size", default=512, show_default=True, help="Draft origins per step (whole sequences)."
+)
 @click.option("--lr", default=1e-3, show_default=True)
 @click.option("--seed", default=0, show_default=True)
 @click.option("--resume", is_flag=True, help="Continue from the last checkpoint next to --out.")
@@ -591,6 +593,20 @@ def measure_drafter_acceptance(directory, target, draft) -> dict:
     default=50_000,
     show_default=True,
     help="Tokens of offline text for the default corpus.",
+)
+@click.option(
+    "--attention",
+    type=click.Choice(["target_cache", "none"]),
+    default="target_cache",
+    show_default=True,
+    help="target_cache: the head attends to the target's last-layer KV cache; none: an MLP head.",
+)
+@click.option(
+    "--labels",
+    type=click.Choice(["soft", "hard"]),
+    default="soft",
+    show_default=True,
+    help="Train on the target's distribution over the draft vocabulary, or on its argmax.",
 )
 @click.option("--threads", default=0, help="CPU threads (0 = torch's default).")
 @click.option(
@@ -612,6 +628,8 @@ def train(
     draft_vocab,
     gen_tokens,
     raw_tokens,
+    attention,
+    labels,
     threads,
     bundle,
     out,
@@ -632,6 +650,8 @@ def train(
         draft_vocab=draft_vocab,
         gen_tokens=gen_tokens,
         raw_tokens=raw_tokens,
+        attention=attention,
+        labels=labels,
         threads=threads,
         bundle=bundle,
     )
