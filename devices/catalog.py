@@ -98,7 +98,7 @@ def host_device() -> Device:
         gpu_fp32_tflops=None,
         npu_int8_tops=None,
         sources={
-            "memory_bandwidth_gbs": f"{how}: numpy sums over a 512 MB array, one read stream per core",
+            "memory_bandwidth_gbs": f"{how}: numpy sums over a 512 MB array, a stream per core",
             "cpu_int8_gops": f"{how}: torch._int_mm 1024^3 int8 matmul",
             "cpu_fp32_gflops": f"{how}: torch 1024^3 fp32 matmul",
             "ram_gb": "os.sysconf",

@@ -7,9 +7,14 @@ Functions, each with static shapes (flexible shapes keep a model off the Neural 
   rows land in cache slots after the real ones, which no real query reads before the next call
   overwrites them, exactly like rejected drafts.
 - `draft_step` (MTP drafter): `h [1, D], token [1] int32 -> draft_logits [1, Vd], next_h [1, D]`.
+  A head that reads the target's cache (mtp.py) also takes `input_pos [1] int32` and declares the
+  target's cache states: it writes its K/V row into the last layer's cache at input_pos and
+  attends to slots <= input_pos, as the target functions do (drafted positions lie past every
+  verified one, and the next target call overwrites them before any of its queries reads them).
 The KV cache is Core ML state (`k_cache_i` / `v_cache_i`, [1, kv_heads, max_seq_len, head_dim],
-fp16), written in place with `slice_update` at input_pos; the three target functions declare
-the same states and weights, and save_multifunction stores identical weights once.
+fp16), written in place with `slice_update` at input_pos; the three target functions (and a
+cache-reading draft step) declare the same states and weights, and save_multifunction stores
+identical weights once.
 Minimum deployment target iOS 18 / macOS 15 (states, per-block int4). Compute is fp16.
 
 The PyTorch modules traced here are themselves fp16 and written as Core ML computes (fp16 norms
@@ -37,7 +42,7 @@ from torch import nn
 
 from mtp_edge.errors import UserError
 from mtp_edge.model import RMSNorm, Transformer, rotate_half
-from mtp_edge.mtp import MTPHead
+from mtp_edge.mtp import MTPHead, apply_rope
 from mtp_edge.quantize.schemes import check_target_scheme
 
 DTYPE = torch.float16
@@ -116,12 +121,52 @@ class CoreMLTarget(nn.Module):
 
 
 class CoreMLDraftStep(nn.Module):
+    """One step of an MLP-only head (attention "none"): no state."""
+
     def __init__(self, head: MTPHead, embedding: nn.Embedding):
         super().__init__()
         self.head, self.embedding = head, embedding
 
     def forward(self, h, token):
         return self.head.step(h.to(DTYPE), self.embedding(token))
+
+
+class CoreMLCacheDraftStep(nn.Module):
+    """One step of a head that reads the target's cache, at position input_pos.
+
+    `model` is the fp16 target the target functions trace (its embedding table and rotary
+    tables) and `caches` their cache tensors, registered under the same names so that the
+    function declares the same states: its K/V row goes into the last layer's cache at
+    input_pos (`slice_update`, as the target writes) and its query attends to slots
+    <= input_pos with the target's additive fp16 mask."""
+
+    def __init__(self, model: Transformer, head: MTPHead, caches: list[torch.Tensor]):
+        super().__init__()
+        self.model, self.head = model, head
+        for i in range(len(model.layers)):
+            self.register_buffer(f"k_cache_{i}", caches[2 * i])
+            self.register_buffer(f"v_cache_{i}", caches[2 * i + 1])
+
+    def forward(self, h, token, input_pos):
+        m = self.model
+        last = len(m.layers) - 1
+        k_cache, v_cache = getattr(self, f"k_cache_{last}"), getattr(self, f"v_cache_{last}")
+        cos, sin = m.rope_cos[input_pos], m.rope_sin[input_pos]  # [1, hd]
+        slots = torch.arange(m.max_seq_len, dtype=torch.int32)
+        mask = torch.where(slots[None, :] <= input_pos[:, None], 0.0, MASKED).to(DTYPE)
+        start = input_pos[0]
+
+        def attend(q, k, v):  # q [1, H, hd], k/v [1, KVH, hd]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            k_cache[:, :, start : start + 1] = k[:, :, None]  # slice_update on the state
+            v_cache[:, :, start : start + 1] = v[:, :, None]
+            groups = self.head.config.num_heads // self.head.config.num_kv_heads
+            keys = k_cache.repeat_interleave(groups, dim=1)
+            values = v_cache.repeat_interleave(groups, dim=1)
+            out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask)
+            return out[:, :, 0]  # [1, H, hd]
+
+        return self.head.step(h.to(DTYPE), m.embed_tokens(token), attend)
 
 
 def widths(max_chunk: int, k: int) -> dict[str, int]:
@@ -138,7 +183,8 @@ def programs(
     k: int,
 ) -> dict[str, nn.Module]:
     """The fp16 PyTorch modules handed to the converter, by function name; the target functions
-    share one set of cache tensors, as the Core ML functions share their states."""
+    (and a head's draft step that reads the target's cache) share one set of cache tensors, as
+    the Core ML functions share their states."""
     target = fp16_copy(model)
     target.setup_cache(max_seq_len)  # rotary tables (fp16), and max_seq_len
     c = model.config
@@ -149,9 +195,16 @@ def programs(
         name: CoreMLTarget(target, width, caches, hidden)
         for name, width in widths(max_chunk, k).items()
     }
-    if head is not None:
+    if head is not None and head.reads_target_cache:
+        result["draft_step"] = CoreMLCacheDraftStep(target, fp16_copy(head), caches)
+    elif head is not None:
         result["draft_step"] = CoreMLDraftStep(fp16_copy(head), fp16_copy(model.embed_tokens))
     return result
+
+
+def draft_states(head: MTPHead | None) -> bool:
+    """Whether the draft step declares (and writes) the target's cache states."""
+    return head is not None and head.reads_target_cache
 
 
 def _quantize(mlmodel, quant: str, group_size: int):
@@ -216,6 +269,40 @@ def _convert(module: nn.Module, manifest_io: dict, states: list):
 
 
 @contextlib.contextmanager
+def _unused_states_allowed():
+    """Let a function declare states it does not touch (the draft step uses one layer's cache of
+    the states every function declares, so that one MLState serves them all). coremltools'
+    backend pass that makes unused inputs "used" wraps them in an identity op, which a state
+    input cannot take: for the duration, the pass leaves state inputs alone."""
+    from coremltools.converters.mil.backend.nn.passes import handle_unused_inputs as unused
+    from coremltools.converters.mil.mil import types
+
+    original = getattr(unused, "_handle_unused_inputs_func", None)
+    if original is None:  # another coremltools: let the conversion say what it thinks
+        yield
+        return
+
+    class WithoutStates:  # the function, as the pass sees it: inputs minus the states
+        def __init__(self, function):
+            self.function = function
+            self.inputs = {
+                n: v for n, v in function.inputs.items() if not types.is_state(v.sym_type)
+            }
+
+        def __enter__(self):
+            return self.function.__enter__()
+
+        def __exit__(self, *exc):
+            return self.function.__exit__(*exc)
+
+    unused._handle_unused_inputs_func = lambda function: original(WithoutStates(function))
+    try:
+        yield
+    finally:
+        unused._handle_unused_inputs_func = original
+
+
+@contextlib.contextmanager
 def _quiet():
     """coremltools draws a progress bar per pass (dozens per function) on stderr and logs
     warnings about tracing details (tuple outputs, state variables): keep them out of the way."""
@@ -238,11 +325,14 @@ def function_io(name: str, model: Transformer, head: MTPHead | None, width: int 
     c = model.config
     if name == "draft_step":
         d, vd = head.config.hidden_size, head.config.draft_vocab_size
+        inputs = [
+            {"name": "h", "shape": [1, d], "dtype": "float32"},
+            {"name": "token", "shape": [1], "dtype": "int32"},
+        ]
+        if head.reads_target_cache:
+            inputs.append({"name": "input_pos", "shape": [1], "dtype": "int32"})
         return {
-            "inputs": [
-                {"name": "h", "shape": [1, d], "dtype": "float32"},
-                {"name": "token", "shape": [1], "dtype": "int32"},
-            ],
+            "inputs": inputs,
             "outputs": [
                 {"name": "draft_logits", "shape": [1, vd], "dtype": "float32"},
                 {"name": "next_h", "shape": [1, d], "dtype": "float32"},
@@ -306,12 +396,13 @@ def export_package(
             block = f", block {group_size}" if scheme == "int4" else ""
             say(f"[quantize] {name}: {scheme}{block}")
             part = Path(tmp) / f"{name}.mlpackage"
-            with _quiet():
-                mlmodel = _convert(module, spec, [] if name == "draft_step" else states)
+            stateful = name != "draft_step" or draft_states(head)
+            with _quiet(), _unused_states_allowed():
+                mlmodel = _convert(module, spec, states if stateful else [])
                 _quantize(mlmodel, scheme, group_size).save(str(part))
             descriptor.add_function(str(part), src_function_name="main", target_function_name=name)
             methods[name] = {**spec, "seconds": round(time.perf_counter() - started, 1)}
-            if name != "draft_step":
+            if stateful:
                 methods[name]["states"] = [{"name": s, **cache} for s in state_names]
         descriptor.default_function_name = "decode"
         say(f"[write] {path.name}")
@@ -324,4 +415,6 @@ def export_package(
         ids = head.draft_ids.tolist()
         (path.parent / "drafter_vocab.json").write_text(json.dumps({"draft_ids": ids}))
         settings.update(draft_vocab_size=head.config.draft_vocab_size, hidden_size=c.hidden_size)
+        if head.reads_target_cache:  # its function writes the target's last-layer cache state
+            settings["reads_target_cache"] = True
     return methods, settings

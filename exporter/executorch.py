@@ -168,7 +168,13 @@ class DraftMethod(nn.Module):
             torch.ops.llama.update_cache(k.view(1, 1, kv_heads, dim), attention.k_cache, start)
             torch.ops.llama.update_cache(v.view(1, 1, kv_heads, dim), attention.v_cache, start)
             out = torch.ops.llama.custom_sdpa(
-                q.view(1, 1, heads, dim), attention.k_cache, attention.v_cache, start, None, 0.0, True
+                q.view(1, 1, heads, dim),
+                attention.k_cache,
+                attention.v_cache,
+                start,
+                None,
+                0.0,
+                True,
             )
             return out.view(1, heads, dim)
 

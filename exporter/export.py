@@ -142,14 +142,10 @@ def export_bundle(
             "--target coreml carries no separate draft model yet: use --drafter mtp or ngram"
         )
     suffix = {"android": ".pte", "onnx": ".onnx"}.get(options.target)
-    # A head that reads the target's cache runs inside the target's program (ExecuTorch).
-    in_target = drafter_kind == "mtp" and draft.reads_target_cache
-    if in_target and options.target != "android":
-        raise UserError(
-            f"--target {options.target} cannot run MTP heads that read the target's cache yet: "
-            "use --target android, --drafter ngram, or heads trained with mtp-train "
-            "--attention none"
-        )
+    # A head that reads the target's cache runs inside the target's program on ExecuTorch (a
+    # `draft` method); on ONNX Runtime as its own graph bound to the target session's cache
+    # buffers; on Core ML as a function of the package sharing the cache state.
+    in_program = drafter_kind == "mtp" and draft.reads_target_cache and options.target == "android"
     config = target.config
     max_seq_len = min(options.max_seq_len, config.max_position_embeddings)
     max_chunk = min(options.max_chunk, max_seq_len)
@@ -212,7 +208,7 @@ def export_bundle(
             # ExecuTorch: a row-exact verify method for k+1 tokens (see exporter/executorch.py)
             verify = options.target == "android" and drafter_kind != "none"
             extra = {"verify_width": options.k + 1} if verify else {}
-            if in_target:  # the draft step is a method of the target's program
+            if in_program:  # the draft step is a method of the target's program
                 extra.update(draft_head=draft, draft_scheme=draft_scheme)
             methods = export_one(
                 target.model, tmp / f"target{suffix}", options.quant, hidden, **extra
@@ -223,14 +219,17 @@ def export_bundle(
             models["drafter"] = ModelFile(f"drafter{suffix}", "", draft_quant, methods)
             drafter["model_name"] = draft.name
         if drafter_kind == "mtp":
-            if in_target:
+            if in_program:
                 _write_draft_vocabulary(draft, tmp)
-                methods, settings = {}, {
-                    "draft_vocab_size": draft.config.draft_vocab_size,
-                    "hidden_size": draft.config.hidden_size,
-                    "method": "draft",  # of the target's program
-                    "reads_target_cache": True,
-                }
+                methods, settings = (
+                    {},
+                    {
+                        "draft_vocab_size": draft.config.draft_vocab_size,
+                        "hidden_size": draft.config.hidden_size,
+                        "method": "draft",  # of the target's program
+                        "reads_target_cache": True,
+                    },
+                )
             elif options.target == "android":
                 from mtp_edge.exporter.executorch_mtp import export_mtp_program
 
@@ -247,8 +246,10 @@ def export_bundle(
                     options.draft_quant,
                     options.group_size,
                     progress,
+                    target=target.model,  # a head that reads the target's cache binds it
+                    target_forward=models["target"].methods["forward"],
                 )
-            if options.target != "coreml" and not in_target:
+            if options.target == "onnx" or (options.target == "android" and not in_program):
                 models["drafter"] = ModelFile(f"drafter{suffix}", "", draft_quant, methods)
             models["drafter_vocab"] = ModelFile("drafter_vocab.json", "", {}, {})
             drafter.update(settings, recipe=draft.config.recipe)

@@ -13,6 +13,12 @@ overwritten by the next call, exactly as on the other backends.
 Weights: fp32, or int4 / int8 through onnxruntime's MatMulNBits quantizer (blockwise, symmetric,
 fp32 activations: see _save_quantized for why not int8 activations). Every linear layer is
 exported as a MatMul against a pre-transposed constant, the form the quantizer matches.
+
+The MTP drafter is a graph of its own, drafter.onnx (one draft step). For a head that reads the
+target's cache (mtp.py) the step also takes `input_pos` and the target's last-layer cache as
+past_key/past_value -> present_key/present_value, and attends with the same GroupQueryAttention
+(one new row at slot input_pos, seqlens_k = input_pos): the runtime binds those to the target
+session's own cache OrtValues, so the head's K/V row lands in the target's cache in place.
 """
 
 from __future__ import annotations
@@ -31,8 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtp_edge.errors import UserError
-from mtp_edge.model import Transformer, rotate_half
-from mtp_edge.mtp import MTPHead
+from mtp_edge.model import Transformer, rope_frequencies, rotate_half
+from mtp_edge.mtp import MTPHead, apply_rope
 from mtp_edge.quantize.schemes import check_target_scheme
 
 OPSET = 18
@@ -346,6 +352,37 @@ class MtpStep(nn.Module):
         return self.head.step(h, self.embedding(token))
 
 
+class CacheMtpStep(nn.Module):
+    """One step of a head that reads the target's cache: its K/V row goes to slot input_pos of
+    the target's last-layer cache (past -> present, bound in place by the runtime) and its query
+    attends to slots 0..input_pos, with the target's rotary tables."""
+
+    def __init__(self, head: MTPHead, embedding: nn.Embedding, cos, sin):
+        super().__init__()
+        self.head, self.embedding = head, embedding
+        self.register_buffer("rope_cos", cos)
+        self.register_buffer("rope_sin", sin)
+
+    def forward(self, h, token, input_pos, past_key, past_value):
+        a = self.head.blocks[0].cache_attn
+        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [1, hd]
+        seqlens_k = input_pos.to(torch.int32)  # one new row at input_pos: total input_pos + 1
+        total_len = (input_pos[0] + 1).to(torch.int32)
+        present = []
+
+        def attend(q, k, v):  # q [1, H, hd], k/v [1, KVH, hd]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            out, k_cache, v_cache = gqa(
+                q.reshape(1, 1, -1), k.reshape(1, 1, -1), v.reshape(1, 1, -1),
+                past_key, past_value, seqlens_k, total_len, a.num_heads, a.num_kv_heads,
+            )  # fmt: skip
+            present.extend((k_cache, v_cache))
+            return out.view(1, a.num_heads, a.head_dim)
+
+        logits, next_h = self.head.step(h, self.embedding(token), attend)
+        return logits, next_h, *present
+
+
 def export_mtp_program(
     head: MTPHead,
     embedding: nn.Embedding,
@@ -353,23 +390,65 @@ def export_mtp_program(
     quant: str,
     group_size: int,
     progress: Callable[[str], None] | None = None,
+    *,
+    target: Transformer | None = None,
+    target_forward: dict | None = None,
 ) -> tuple[dict, dict]:
     """Write drafter.onnx (one draft step, static shapes, with its own copy of the embedding
-    table) and drafter_vocab.json into `directory`; returns (manifest methods, settings)."""
+    table) and drafter_vocab.json into `directory`; returns (manifest methods, settings).
+
+    A head that reads the target's cache needs `target` (its rotary tables) and `target_forward`
+    (the exported target's manifest method: the name and shape of its last-layer cache)."""
     say = progress or (lambda _message: None)
     check_target_scheme("onnx", quant, group_size)
-    step = MtpStep(copy.deepcopy(head).float(), copy.deepcopy(embedding).float()).eval()
-    _transpose_linears(step)
     d, vd = head.config.hidden_size, head.config.draft_vocab_size
+    head_copy, embedding = copy.deepcopy(head).float(), copy.deepcopy(embedding).float()
+    inputs = [
+        {"name": "h", "shape": [1, d], "dtype": "float32"},
+        {"name": "token", "shape": [1], "dtype": "int64"},
+    ]
+    outputs = [
+        {"name": "draft_logits", "shape": [1, vd], "dtype": "float32"},
+        {"name": "next_h", "shape": [1, d], "dtype": "float32"},
+    ]
     example = (torch.zeros(1, d), torch.zeros(1, dtype=torch.long))
-    say("[export] drafter step, torch.onnx (dynamo)")
+    translations = {}
+    links = None
+    if head.reads_target_cache:
+        if target is None or target_forward is None:
+            raise ValueError("a head that reads the target's cache needs the target and its method")
+        last = target.config.num_layers - 1
+        links = {"past_key": f"past_key_{last}", "past_value": f"past_value_{last}"}
+        spec = next(i for i in target_forward["inputs"] if i["name"] == links["past_key"])
+        cache = {"shape": list(spec["shape"]), "dtype": "float32"}
+        angles = torch.outer(
+            torch.arange(cache["shape"][2], dtype=torch.float64), rope_frequencies(target.config)
+        )
+        angles = torch.cat((angles, angles), dim=-1)
+        step = CacheMtpStep(head_copy, embedding, angles.cos().float(), angles.sin().float())
+        inputs += [
+            {"name": "input_pos", "shape": [1], "dtype": "int64"},
+            *[{"name": name, **cache} for name in ("past_key", "past_value")],
+        ]
+        outputs += [{"name": name, **cache} for name in ("present_key", "present_value")]
+        zeros = torch.zeros(cache["shape"])
+        example = (*example, torch.zeros(1, dtype=torch.long), zeros, zeros.clone())
+        translations = {torch.ops.mtp_edge.gqa.default: _gqa_onnx}
+        what = f"reading the target's last-layer cache ({cache['shape'][2]} positions)"
+    else:
+        step = MtpStep(head_copy, embedding)
+        what = "torch.onnx (dynamo)"
+    step = step.eval()
+    _transpose_linears(step)
+    say(f"[export] drafter step, {what}")
     with torch.no_grad(), _quiet():
         program = torch.onnx.export(
             step,
             example,
             dynamo=True,
-            input_names=["h", "token"],
-            output_names=["draft_logits", "next_h"],
+            input_names=[i["name"] for i in inputs],
+            output_names=[o["name"] for o in outputs],
+            custom_translation_table=translations or None,
             opset_version=OPSET,
             optimize=True,
             verbose=False,
@@ -377,16 +456,13 @@ def export_mtp_program(
     _save_quantized(_fuse_for_ort(program), directory / "drafter.onnx", quant, group_size, say)
     ids = head.draft_ids.tolist()
     (directory / "drafter_vocab.json").write_text(json.dumps({"draft_ids": ids}))
-    methods = {
-        "forward": {
-            "inputs": [
-                {"name": "h", "shape": [1, d], "dtype": "float32"},
-                {"name": "token", "shape": [1], "dtype": "int64"},
-            ],
-            "outputs": [
-                {"name": "draft_logits", "shape": [1, vd], "dtype": "float32"},
-                {"name": "next_h", "shape": [1, d], "dtype": "float32"},
-            ],
-        }
-    }
-    return methods, {"draft_vocab_size": vd, "hidden_size": d}
+    forward = {"inputs": inputs, "outputs": outputs}
+    settings = {"draft_vocab_size": vd, "hidden_size": d}
+    if links is not None:
+        # present_X is written in place of past_X, both bound to the target's cache `links[X]`
+        forward.update(
+            in_place={"present_key": "past_key", "present_value": "past_value"},
+            target_cache=links,
+        )
+        settings["reads_target_cache"] = True
+    return {"forward": forward}, settings

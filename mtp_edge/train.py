@@ -23,6 +23,7 @@ writes files.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import inspect
 import json
@@ -152,6 +153,7 @@ def artifact_paths(out: str | Path) -> dict[str, Path]:
     return {
         "generated": out.with_name(out.stem + ".gen.jsonl"),
         "checkpoint": out.with_name(out.stem + ".ckpt.safetensors"),
+        "labels": out.with_name(out.stem + ".labels"),  # + .<part><rank>.safetensors
         "checkpoint_json": out.with_name(out.stem + ".ckpt.json"),
     }
 
@@ -685,6 +687,28 @@ def label_with_session(session, sequences: list[Sequence]) -> Labels:
     return _labels(sequences, hidden, argmax)
 
 
+def cached_labels(path: Path, sequences, source: str, cache: bool, make, say) -> Labels:
+    """Labels of `sequences` from `path` when it holds them for the same text, target and kind,
+    else made by `make()` and stored there (labelling is the slow part of a rerun: the eager
+    target over every token)."""
+    digest = hashlib.sha256(json.dumps([source, cache]).encode())
+    for s in sequences:
+        digest.update(json.dumps([s.start, s.tokens]).encode())
+    key = digest.hexdigest()
+    names = ("hidden", "tokens", "argmax", "remaining", "starts", "bounds", "keys", "values")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            if (f.metadata() or {}).get("key") == key:
+                say(f"labels read from {path}")
+                return Labels(*(f.get_tensor(n) if n in f.keys() else None for n in names))
+    except (OSError, SafetensorError):
+        pass
+    labels = make()
+    tensors = {n: getattr(labels, n).contiguous() for n in names if getattr(labels, n) is not None}
+    write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata={"key": key}))
+    return labels
+
+
 # --- 3. draft vocabulary ---------------------------------------------------------------------
 
 
@@ -744,7 +768,7 @@ def draft_losses(logits, batch: Batch, labels: Labels, to_draft, teacher_head, s
             teacher = F.linear(labels.hidden[batch.reads].to(teacher_head.dtype), teacher_head)
             teacher = torch.softmax(teacher.float(), -1)
         # KL(teacher || head): the cross-entropy less the teacher's own entropy, so 0 is perfect
-        ce = (teacher * (teacher.clamp_min(1e-30).log() - torch.log_softmax(logits.float(), -1)))
+        ce = teacher * (teacher.clamp_min(1e-30).log() - torch.log_softmax(logits.float(), -1))
         ce = ce.sum(-1)
         keep = batch.valid
     else:
@@ -933,15 +957,27 @@ def _train(options, rank, world, progress, began) -> dict:
 
     cache = options.attention == "target_cache"
 
-    def label(ids: list[int]) -> Labels:
+    def label(ids: list[int], part: str) -> Labels:
         chosen = [sequences[i] for i in ids[rank::world]]
         # The exported program returns no K/V: heads that read the cache learn it from the
         # eager target (the bundle still writes the text).
-        if session is not None and not cache:
-            return label_with_session(session, chosen)
-        return label_sequences(target, chosen, cache)
+        by_session = session is not None and not cache
+        source = text_hash if by_session else target_hash
+        path = paths["labels"].with_name(f"{paths['labels'].stem}.{part}{rank}.safetensors")
+        return cached_labels(
+            path,
+            chosen,
+            source,
+            cache,
+            lambda: (
+                label_with_session(session, chosen)
+                if by_session
+                else label_sequences(target, chosen, cache)
+            ),
+            say,
+        )
 
-    train, heldout = label(train_ids), label(heldout_ids)
+    train, heldout = label(train_ids, "train"), label(heldout_ids, "heldout")
 
     counts = label_counts(train, c.vocab_size)
     heldout_counts = label_counts(heldout, c.vocab_size)
@@ -1032,9 +1068,7 @@ def _train(options, rank, world, progress, began) -> dict:
     while step < options.steps:
         # Batches depend only on (seed, rank, step), so a resumed run draws the same ones.
         generator = torch.Generator().manual_seed(options.seed * 1_000_003 + rank * 7919 + step)
-        batch = sequence_batch(
-            train, pick_sequences(generator), embedding, options.k, rope, cache
-        )
+        batch = sequence_batch(train, pick_sequences(generator), embedding, options.k, rope, cache)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, options)
         logits = model(batch.h, batch.embs, batch.context)

@@ -61,9 +61,7 @@ def verify_step_discrepancy(
     forward(tokens[:start], 0)
     step = torch.cat([forward([t], p) for p, t in enumerate(tokens[start:], start)])
     forward(tokens[:start], 0)
-    wide = torch.cat(
-        [forward(tokens[p : p + width], p) for p in range(start, len(tokens), width)]
-    )
+    wide = torch.cat([forward(tokens[p : p + width], p) for p in range(start, len(tokens), width)])
     step, wide = step.to(torch.float64), wide.to(torch.float64)
     shift = wide - step
     best = step.argmax(-1, keepdim=True)

@@ -64,15 +64,21 @@ def bundle_drafter(bundle: Bundle, min_confidence: float = 0.0):
     if kind == "mtp":
         from mtp_edge.runtime.mtp_drafter import MtpDrafter
 
+        cache_len = None  # set for a head that writes the target's cache: drafting stops there
         if m.backend == "onnxruntime":
             from mtp_edge.runtime.onnx_session import OnnxStep
 
             drafter = m.models["drafter"]
-            step = OnnxStep(bundle.path / drafter.file, drafter.methods["forward"])
+            # A head that reads the target's cache is bound to the target session's buffers.
+            shared = target_session(bundle) if m.drafter.get("reads_target_cache") else None
+            step = OnnxStep(bundle.path / drafter.file, drafter.methods["forward"], shared)
+            cache_len = None if shared is None else shared.max_seq_len
         elif m.backend == "coreml":
             from mtp_edge.runtime.coreml_session import CoreMLStep
 
-            step = CoreMLStep(bundle.path / m.models["target"].file)
+            shared = target_session(bundle) if m.drafter.get("reads_target_cache") else None
+            step = CoreMLStep(bundle.path / m.models["target"].file, shared)
+            cache_len = None if shared is None else shared.max_seq_len
         elif "method" in m.drafter:  # a method of the target's program, on its cache
             from mtp_edge.runtime.executorch_session import ExecuTorchStep
 
@@ -85,7 +91,7 @@ def bundle_drafter(bundle: Bundle, min_confidence: float = 0.0):
             step = ExecuTorchStep(bundle.path / m.models["drafter"].file)
         vocab = json.loads((bundle.path / m.models["drafter_vocab"].file).read_text())
         ids = torch.tensor(vocab["draft_ids"])
-        limit = (lambda: cache_len) if "method" in m.drafter else None
+        limit = None if cache_len is None else (lambda: cache_len)
         return MtpDrafter(step, ids, m.vocab_size, min_confidence, limit)
     if kind == "draft-lm":
         from mtp_edge.runtime.drafters import DraftModelDrafter

@@ -1,12 +1,13 @@
 """The Core ML session: runs a bundle's multifunction .mlpackage with coremltools (macOS only).
 
 The package has fixed-width target functions (prefill, verify, decode) sharing one KV cache
-state, and, with an MTP drafter, a `draft_step` function. `FixedWidthSession` maps a call of any
-length onto them: the narrowest function that holds the tokens, padded at the end (the pad rows
-write cache slots after the real ones, which the next call overwrites before any real query can
-read them). Near the end of the cache, where a padded call would write past it, tokens go one
-at a time through `decode`. The same class runs the PyTorch programs handed to the converter in
-the tests, so the padding logic checked on Linux is the one that runs on a Mac.
+state, and, with an MTP drafter, a `draft_step` function (which, for a head that reads the
+target's cache, takes the drafted position and runs on that same state). `FixedWidthSession`
+maps a call of any length onto them: the narrowest function that holds the tokens, padded at the
+end (the pad rows write cache slots after the real ones, which the next call overwrites before
+any real query can read them). Near the end of the cache, where a padded call would write past
+it, tokens go one at a time through `decode`. The same class runs the PyTorch programs handed to
+the converter in the tests, so the padding logic checked on Linux is the one that runs on a Mac.
 """
 
 from __future__ import annotations
@@ -129,18 +130,30 @@ def _describe(path: Path) -> dict:
 
 
 class CoreMLStep:
-    """The package's draft_step function: step(h [1, D], token [1]) -> (draft_logits, h')."""
+    """The package's draft_step function: step(h [1, D], token [1], position) -> (draft_logits,
+    h'). A head that reads the target's cache (its function takes `input_pos`) runs on the
+    target session's state: pass `session`, whose cache it writes at `position` and reads."""
 
-    def __init__(self, package: str | Path):
+    def __init__(self, package: str | Path, session: CoreMLSession | None = None):
         _require_apple()
-        self.model = _load(Path(package), "draft_step")
+        path = Path(package)
+        self.model = _load(path, "draft_step")
+        inputs = [i["name"] for i in _describe(path)["draft_step"]["inputs"]]
+        self.reads_target_cache = "input_pos" in inputs
+        if self.reads_target_cache and session is None:
+            raise ValueError("this draft step reads the target's cache: pass the target session")
+        self.state = session.state if self.reads_target_cache else None
 
     def __call__(self, h: torch.Tensor, token: torch.Tensor, position: int = 0):
         feeds = {
             "h": h.float().numpy().astype(np.float32),
             "token": token.numpy().astype(np.int32),
         }
-        out = self.model.predict(feeds)
+        if self.reads_target_cache:
+            feeds["input_pos"] = np.array([position], dtype=np.int32)
+            out = self.model.predict(feeds, state=self.state)
+        else:
+            out = self.model.predict(feeds)
         return (
             torch.from_numpy(np.asarray(out["draft_logits"], dtype=np.float32)),
             torch.from_numpy(np.asarray(out["next_h"], dtype=np.float32)),

@@ -105,7 +105,7 @@ class ExecuTorchStep:
         _hand_cores_to_executorch()
         self.program = program or Runtime.get().load_program(Path(pte_path))
         if method not in self.program.method_names:
-            raise UserError(f"the ExecuTorch program has no '{method}' method: re-export the bundle")
+            raise UserError(f"the program has no '{method}' method: re-export the bundle")
         self.method = self.program.load_method(method)
         self.takes_position = method != "forward"
 

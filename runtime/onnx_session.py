@@ -160,17 +160,57 @@ class OnnxSession:
 
 
 class OnnxStep:
-    """A one-step drafter graph: step(h [1, D], token [1]) -> (draft_logits [1, Vd], h')."""
+    """A one-step drafter graph: step(h [1, D], token [1], position) -> (draft_logits [1, Vd], h').
 
-    def __init__(self, onnx_path: str | Path, method: dict):
+    A head that reads the target's cache (the method names its `target_cache`) also takes the
+    position and the target's last-layer cache, bound once, as past_* input and present_*
+    output, to `target`'s own cache OrtValues: GroupQueryAttention writes the head's K/V row at
+    `position` into the target's cache in place (safe: mtp.py) and attends to slots <= position.
+    """
+
+    def __init__(self, onnx_path: str | Path, method: dict, target: OnnxSession | None = None):
         path = Path(onnx_path)
         self.session = _open(path)
         check_signature(self.session, path, method)
+        self.binding, self.positions = None, 0
+        links = method.get("target_cache")
+        if not links:
+            return
+        if target is None:
+            raise ValueError(f"{path.name} reads the target's cache: pass the target session")
+        self.binding = self.session.io_binding()
+        for present, past in method["in_place"].items():
+            cache = target.caches.get(links[past])
+            spec = next(i for i in method["inputs"] if i["name"] == past)
+            if cache is None or cache.shape() != spec["shape"]:
+                raise UserError(
+                    f"{path.name} reads a {links[past]} cache of shape {spec['shape']}, the "
+                    f"target's is {None if cache is None else cache.shape()}: re-export the bundle"
+                )
+            self.binding.bind_ortvalue_input(past, cache)
+            self.binding.bind_ortvalue_output(present, cache)
+            self.positions = spec["shape"][2]
+        self.bound = [*method["in_place"], "draft_logits", "next_h"]  # get_outputs() order
 
     def __call__(self, h: torch.Tensor, token: torch.Tensor, position: int = 0):
-        feeds = {"h": h.float().contiguous().numpy(), "token": token.long().numpy()}
-        logits, g = self.session.run(["draft_logits", "next_h"], feeds)
-        return torch.from_numpy(logits), torch.from_numpy(g)
+        h, token = h.float().contiguous().numpy(), token.long().numpy()
+        if self.binding is None:
+            logits, g = self.session.run(["draft_logits", "next_h"], {"h": h, "token": token})
+            return torch.from_numpy(logits), torch.from_numpy(g)
+        if not 0 <= position < self.positions:
+            raise ValueError(f"draft position {position} is outside the cache of {self.positions}")
+        b = self.binding
+        b.bind_cpu_input("h", h)
+        b.bind_cpu_input("token", token)
+        b.bind_cpu_input("input_pos", np.array([position], dtype=np.int64))
+        b.bind_output("draft_logits")
+        b.bind_output("next_h")
+        self.session.run_with_iobinding(b)
+        outputs = dict(zip(self.bound, b.get_outputs(), strict=True))
+        return (
+            torch.from_numpy(outputs["draft_logits"].numpy()),
+            torch.from_numpy(outputs["next_h"].numpy()),
+        )
 
 
 _ort_threads: int | None = None

@@ -1,10 +1,12 @@
 """mtp-export --target coreml on Linux: what can be checked without a Mac.
 
 Conversion with each weight scheme; the saved package's functions, states, input/output names
-and quantized weight ops (read from its spec and MIL program); the fp16 PyTorch programs handed
-to the converter, run through the session's own fixed-width dispatch, give the eager model's
-greedy tokens with the speculative loop on top; the Core ML backend refuses to run on Linux with
-one line. What only a Mac can check is listed in the README.
+and quantized weight ops (read from its spec and MIL program), with an MTP head that reads the
+target's cache (its draft step shares the cache state) and with one that does not; the fp16
+PyTorch programs handed to the converter, run through the session's own fixed-width dispatch,
+give the eager model's greedy tokens with the speculative loop on top, and their draft step
+computes the eager one on the same cache; the Core ML backend refuses to run on Linux with one
+line. What only a Mac can check is listed in the README.
 """
 
 from __future__ import annotations
@@ -18,17 +20,17 @@ import pytest
 import torch
 from click.testing import CliRunner
 from test_export import error_line
-from tiny import hf_reference, save_hf_dir, tiny_model
+from tiny import hf_reference, save_hf_dir, save_random_heads, tiny_model
 
 from mtp_edge.cli import export, run
 from mtp_edge.errors import UserError
 from mtp_edge.exporter.coreml import export_package, programs, widths
 from mtp_edge.manifest import Manifest
-from mtp_edge.mtp import MTPConfig, MTPHead, init_from_target
+from mtp_edge.mtp import MTPConfig, MTPHead, cache_attention_config, init_from_target
 from mtp_edge.runtime.coreml_session import FixedWidthSession
 from mtp_edge.runtime.drafters import NgramDrafter
 from mtp_edge.runtime.loop import GenerationConfig, generate
-from mtp_edge.runtime.mtp_drafter import MtpDrafter
+from mtp_edge.runtime.mtp_drafter import MtpDrafter, eager_step_fn
 from mtp_edge.runtime.session import EagerSession
 
 VOCAB, MAX_SEQ_LEN, CHUNK, K = 64, 96, 16, 4
@@ -42,15 +44,17 @@ def target():
     return tiny_model(seed=3, vocab=VOCAB, dtype=torch.float32)
 
 
-def head_for(model):
+def head_for(model, attention: str = "target_cache"):
+    """A head of either kind (mtp.py): one that reads the target's cache, or MLP-only."""
     c = model.config
+    extra = cache_attention_config(model) if attention == "target_cache" else {}
     torch.manual_seed(0)
-    head = MTPHead(MTPConfig(c.hidden_size, 2 * c.hidden_size, c.vocab_size, 32))
+    head = MTPHead(MTPConfig(c.hidden_size, 2 * c.hidden_size, c.vocab_size, 32, **extra))
     return init_from_target(head, model, torch.arange(VOCAB - 32, VOCAB))
 
 
 @functools.cache
-def package(scheme: str):
+def package(scheme: str, attention: str = "target_cache"):
     """(path, methods) of the tiny model + MTP head converted with `scheme`, once per run."""
     import tempfile
     from pathlib import Path
@@ -58,10 +62,11 @@ def package(scheme: str):
     model = target()
     path = Path(tempfile.mkdtemp(prefix="mtp-coreml-")) / "model.mlpackage"
     methods, settings = export_package(
-        model, head_for(model), path, quant=scheme, draft_quant=scheme, group_size=32,
+        model, head_for(model, attention), path, quant=scheme, draft_quant=scheme, group_size=32,
         max_seq_len=MAX_SEQ_LEN, max_chunk=CHUNK, k=K,
     )  # fmt: skip
     assert settings["functions"] == {"prefill": CHUNK, "verify": K + 1, "decode": 1}
+    assert settings.get("reads_target_cache", False) == (attention == "target_cache")
     return path, methods
 
 
@@ -69,11 +74,14 @@ def mil_ops(spec, function: str) -> list:
     return list(spec.mlProgram.functions[function].block_specializations["CoreML8"].operations)
 
 
-@pytest.mark.parametrize("scheme", list(SCHEMES))
-def test_package_structure(scheme):
+@pytest.mark.parametrize(
+    "scheme, attention",
+    [(scheme, "target_cache") for scheme in SCHEMES] + [("int4", "none")],
+)
+def test_package_structure(scheme, attention):
     import coremltools as ct
 
-    path, methods = package(scheme)
+    path, methods = package(scheme, attention)
     spec = ct.utils.load_spec(str(path))
     assert spec.specificationVersion >= 9  # iOS 18 / macOS 15: states, per-block int4
     functions = {f.name: f for f in spec.description.functions}
@@ -91,9 +99,23 @@ def test_package_structure(scheme):
         ops = collections.Counter(op.type for op in mil_ops(spec, name))
         assert ops["read_state"] >= 4 and ops["write_state"] == 4 and ops["slice_update"] == 4
         assert methods[name]["states"][0]["name"] == "k_cache_0"
-    assert [i.name for i in functions["draft_step"].input] == ["h", "token"]
-    assert [o.name for o in functions["draft_step"].output] == ["draft_logits", "next_h"]
-    assert not functions["draft_step"].state
+    draft = functions["draft_step"]
+    assert [o.name for o in draft.output] == ["draft_logits", "next_h"]
+    assert list(draft.input[0].type.multiArrayType.shape) == [1, 32]
+    if attention == "target_cache":
+        # The target's cache states (one MLState for every function); it writes the last layer's.
+        assert [i.name for i in draft.input] == ["h", "token", "input_pos"]
+        assert [s.name for s in draft.state] == states
+        assert list(draft.state[0].type.stateType.arrayType.shape) == [1, 2, MAX_SEQ_LEN, 8]
+        assert [s["name"] for s in methods["draft_step"]["states"]] == states
+        ops = mil_ops(spec, "draft_step")
+        writes = [op for op in ops if op.type == "write_state"]
+        assert [op.inputs["input"].arguments[0].name for op in writes] == ["k_cache_1", "v_cache_1"]
+        counts = collections.Counter(op.type for op in ops)
+        assert counts["slice_update"] == 2 and counts["scaled_dot_product_attention"] == 1
+    else:
+        assert [i.name for i in draft.input] == ["h", "token"]
+        assert not draft.state and "states" not in methods["draft_step"]
     # Quantized weights: the iOS 18 constexpr op that dequantizes (per block or per channel),
     # one per linear layer and one for the embedding table.
     for name in ("decode", "draft_step"):
@@ -132,9 +154,13 @@ def test_target_functions_share_their_weights():
     assert target_bytes < weights < 2 * target_bytes
 
 
-def torch_program_session(model, head):
-    """The exact modules handed to the converter, behind the Core ML session's dispatch."""
-    modules = programs(model, head, max_seq_len=MAX_SEQ_LEN, max_chunk=CHUNK, k=K)
+def torch_program_session(model, head, modules=None):
+    """The exact modules handed to the converter, behind the Core ML session's dispatch (and the
+    drafter on their draft step, which for a head that reads the target's cache runs on the
+    target functions' cache tensors, as the Core ML function runs on their state)."""
+    if modules is None:
+        modules = programs(model, head, max_seq_len=MAX_SEQ_LEN, max_chunk=CHUNK, k=K)
+    position_input = head.reads_target_cache
 
     @torch.no_grad()
     def call(function, tokens, start):
@@ -143,27 +169,71 @@ def torch_program_session(model, head):
         return logits[0].float(), hidden[0].float()
 
     @torch.no_grad()
-    def step(h, token, position=0):
-        logits, g = modules["draft_step"](h.float(), token.to(torch.int32))
+    def step(h, token, position):
+        inputs = [h.float(), token.to(torch.int32)]
+        if position_input:
+            inputs.append(torch.tensor([position], dtype=torch.int32))
+        logits, g = modules["draft_step"](*inputs)
         return logits.float(), g.float()
 
     session = FixedWidthSession(call, widths(CHUNK, K), MAX_SEQ_LEN, VOCAB, hidden=True)
-    return session, MtpDrafter(step, head.draft_ids, VOCAB)
+    cache_len = (lambda: MAX_SEQ_LEN) if position_input else None
+    return session, MtpDrafter(step, head.draft_ids, VOCAB, cache_len=cache_len)
 
 
 def test_converted_program_gives_eager_tokens_with_speculation():
     model = target()
-    head = head_for(model)
+    heads = {kind: head_for(model, kind) for kind in ("target_cache", "none")}
     eager = EagerSession(model, MAX_SEQ_LEN, CHUNK)
-    config = GenerationConfig(max_new_tokens=60, k=K)
-    expected = generate(eager, PROMPT, None, config).token_ids
-    for drafter in (None, "ngram", "mtp"):
+    # Up to the cache's end: the last drafts stop there, and calls there go one token at a time.
+    config = GenerationConfig(max_new_tokens=MAX_SEQ_LEN, k=K)
+    plain = generate(eager, PROMPT, None, config)
+    assert plain.stop_reason == "context_full"
+    expected = plain.token_ids
+    for drafter in (None, "ngram", "target_cache", "none"):
+        head = heads.get(drafter, heads["target_cache"])
         program, mtp = torch_program_session(model, head)  # a fresh cache each run
-        draft = {None: None, "ngram": NgramDrafter(), "mtp": mtp}[drafter]
+        draft = {None: None, "ngram": NgramDrafter()}.get(drafter, mtp)
         result = generate(program, PROMPT, draft, config)
         assert result.token_ids == expected, drafter
         if drafter:
             assert result.stats.drafted_tokens > 0
+
+
+def test_draft_program_computes_the_eager_step_on_the_shared_cache():
+    """The draft step handed to the converter, on the target programs' cache, against the eager
+    head on the eager target's cache: the same logits (to fp16 rounding) and the same argmax
+    over a few recurrent steps; its K/V land at the drafted slots of the last layer only."""
+    model = target()
+    head = head_for(model)
+    modules = programs(model, head, max_seq_len=MAX_SEQ_LEN, max_chunk=CHUNK, k=K)
+    program, _ = torch_program_session(model, head, modules)
+    eager = EagerSession(model, MAX_SEQ_LEN, CHUNK)
+    program.forward(PROMPT[:CHUNK], 0)
+    _, hidden = program.forward(PROMPT[CHUNK:], CHUNK, return_hidden=True)
+    eager.forward(PROMPT, 0)
+    caches = [modules["decode"].get_buffer(f"{kv}_cache_{i}") for i in (0, 1) for kv in "kv"]
+    before = [c.clone() for c in caches]
+    eager_step = eager_step_fn(head, model)
+    h_program = h_eager = hidden[-1:]
+    token, start = torch.tensor([PROMPT[-1]]), len(PROMPT)
+    for i in range(K):
+        position = torch.tensor([start + i], dtype=torch.int32)
+        with torch.no_grad():
+            logits, h_program = modules["draft_step"](h_program.float(), token.int(), position)
+        reference, h_eager = eager_step(h_eager, token, start + i)
+        torch.testing.assert_close(logits.float(), reference, atol=0.05, rtol=0.02)
+        assert int(logits.argmax()) == int(reference.argmax())
+        token = head.draft_ids[reference.argmax(-1)]
+    assert all(map(torch.equal, caches[:2], before[:2]))  # layer 0: untouched
+    written = slice(start, start + K)
+    for a, b, kv in zip(caches[2:], before[2:], "kv", strict=True):
+        assert torch.equal(a[:, :, :start], b[:, :, :start])  # the verified context: untouched
+        assert not torch.equal(a[:, :, written], b[:, :, written])  # the drafted slots
+        eager_cache = getattr(model.layers[-1].self_attn.cache, kv)
+        torch.testing.assert_close(
+            a[:, :, written].float(), eager_cache[:, :, written], atol=5e-3, rtol=2e-2
+        )  # fp16 rounding
 
 
 def test_dispatch_pads_to_the_narrowest_function_and_respects_the_cache_end():
@@ -204,6 +274,27 @@ def test_bundle_and_the_linux_refusal(model_dir, tmp_path):
     assert manifest.drafter == {
         "kind": "ngram", "k": 4, "functions": {"prefill": 96, "verify": 5, "decode": 1}
     }  # fmt: skip
+    line = error_line(CliRunner().invoke(run, ["--bundle", str(out), "--prompt", "x"]))
+    assert "Core ML runs only on Apple platforms" in line
+
+
+@linux_only
+def test_bundle_with_heads_that_read_the_target_cache(model_dir, tmp_path):
+    """mtp-export --target coreml with such heads: the draft step is a function of the package
+    on the target functions' cache state, and no drafter file of its own ships."""
+    heads = save_random_heads(model_dir, tmp_path / "heads.safetensors", "target_cache")
+    out = tmp_path / "coreml"
+    args = ["--target", "coreml", "--model", str(model_dir), "--out", str(out)]
+    args += ["--max-seq-len", "96", "--drafter", "mtp", "--heads", str(heads)]
+    result = CliRunner().invoke(export, [*args, "--quality-tokens", "0"])
+    assert result.exit_code == 0, result.output
+    manifest = Manifest.load(out)
+    assert set(manifest.models) == {"target", "drafter_vocab"}
+    assert manifest.drafter["kind"] == "mtp" and manifest.drafter["reads_target_cache"] is True
+    assert "method" not in manifest.drafter  # an ExecuTorch method name; Core ML: draft_step
+    methods = manifest.models["target"].methods
+    assert [i["name"] for i in methods["draft_step"]["inputs"]] == ["h", "token", "input_pos"]
+    assert methods["draft_step"]["states"] == methods["decode"]["states"]
     line = error_line(CliRunner().invoke(run, ["--bundle", str(out), "--prompt", "x"]))
     assert "Core ML runs only on Apple platforms" in line
 

@@ -1,6 +1,8 @@
 """The native C++ runtime (runtime/native): it builds with cmake here, its C++ unit tests pass,
 and on real exported bundles its runner produces the same tokens as the Python runtime, for
-every drafter (none, ngram, mtp, draft-lm), greedy, over the built-in prompt suite.
+every drafter (none, ngram, mtp, draft-lm), greedy, over the built-in prompt suite; MTP heads of
+both kinds: heads that read the target's cache (the `draft` method of the target's program, on its
+cache) and MLP heads (a drafter program of their own).
 
 The native build registers its own kernels for ExecuTorch's llama cache ops (the pip wheel has
 them only inside its Python extension), so its attention rounds differently from the Python
@@ -51,15 +53,49 @@ def export_bundle(tmp_path_factory, *extra) -> str:
     return str(out)
 
 
-@pytest.fixture(scope="module")
-def mtp_bundle(tmp_path_factory):
-    """An 8da4w target with random MTP heads (lossless needs no good drafts)."""
+def export_mtp_bundle(tmp_path_factory, attention: str) -> str:
     root = tmp_path_factory.mktemp("heads")
     model_dir = tiny_dir(root / "model", seed=3)
-    save_random_heads(model_dir, root / "heads.safetensors", "none")
+    save_random_heads(model_dir, root / "heads.safetensors", attention)
+    if attention == "target_cache":
+        amplify_cache_attention(root / "heads.safetensors")
     return export_bundle(
         tmp_path_factory, "--drafter", "mtp", "--heads", str(root / "heads.safetensors")
     )
+
+
+def amplify_cache_attention(path, factor: float = 4.0) -> None:
+    """Scale the random head's attention output so that its drafts depend on what it reads in
+    the cache: with the plain random head, a draft method reading a cache of its own (zeros)
+    drafts the same tokens, and the tests could not tell (checked by breaking the sharing)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata()
+        state = {name: f.get_tensor(name) for name in f.keys()}
+    state["blocks.0.cache_attn.o_proj.weight"] *= factor
+    save_file(state, str(path), metadata=metadata)
+
+
+@pytest.fixture(scope="module")
+def mtp_bundle(tmp_path_factory):
+    """An 8da4w target with random MTP heads (lossless needs no good drafts) that read the
+    target's cache (the default kind): the target program's `draft` method, no drafter.pte."""
+    bundle = export_mtp_bundle(tmp_path_factory, "target_cache")
+    m = open_bundle(bundle).manifest
+    assert m.drafter["method"] == "draft" and m.drafter["reads_target_cache"]
+    assert "drafter" not in m.models and "draft" in m.models["target"].methods
+    return bundle
+
+
+@pytest.fixture(scope="module")
+def mlp_mtp_bundle(tmp_path_factory):
+    """The same with MLP heads (attention "none"): a drafter.pte program of their own."""
+    bundle = export_mtp_bundle(tmp_path_factory, "none")
+    m = open_bundle(bundle).manifest
+    assert "method" not in m.drafter and "drafter" in m.models
+    return bundle
 
 
 @pytest.fixture(scope="module")
@@ -124,8 +160,12 @@ def test_cpp_unit_tests(runner):
     assert "all native core tests passed" in done.stdout
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "mtp"])
-def test_runner_equals_python_mtp_bundle(runner, mtp_bundle, tmp_path, drafter):
+@pytest.mark.parametrize(
+    "bundle_name, drafter",
+    [("mtp_bundle", "ngram"), ("mtp_bundle", "mtp"), ("mlp_mtp_bundle", "mtp")],
+)
+def test_runner_equals_python_mtp_bundle(request, runner, tmp_path, bundle_name, drafter):
+    mtp_bundle = request.getfixturevalue(bundle_name)
     prompts = suite_ids(mtp_bundle)
     report = run_native(runner, mtp_bundle, prompts, tmp_path, "--drafter", drafter)
     assert report["drafter"] == drafter and report["backend"] == "executorch"
@@ -139,9 +179,14 @@ def test_runner_equals_python_mtp_bundle(runner, mtp_bundle, tmp_path, drafter):
     assert sum(r["verify_steps"] for r in rows) < sum(r["spec_tokens"] for r in rows)  # drafts hit
     for r, (_, result) in zip(rows, spec, strict=True):
         assert r["stop_reason_spec"] == result.stop_reason or not r["identical"]
+        # Same tokens in the same verify steps: the same drafts (lossless decoding alone would
+        # give the same tokens from any drafts, e.g. a draft method on a cache of its own).
+        if first_divergence(result.token_ids, r["spec_token_ids"]) is None:
+            assert r["verify_steps"] == result.stats.verify_steps, r["id"]
+            assert r["acceptance_rate"] == pytest.approx(result.stats.acceptance_rate, abs=1e-4)
 
 
-@pytest.mark.parametrize("bundle_name", ["mtp_bundle", "draft_lm_bundle"])
+@pytest.mark.parametrize("bundle_name", ["mtp_bundle", "mlp_mtp_bundle", "draft_lm_bundle"])
 def test_adaptive_k_and_draft_confidence_match_python(request, runner, tmp_path, bundle_name):
     """The same steps as Python with k adapting and drafting stopped at low confidence."""
     bundle = request.getfixturevalue(bundle_name)
@@ -155,6 +200,20 @@ def test_adaptive_k_and_draft_confidence_match_python(request, runner, tmp_path,
         if first_divergence(result.token_ids, r["spec_token_ids"]) is None:
             assert r["verify_steps"] == result.stats.verify_steps
             assert r["acceptance_rate"] == pytest.approx(result.stats.acceptance_rate, abs=1e-4)
+
+
+def test_mtp_draft_method_at_the_end_of_the_cache(runner, mtp_bundle, tmp_path):
+    """Prompts that fill the context: the draft method writes cache slots up to the last ones
+    (k shrinks to the room left), and both runtimes stop on a full context with the same tokens."""
+    tails = [ids for _, _, ids in suite_ids(mtp_bundle)[:6]]
+    prompts = [(f"p{i}", "c", (tails[i] + tails[i + 1])[-(244 + i) :]) for i in range(5)]
+    report = run_native(runner, mtp_bundle, prompts, tmp_path)
+    rows = report["prompts"]
+    spec = python_runs(mtp_bundle, prompts, "bundle")
+    assert_same_tokens(spec, [r["spec_token_ids"] for r in rows], "mtp at the cache end")
+    assert any(result.stop_reason == "context_full" for _, result in spec)
+    for r, (_, result) in zip(rows, spec, strict=True):
+        assert r["stop_reason_spec"] == result.stop_reason or not r["identical"]
 
 
 def test_runner_equals_python_draft_lm_bundle(runner, draft_lm_bundle, tmp_path):

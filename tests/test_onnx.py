@@ -1,6 +1,8 @@
 """mtp-export --target onnx and the ONNX Runtime session on tiny models: fp32 gives the eager
 tokens, speculative == plain on ORT with every drafter, the bound KV buffers are written in place
-and never reallocated, int4/int8 graphs run, and bad input gets one clear line."""
+and never reallocated, int4/int8 graphs run, and bad input gets one clear line. MTP heads that
+read the target's cache: the drafter graph's step is the eager head's step, and it writes the
+target session's own cache buffers."""
 
 from __future__ import annotations
 
@@ -17,10 +19,11 @@ from tiny import hf_reference, save_hf_dir, save_random_heads, tiny_model
 from mtp_edge.cli import export, run
 from mtp_edge.exporter.onnx import export_program
 from mtp_edge.manifest import Manifest, sha256
-from mtp_edge.runtime.bundle import open_bundle, target_session
+from mtp_edge.runtime.bundle import bundle_drafter, open_bundle, target_session
 from mtp_edge.runtime.drafters import NgramDrafter
 from mtp_edge.runtime.loop import GenerationConfig, first_divergence, generate
-from mtp_edge.runtime.onnx_session import OnnxSession
+from mtp_edge.runtime.mtp_drafter import eager_step_fn
+from mtp_edge.runtime.onnx_session import OnnxSession, OnnxStep
 from mtp_edge.runtime.session import EagerSession, prefill
 
 VOCAB, MAX_SEQ_LEN, CHUNK = 64, 96, 16
@@ -56,6 +59,24 @@ def draft_lm_bundle(model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("onnx-draft")
     draft = save_hf_dir(hf_reference("llama", seed=4, num_hidden_layers=1), root / "draft")
     return cli_export(root / "bundle", model_dir, "--drafter", str(draft), "--quality-tokens", "0")
+
+
+@pytest.fixture(scope="module")
+def cache_bundle(model_dir, tmp_path_factory):
+    """fp32 target and an fp32 drafter graph of a head that reads the target's cache."""
+    root = tmp_path_factory.mktemp("onnx-cache")
+    heads = save_random_heads(model_dir, root / "heads.safetensors", "target_cache")
+    extra = ["--drafter", "mtp", "--heads", str(heads), "--quant", "fp32", "--k", "3"]
+    return cli_export(root / "bundle", model_dir, *extra, "--quality-tokens", "0")
+
+
+@pytest.fixture(scope="module")
+def cache_bundle_int4(model_dir, tmp_path_factory):
+    """int4 target (one spare cache slot) and an int8 drafter graph reading its cache."""
+    root = tmp_path_factory.mktemp("onnx-cache-int4")
+    heads = save_random_heads(model_dir, root / "heads.safetensors", "target_cache")
+    extra = ["--drafter", "mtp", "--heads", str(heads), "--draft-quant", "int8"]
+    return cli_export(root / "bundle", model_dir, *extra, "--quality-tokens", "0")
 
 
 def run_json(bundle, *extra):
@@ -126,6 +147,105 @@ def test_speculative_equals_plain_with_a_draft_model_int4(draft_lm_bundle):
     spec = run_json(draft_lm_bundle)
     assert spec["token_ids"] == plain["token_ids"]
     assert spec["stats"]["drafted_tokens"] > 0
+
+
+def test_cache_reading_head_bundle(cache_bundle, cache_bundle_int4):
+    manifest = Manifest.load(cache_bundle)
+    assert manifest.drafter["reads_target_cache"] is True
+    forward = manifest.models["drafter"].methods["forward"]
+    assert [i["name"] for i in forward["inputs"]] == [
+        "h", "token", "input_pos", "past_key", "past_value"
+    ]  # fmt: skip
+    assert forward["target_cache"] == {"past_key": "past_key_1", "past_value": "past_value_1"}
+    target = manifest.models["target"].methods["forward"]
+    assert forward["inputs"][3]["shape"] == target["inputs"][3]["shape"] == [1, 2, 96, 16]
+    ops = {n.op_type for n in onnx.load(cache_bundle / "drafter.onnx").graph.node}
+    assert "GroupQueryAttention" in ops and "MatMulNBits" not in ops
+    int4 = Manifest.load(cache_bundle_int4)
+    assert int4.models["drafter"].quant["scheme"] == "int8"
+    assert int4.models["drafter"].methods["forward"]["inputs"][3]["shape"] == [1, 2, 97, 16]
+    nodes = onnx.load(cache_bundle_int4 / "drafter.onnx").graph.node
+    bits = {
+        a.i for n in nodes if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "bits"
+    }
+    assert bits == {8}
+    # A drafter graph bound to a cache of another shape (here: without the spare slot) is refused.
+    fp32 = Manifest.load(cache_bundle).models["drafter"]
+    with pytest.raises(Exception, match="re-export the bundle"):
+        OnnxStep(cache_bundle / fp32.file, fp32.methods["forward"],
+                 target_session(open_bundle(cache_bundle_int4)))  # fmt: skip
+
+
+@pytest.mark.parametrize("bundle", ["cache_bundle", "cache_bundle_int4"])
+def test_speculative_equals_plain_with_a_cache_reading_head(request, bundle):
+    path = request.getfixturevalue(bundle)
+    plain = run_json(path, "--drafter", "none")
+    spec = run_json(path, "--drafter", "mtp")
+    assert spec["token_ids"] == plain["token_ids"]
+    assert spec["stats"]["drafted_tokens"] > 0
+    # Drafting up to the cache's end (it stops there) stays lossless too.
+    long = ["--max-new-tokens", str(MAX_SEQ_LEN)]
+    assert (
+        run_json(path, *long)["token_ids"]
+        == run_json(path, "--drafter", "none", *long)["token_ids"]
+    )
+
+
+def test_cache_reading_draft_step_equals_the_eager_step(cache_bundle, model_dir):
+    """The ORT draft step (fp32 graph) on the ORT target's cache == the eager head on the eager
+    target's cache after the same prefill: logits, next hidden state and the K/V row written."""
+    from mtp_edge.checkpoints import load_model
+    from mtp_edge.mtp import load_heads
+
+    bundle = open_bundle(cache_bundle)
+    session = target_session(bundle)
+    drafter = bundle_drafter(bundle)
+    assert isinstance(drafter.step_fn, OnnxStep) and drafter.cache_len() == MAX_SEQ_LEN
+    loaded = load_model(str(model_dir))
+    head = load_heads(cache_bundle.parent / "heads.safetensors", loaded.model, loaded.name)
+    eager = EagerSession(loaded.model, MAX_SEQ_LEN, session.max_chunk)
+    eager_step = eager_step_fn(head, loaded.model)
+    ours, theirs = prefill(session, PROMPT, 0, True), prefill(eager, PROMPT, 0, True)
+    torch.testing.assert_close(ours[1], theirs[1], atol=1e-4, rtol=0)
+    h, token = theirs[1][-1:], torch.tensor([int(theirs[0][-1].argmax())])
+    ort_cache, eager_cache = session.caches, loaded.model.layers[-1].self_attn.cache
+    for position in range(len(PROMPT), len(PROMPT) + 4):
+        logits, next_h = drafter.step_fn(h, token, position)
+        expected_logits, expected_h = eager_step(h, token, position)
+        torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=0)
+        torch.testing.assert_close(next_h, expected_h, atol=1e-4, rtol=0)
+        for kind, expected in (("key", eager_cache.k), ("value", eager_cache.v)):
+            row = torch.from_numpy(ort_cache[f"past_{kind}_1"].numpy()[:, :, position])
+            torch.testing.assert_close(row, expected[:, :, position], atol=1e-4, rtol=0)
+        h, token = expected_h, head.draft_ids[expected_logits[0].argmax()].view(1)
+
+
+def test_the_draft_step_writes_the_target_cache_in_place(cache_bundle_int4):
+    bundle = open_bundle(cache_bundle_int4)
+    session = target_session(bundle)
+    drafter = bundle_drafter(bundle)
+    pointers = {name: cache.data_ptr() for name, cache in session.caches.items()}
+    logits, hidden = prefill(session, PROMPT, 0, True)
+    written = len(PROMPT)
+    key = session.caches["past_key_1"].numpy()
+    assert not key[:, :, written:].any()
+    h, token = hidden[-1:], torch.tensor([int(logits[-1].argmax())])
+    for position in range(written, written + 3):
+        draft_logits, h = drafter.step_fn(h, token, position)
+        assert draft_logits.shape == (1, 64) and h.shape == (1, 64)
+        token = drafter.draft_ids[draft_logits[0].argmax()].view(1)
+    assert {n: c.data_ptr() for n, c in session.caches.items()} == pointers
+    for kind in ("key", "value"):
+        last = session.caches[f"past_{kind}_1"].numpy()
+        assert last[:, :, written : written + 3].any(axis=(0, 1, 3)).all()  # the draft rows...
+        assert not last[:, :, written + 3 :].any()  # ...and nothing else
+    assert not session.caches["past_key_0"].numpy()[:, :, written:].any()  # last layer only
+    # The last slot of the cache (drafting stops there), then the target overwrites the rows.
+    drafter.step_fn(h, token, MAX_SEQ_LEN - 1)
+    with pytest.raises(ValueError):
+        drafter.step_fn(h, token, MAX_SEQ_LEN + 1)
+    session.forward([3, 4, 5], written)
+    assert {n: c.data_ptr() for n, c in session.caches.items()} == pointers
 
 
 def test_kv_buffers_are_written_in_place_never_reallocated(mtp_bundle):

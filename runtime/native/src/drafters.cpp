@@ -66,11 +66,12 @@ Draft DraftModelDrafter::propose(const std::vector<int64_t>& context, const std:
 }
 
 MtpDrafter::MtpDrafter(std::unique_ptr<StepProgram> step, std::vector<int64_t> draft_ids,
-                       int64_t vocab_size, double min_confidence)
+                       int64_t vocab_size, double min_confidence, int64_t cache_len)
     : step_(std::move(step)),
       draft_ids_(std::move(draft_ids)),
       vocab_size_(vocab_size),
-      min_confidence_(min_confidence) {
+      min_confidence_(min_confidence),
+      cache_len_(cache_len) {
   if (!(0 <= min_confidence && min_confidence < 1))
     throw UserError("draft confidence threshold must be in [0, 1)");
 }
@@ -81,8 +82,10 @@ Draft MtpDrafter::propose(const std::vector<int64_t>& context, const std::vector
   if (k <= 0 || hidden == nullptr || hidden->empty()) return draft;
   std::vector<float> h = *hidden, next_h, logits;
   int64_t token = context.back();
+  const int64_t position = int64_t(context.size()) - 1;
+  if (cache_len_ > 0) k = std::min(k, cache_len_ - position);
   for (int64_t i = 0; i < k; ++i) {
-    step_->step(h, token, logits, next_h);
+    step_->step(h, token, position + i, logits, next_h);
     h.swap(next_h);
     const int64_t width = int64_t(logits.size());
     if (sampler.greedy()) {

@@ -59,11 +59,12 @@ class DraftModelDrafter : public Drafter {
 };
 
 // MTP heads run recurrently from the target's hidden state; draft_ids maps the head's reduced
-// vocabulary back to target ids.
+// vocabulary back to target ids. Step i runs at position len(context) - 1 + i. cache_len > 0:
+// the step writes the target's cache (a head that reads it), so drafting stops at its end.
 class MtpDrafter : public Drafter {
  public:
   MtpDrafter(std::unique_ptr<StepProgram> step, std::vector<int64_t> draft_ids,
-             int64_t vocab_size, double min_confidence = 0.0);
+             int64_t vocab_size, double min_confidence = 0.0, int64_t cache_len = 0);
   std::string name() const override { return "mtp"; }
   bool needs_hidden() const override { return true; }
   Draft propose(const std::vector<int64_t>& context, const std::vector<float>* hidden, int64_t k,
@@ -74,6 +75,7 @@ class MtpDrafter : public Drafter {
   std::vector<int64_t> draft_ids_;
   int64_t vocab_size_;
   double min_confidence_;
+  int64_t cache_len_;
 };
 
 }  // namespace mtp

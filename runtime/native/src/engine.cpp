@@ -10,14 +10,22 @@ namespace mtp {
 namespace {
 
 std::unique_ptr<Drafter> bundle_drafter(const Manifest& m, const std::string& kind,
-                                        double confidence) {
+                                        double confidence, Model& target) {
   if (kind == "mtp") {
     std::ifstream in(m.path("drafter_vocab"));
     nlohmann::json vocab = nlohmann::json::parse(in, nullptr, false);
     if (vocab.is_discarded() || !vocab.contains("draft_ids"))
       throw UserError(m.path("drafter_vocab") + " holds no draft_ids: re-export the bundle");
-    return std::make_unique<MtpDrafter>(open_executorch_step(m.path("drafter")),
-                                        vocab["draft_ids"].get<std::vector<int64_t>>(),
+    auto ids = vocab["draft_ids"].get<std::vector<int64_t>>();
+    if (m.drafter.contains("method")) {
+      // A head that reads the target's cache: a method of the target's program, run on the
+      // target's loaded program so that it reads and writes the same cache; it writes cache
+      // slots, so drafting stops at the cache's end (runtime/bundle.py bundle_drafter).
+      auto step = open_executorch_method_step(target, m.drafter["method"].get<std::string>());
+      return std::make_unique<MtpDrafter>(std::move(step), std::move(ids), m.vocab_size,
+                                          confidence, target.max_seq_len);
+    }
+    return std::make_unique<MtpDrafter>(open_executorch_step(m.path("drafter")), std::move(ids),
                                         m.vocab_size, confidence);
   }
   auto model = open_executorch_model(m.path("drafter"), m.max_seq_len, m.max_chunk, m.vocab_size);
@@ -42,7 +50,7 @@ Engine::Engine(const std::string& bundle_dir, const EngineOptions& options)
     if (kind != own)
       throw UserError("--drafter " + kind + ": this bundle carries a '" + own +
                       "' drafter; use it, none or ngram (or export another bundle)");
-    drafter_ = bundle_drafter(m, kind, options.draft_confidence);
+    drafter_ = bundle_drafter(m, kind, options.draft_confidence, *target_);
   } else if (kind != "none") {
     throw UserError("--drafter takes none, ngram or the bundle's own (" + own + "), got " + kind);
   }

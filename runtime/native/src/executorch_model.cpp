@@ -25,11 +25,14 @@ using executorch::extension::Module;
 using executorch::runtime::Error;
 using executorch::runtime::EValue;
 
-std::unique_ptr<Module> load(const std::string& pte) {
+std::shared_ptr<Module> load(const std::string& pte) {
   register_llama_ops();
-  // Shared arenas: a program's forward and verify methods keep one KV cache (a shared mutable
-  // buffer); with separate arenas each method would write and read a cache of its own.
-  auto module = std::make_unique<Module>(pte, Module::LoadMode::Mmap, nullptr, nullptr, nullptr,
+  // Shared arenas: a program's forward, verify and draft methods keep one KV cache (a shared
+  // mutable buffer); with separate arenas each method would write and read a cache of its own.
+  // The Module sizes the shared arenas once, to the largest over all the program's methods, when
+  // it loads the first method, so methods loaded later share them too. They share activation
+  // memory as well: a method's outputs are copied out before another method runs.
+  auto module = std::make_shared<Module>(pte, Module::LoadMode::Mmap, nullptr, nullptr, nullptr,
                                          /*share_memory_arenas=*/true);
   if (module->load_method("forward") != Error::Ok)
     throw UserError("cannot load the forward method of " + pte +
@@ -60,6 +63,9 @@ class ExecuTorchModel : public Model {
       if (meta.ok() && meta->num_inputs() > 0) verify_width_ = meta->input_tensor_meta(0)->sizes()[1];
     }
   }
+
+  const std::string& pte() const { return pte_; }
+  const std::shared_ptr<Module>& module() const { return module_; }
 
   Output forward(const std::vector<int64_t>& tokens, int64_t start, bool want_hidden,
                  bool last_only) override {
@@ -130,23 +136,41 @@ class ExecuTorchModel : public Model {
   }
 
   std::string pte_;
-  std::unique_ptr<Module> module_;
+  std::shared_ptr<Module> module_;
   int64_t verify_width_ = 0;  // 0: the program has no verify method
 };
 
+// forward(h, token) of a drafter program of its own, or `method`(h, token, input_pos) of the
+// target's program (then module is the target's, shared).
 class ExecuTorchStep : public StepProgram {
  public:
   explicit ExecuTorchStep(const std::string& pte) : pte_(pte), module_(load(pte)) {}
+  ExecuTorchStep(const std::string& pte, std::shared_ptr<Module> module, const std::string& method)
+      : pte_(pte),
+        module_(std::move(module)),
+        method_(method),
+        takes_position_(method != "forward") {
+    auto names = module_->method_names();
+    if (!names.ok() || !names->count(method))
+      throw UserError("the target program " + pte + " has no '" + method +
+                      "' method: re-export the bundle");
+    if (module_->load_method(method) != Error::Ok)
+      throw UserError("cannot load the " + method + " method of " + pte +
+                      ": built for another ExecuTorch version?");
+  }
 
-  void step(const std::vector<float>& h, int64_t token, std::vector<float>& logits,
-            std::vector<float>& next_h) override {
+  void step(const std::vector<float>& h, int64_t token, int64_t position,
+            std::vector<float>& logits, std::vector<float>& next_h) override {
     std::vector<float> h_in = h;
-    int64_t tok = token;
+    int64_t tok = token, pos = position;
     auto h_t = from_blob(h_in.data(), {1, int32_t(h_in.size())}, ScalarType::Float);
     auto tok_t = from_blob(&tok, {1}, ScalarType::Long);
-    auto result = module_->execute("forward", {EValue(h_t), EValue(tok_t)});
+    auto pos_t = from_blob(&pos, {1}, ScalarType::Long);
+    std::vector<EValue> inputs = {EValue(h_t), EValue(tok_t)};
+    if (takes_position_) inputs.emplace_back(pos_t);
+    auto result = module_->execute(method_, inputs);
     if (!result.ok())
-      throw std::runtime_error("ExecuTorch step failed on " + pte_ + " (error " +
+      throw std::runtime_error("ExecuTorch " + method_ + " step failed on " + pte_ + " (error " +
                                std::to_string(int(result.error())) + ")");
     const auto& l = result.get()[0].toTensor();
     const auto& g = result.get()[1].toTensor();
@@ -156,7 +180,9 @@ class ExecuTorchStep : public StepProgram {
 
  private:
   std::string pte_;
-  std::unique_ptr<Module> module_;
+  std::shared_ptr<Module> module_;
+  std::string method_ = "forward";
+  bool takes_position_ = false;
 };
 
 }  // namespace
@@ -187,6 +213,12 @@ std::unique_ptr<Model> open_executorch_model(const std::string& pte, int64_t max
 
 std::unique_ptr<StepProgram> open_executorch_step(const std::string& pte) {
   return std::make_unique<ExecuTorchStep>(pte);
+}
+
+std::unique_ptr<StepProgram> open_executorch_method_step(Model& target, const std::string& method) {
+  auto* model = dynamic_cast<ExecuTorchModel*>(&target);
+  if (model == nullptr) throw std::logic_error("the target is not an ExecuTorch program");
+  return std::make_unique<ExecuTorchStep>(model->pte(), model->module(), method);
 }
 
 }  // namespace mtp

@@ -34,12 +34,15 @@ class Model {
 // The whole of `tokens` in chunks of max_chunk; returns the last row of the last chunk.
 Output prefill(Model& model, const std::vector<int64_t>& tokens, int64_t start, bool want_hidden);
 
-// The MTP drafter's step program: (h [1, D], token [1]) -> (draft_logits [1, Vd], next h [1, D]).
+// The MTP drafter's step: (h [1, D], token [1], position) -> (draft_logits [1, Vd], next h
+// [1, D]). `position` is where `token` sits in the context: a head that reads the target's cache
+// writes its K/V into the target's last-layer cache there and attends to the slots up to it; a
+// program of its own ignores it.
 class StepProgram {
  public:
   virtual ~StepProgram() = default;
-  virtual void step(const std::vector<float>& h, int64_t token, std::vector<float>& logits,
-                    std::vector<float>& next_h) = 0;
+  virtual void step(const std::vector<float>& h, int64_t token, int64_t position,
+                    std::vector<float>& logits, std::vector<float>& next_h) = 0;
 };
 
 // Sets ExecuTorch's thread pool size (0 = leave it: one thread per core). Before any load.
@@ -47,6 +50,12 @@ void set_executorch_threads(unsigned threads);
 
 std::unique_ptr<Model> open_executorch_model(const std::string& pte, int64_t max_seq_len,
                                              int64_t max_chunk, int64_t vocab_size);
+// A drafter program of its own: forward(h, token).
 std::unique_ptr<StepProgram> open_executorch_step(const std::string& pte);
+// A method of the target's program, e.g. draft(h, token, input_pos): run on the same loaded
+// program (the same ExecuTorch Module, whose methods share one mutable-buffer arena), so it reads
+// and writes the target's KV cache. `target` must come from open_executorch_model; open the
+// step before the target's first call.
+std::unique_ptr<StepProgram> open_executorch_method_step(Model& target, const std::string& method);
 
 }  // namespace mtp

@@ -1,6 +1,7 @@
 // Unit tests of the core without ExecuTorch programs: SHA-256, sampling and verification rules,
-// the n-gram drafter, and the loop's lossless property on a fake target. Plain asserts; the
-// pytest suite (tests/test_native.py) runs this binary and the runner on real bundles.
+// the n-gram drafter, the MTP drafter's positions and cache-end clamp, and the loop's lossless
+// property on a fake target. Plain asserts; the pytest suite (tests/test_native.py) runs this
+// binary and the runner on real bundles.
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -111,6 +112,37 @@ void test_ngram() {
     refused = true;
   }
   CHECK(refused);
+}
+
+// An MTP step that records its positions and always favours draft slot (token + 1) % 4.
+struct RecordingStep : mtp::StepProgram {
+  std::vector<int64_t>* positions;
+  explicit RecordingStep(std::vector<int64_t>* p) : positions(p) {}
+  void step(const std::vector<float>& h, int64_t token, int64_t position,
+            std::vector<float>& logits, std::vector<float>& next_h) override {
+    positions->push_back(position);
+    logits.assign(4, 0.0f);
+    logits[(token + 1) % 4] = 5.0f;
+    next_h = h;
+  }
+};
+
+void test_mtp_positions_and_cache_end() {
+  mtp::Sampler s({});
+  const std::vector<float> hidden(8, 0.0f);
+  std::vector<int64_t> positions;
+  // Step i runs at len(context) - 1 + i; draft slot j is target token 10 + j.
+  mtp::MtpDrafter own(std::make_unique<RecordingStep>(&positions), {10, 11, 12, 13}, 16);
+  CHECK((own.propose({1, 2, 3}, &hidden, 3, s).tokens == std::vector<int64_t>{10, 13, 12}));
+  CHECK((positions == std::vector<int64_t>{2, 3, 4}));
+  // A head that writes the target's cache (cache_len 8) stops at its end: from position 6 it
+  // may write slots 6 and 7 only; past the end it drafts nothing.
+  positions.clear();
+  mtp::MtpDrafter cached(std::make_unique<RecordingStep>(&positions), {10, 11, 12, 13}, 16, 0.0, 8);
+  CHECK(cached.propose({0, 1, 2, 3, 4, 5, 6}, &hidden, 4, s).tokens.size() == 2);
+  CHECK((positions == std::vector<int64_t>{6, 7}));
+  CHECK(cached.propose({0, 1, 2, 3, 4, 5, 6, 7, 8}, &hidden, 4, s).tokens.empty());
+  CHECK(positions.size() == 2);
 }
 
 void test_accept_rules() {
@@ -239,6 +271,7 @@ int main(int argc, char** argv) {
   if (argc == 4) return run_c_api(argv[1], argv[2], argv[3]);
   test_sha256();
   test_ngram();
+  test_mtp_positions_and_cache_end();
   test_accept_rules();
   test_rejection_sampling_distribution();
   test_loop_lossless();
