@@ -596,15 +596,16 @@ def measure_drafter_acceptance(directory, target, draft) -> dict:
 )
 @click.option(
     "--attention",
-    type=click.Choice(["target_cache", "none"]),
-    default="target_cache",
+    type=click.Choice(["none", "target_cache"]),
+    default="none",
     show_default=True,
-    help="target_cache: the head attends to the target's last-layer KV cache; none: an MLP head.",
+    help="none: an MLP head reading the target's hidden state; target_cache: its first block "
+    "also attends to the target's last-layer KV cache.",
 )
 @click.option(
     "--labels",
-    type=click.Choice(["soft", "hard"]),
-    default="soft",
+    type=click.Choice(["hard", "soft"]),
+    default="hard",
     show_default=True,
     help="Train on the target's distribution over the draft vocabulary, or on its argmax.",
 )

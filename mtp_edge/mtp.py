@@ -10,16 +10,16 @@ position t and the embedding of the token at t+1, and predicts the token at t+2:
 and returns x as the hidden state for its next step, so k steps run recurrently on its own output.
 
 Two kinds of block (`MTPConfig.attention`):
-- "none": x + MLP(norm(x)); the context arrives only through h.
-- "target_cache" (the default for new heads): first x + Attention(norm(x)) whose keys and values
-  are the *target's last layer's KV cache* — the positions the target has verified — plus the
-  head's own K/V, which it writes into that cache at the position it drafts for. No cache of its
-  own, no prefill of one: what the head reads at a position is what the target already wrote
-  there. Writing is safe because a drafted position lies past everything the target has verified,
-  and the target overwrites those slots in its next call before any query of its own reads them
-  (the static-cache rule that makes rollback free). Its q/k/v/o start as the target's last layer's.
-  Measured on SmolLM2-135M (benchmarks/README.md): reading the context this way is what lifts the
-  first-position acceptance from ~0.4 to the EAGLE range.
+- "none" (the default): x + MLP(norm(x)); the context arrives only through h.
+- "target_cache": first x + Attention(norm(x)) whose keys and values are the *target's last
+  layer's KV cache* (the positions the target has verified) plus the head's own K/V, which it
+  writes into that cache at the position it drafts for. No cache of its own and no prefill of
+  one: what the head reads at a position is what the target already wrote there. Writing is safe
+  because a drafted position lies past everything the target has verified, and the target
+  overwrites those slots in its next call before any query of its own reads them (the
+  static-cache rule that makes rollback free). Its q/k/v/o start as the target's last layer's.
+  On SmolLM2-135M it did not beat "none" (README.md, "The MTP drafter"), so "none" is what
+  ships; both kinds train, export to every backend and run natively.
 
 The token embedding is the target's own table (never copied into the head's file); the LM head
 covers only the draft vocabulary (`draft_ids`), because the full head of a small target (SmolLM2:

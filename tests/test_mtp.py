@@ -83,10 +83,15 @@ def options(root, **overrides) -> TrainOptions:
     return TrainOptions(**values)
 
 
-@pytest.fixture(scope="module")
-def trained(tiny_dir):
-    out = tiny_dir / "trained"
-    summary = train_heads(options(tiny_dir, out=str(out / "heads.safetensors")), lambda _: None)
+@pytest.fixture(scope="module", params=["none", "target_cache"])
+def trained(tiny_dir, request):
+    """Heads of both kinds (mtp.py), the second with soft labels."""
+    out = tiny_dir / f"trained-{request.param}"
+    labels = "soft" if request.param == "target_cache" else "hard"
+    opts = options(
+        tiny_dir, out=str(out / "heads.safetensors"), attention=request.param, labels=labels
+    )
+    summary = train_heads(opts, lambda _: None)
     return out / "heads.safetensors", summary
 
 
@@ -284,7 +289,9 @@ if os.environ["RANK"] == "0":
 
 def test_ddp_with_two_processes(tiny_dir, trained, tmp_path):
     (tmp_path / "ddp.py").write_text(textwrap.dedent(DDP_SCRIPT))
-    settings = {**vars(options(tiny_dir, out=str(tmp_path / "heads.safetensors"), steps=40))}
+    kind = json.loads(trained[0].with_suffix(".json").read_text())["attention"]
+    out = str(tmp_path / "heads.safetensors")
+    settings = {**vars(options(tiny_dir, out=out, steps=40, attention=kind))}
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += ["--nproc_per_node", "2", str(tmp_path / "ddp.py")]
