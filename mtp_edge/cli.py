@@ -609,6 +609,19 @@ def measure_drafter_acceptance(directory, target, draft) -> dict:
     show_default=True,
     help="Train on the target's distribution over the draft vocabulary, or on its argmax.",
 )
+@click.option(
+    "--feature-loss",
+    default=1.0,
+    show_default=True,
+    help="Weight of the loss that pulls each step's hidden state onto the target's (0: off).",
+)
+@click.option(
+    "--train-lm-head",
+    is_flag=True,
+    help="Also train the draft LM head (default: frozen at the target's rows; training it "
+    "lets the head memorise its text).",
+)
+@click.option("--weight-decay", default=0.0, show_default=True, help="AdamW weight decay.")
 @click.option("--threads", default=0, help="CPU threads (0 = torch's default).")
 @click.option(
     "--bundle",
@@ -631,6 +644,9 @@ def train(
     raw_tokens,
     attention,
     labels,
+    feature_loss,
+    train_lm_head,
+    weight_decay,
     threads,
     bundle,
     out,
@@ -653,6 +669,9 @@ def train(
         raw_tokens=raw_tokens,
         attention=attention,
         labels=labels,
+        feature_loss=feature_loss,
+        train_lm_head=train_lm_head,
+        weight_decay=weight_decay,
         threads=threads,
         bundle=bundle,
     )

@@ -226,20 +226,27 @@ class MTPHead(nn.Module):
         return self.lm_head(self.final_norm(x)), x
 
     def forward(
-        self, h: torch.Tensor, token_embs: torch.Tensor, context: TrainContext | None = None
-    ) -> torch.Tensor:
-        """Unrolled steps for training: h [B, L, D], token_embs [B, L, J, D] -> [B, L, J, Vd].
+        self,
+        h: torch.Tensor,
+        token_embs: torch.Tensor,
+        context: TrainContext | None = None,
+        return_hidden: bool = False,
+    ):
+        """Unrolled steps for training: h [B, L, D], token_embs [B, L, J, D] -> [B, L, J, Vd]
+        (and with `return_hidden`, each step's output hidden state [B, L, J, D]).
 
         Origin t starts from the target's hidden state at t; step j reads the embedding of the
         token at t+j+1, as drafting does once the draft of step j-1 is right (the only case in
         which step j counts).
         """
-        out, own = [], []
+        out, hidden, own = [], [], []
         for j in range(token_embs.shape[-2]):
             attend = training_attend(context, j, own) if self.reads_target_cache else None
             logits, h = self.step(h, token_embs[..., j, :], attend)
             out.append(logits)
-        return torch.stack(out, dim=-2)
+            hidden.append(h)
+        logits = torch.stack(out, dim=-2)
+        return (logits, torch.stack(hidden, dim=-2)) if return_hidden else logits
 
 
 def target_lm_head(target: Transformer) -> torch.Tensor:

@@ -77,6 +77,12 @@ class TrainOptions:
     # "none" or "target_cache" (mtp.py); "none" measured better on SmolLM2-135M: README.md
     attention: str = "none"
     labels: str = "hard"  # hard: the target's argmax; soft: its distribution over the draft vocab
+    # Weight of the hidden-state loss: each step's output hidden state regressed onto the
+    # target's own hidden state at the position it stands in for (EAGLE's feature loss). It
+    # keeps the recurrent input of step j+1 like the target's, and with the LM head frozen it
+    # regularises a head that otherwise memorises its training text (README, "MTP head training").
+    feature_loss: float = 1.0
+    train_lm_head: bool = False  # False: the draft LM head stays the target's rows, frozen
     gen_tokens: int = 100_000  # response tokens the target writes (default corpus only)
     gen_max_new: int = 256  # longest response
     gen_batch: int = 16  # prompts decoded together
@@ -113,6 +119,7 @@ class TrainOptions:
                 f"--attention must be none or target_cache, got {self.attention}",
             ),
             (self.labels in ("soft", "hard"), f"--labels must be soft or hard, got {self.labels}"),
+            (self.feature_loss >= 0, f"--feature-loss must be >= 0, got {self.feature_loss}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -784,6 +791,16 @@ def draft_losses(logits, batch: Batch, labels: Labels, to_draft, teacher_head, s
     return ce.flatten(0, 1).sum(0), keep.flatten(0, 1).sum(0)
 
 
+def feature_losses(hidden, batch: Batch, labels: Labels):
+    """Summed hidden-state loss [k] per draft step: smooth L1 between step j's output and the
+    target's hidden state at the position whose token step j read (the state the target
+    predicts the same next token from), averaged over the hidden dimension."""
+    wanted = labels.hidden[batch.reads].to(hidden.dtype)
+    loss = F.smooth_l1_loss(hidden.float(), wanted.float(), reduction="none").mean(-1)
+    sums = loss.masked_fill(~batch.valid, 0.0).flatten(0, 1).sum(0)
+    return sums, batch.valid.flatten(0, 1).sum(0)
+
+
 def weighted_loss(sums, counts, weights) -> torch.Tensor:
     return (weights * sums / counts.clamp(min=1)).sum() / weights.sum()
 
@@ -829,12 +846,16 @@ def evaluate(
     a teacher-forced estimate.
     """
     sums, counts = torch.zeros(k, dtype=torch.float64), torch.zeros(k, dtype=torch.float64)
+    feature, feature_counts = torch.zeros(k, dtype=torch.float64), torch.zeros(k, dtype=torch.float64)
     hits, scored = torch.zeros(k, dtype=torch.float64), torch.zeros(k, dtype=torch.float64)
     cache = head.reads_target_cache
     for group in batches_of(labels, list(range(len(labels.bounds))), budget):
         batch = sequence_batch(labels, group, embedding, k, rope, cache)
-        logits = head(batch.h, batch.embs, batch.context)
+        logits, hidden = head(batch.h, batch.embs, batch.context, return_hidden=True)
         s, c = draft_losses(logits, batch, labels, to_draft, teacher_head, soft)
+        f, fc = feature_losses(hidden, batch, labels)
+        feature += f
+        feature_counts += fc
         sums += s
         counts += c
         right = (head.draft_ids[logits.argmax(-1)] == labels.argmax[batch.reads]) & batch.valid
@@ -842,11 +863,12 @@ def evaluate(
         hits += (right.long().cumprod(-1).bool() & batch.valid)[first_valid].sum(0)
         scored += batch.valid[first_valid].sum(0)
     if world > 1:
-        for t in (sums, counts, hits, scored):
+        for t in (sums, counts, feature, feature_counts, hits, scored):
             dist.all_reduce(t)
     acceptance = (hits / scored.clamp(min=1)).tolist()
     return {
         "loss": float(weighted_loss(sums, counts, weights.to(sums.dtype))),
+        "feature_loss": round(float(weighted_loss(feature, feature_counts, weights.to(sums.dtype))), 4),
         "acceptance": [round(a, 4) for a in acceptance],
         "tau": round(1 + sum(acceptance), 4),
     }
@@ -964,7 +986,7 @@ def _train(options, rank, world, progress, began) -> dict:
         # eager target (the bundle still writes the text).
         by_session = session is not None and not cache
         source = text_hash if by_session else target_hash
-        path = paths["labels"].with_name(f"{paths['labels'].stem}.{part}{rank}.safetensors")
+        path = paths["labels"].with_name(f"{paths['labels'].name}.{part}{rank}.safetensors")
         return cached_labels(
             path,
             chosen,
@@ -1008,11 +1030,12 @@ def _train(options, rank, world, progress, began) -> dict:
         **(cache_attention_config(target) if cache else {}),
     )
     head = init_from_target(MTPHead(config), target, draft_ids)
+    head.lm_head.weight.requires_grad_(options.train_lm_head)
     model = head
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(head)
     optimizer = torch.optim.AdamW(
-        head.parameters(), lr=options.lr, betas=(0.9, 0.95), weight_decay=options.weight_decay
+        [p for p in head.parameters() if p.requires_grad], lr=options.lr, betas=(0.9, 0.95), weight_decay=options.weight_decay
     )
     weights = options.step_decay ** torch.arange(options.k, dtype=torch.float32)
     embedding = target.embed_tokens.weight.detach()
@@ -1072,10 +1095,13 @@ def _train(options, rank, world, progress, began) -> dict:
         batch = sequence_batch(train, pick_sequences(generator), embedding, options.k, rope, cache)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, options)
-        logits = model(batch.h, batch.embs, batch.context)
-        loss = weighted_loss(
-            *draft_losses(logits, batch, train, to_draft, teacher_head, soft), weights
-        )
+        logits, hidden = model(batch.h, batch.embs, batch.context, return_hidden=True)
+        sums, counts = draft_losses(logits, batch, train, to_draft, teacher_head, soft)
+        loss = weighted_loss(sums, counts, weights)
+        if options.feature_loss:
+            loss = loss + options.feature_loss * weighted_loss(
+                *feature_losses(hidden, batch, train), weights
+            )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
