@@ -611,15 +611,14 @@ def measure_drafter_acceptance(directory, target, draft) -> dict:
 )
 @click.option(
     "--feature-loss",
-    default=1.0,
+    default=0.0,
     show_default=True,
-    help="Weight of the loss that pulls each step's hidden state onto the target's (0: off).",
+    help="Weight of a loss that pulls each step's hidden state onto the target's (0: off).",
 )
 @click.option(
-    "--train-lm-head",
+    "--freeze-lm-head",
     is_flag=True,
-    help="Also train the draft LM head (default: frozen at the target's rows; training it "
-    "lets the head memorise its text).",
+    help="Keep the draft LM head at the target's rows instead of training it.",
 )
 @click.option("--weight-decay", default=0.0, show_default=True, help="AdamW weight decay.")
 @click.option("--threads", default=0, help="CPU threads (0 = torch's default).")
@@ -645,7 +644,7 @@ def train(
     attention,
     labels,
     feature_loss,
-    train_lm_head,
+    freeze_lm_head,
     weight_decay,
     threads,
     bundle,
@@ -670,7 +669,7 @@ def train(
         attention=attention,
         labels=labels,
         feature_loss=feature_loss,
-        train_lm_head=train_lm_head,
+        train_lm_head=not freeze_lm_head,
         weight_decay=weight_decay,
         threads=threads,
         bundle=bundle,

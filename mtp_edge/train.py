@@ -78,11 +78,12 @@ class TrainOptions:
     attention: str = "none"
     labels: str = "hard"  # hard: the target's argmax; soft: its distribution over the draft vocab
     # Weight of the hidden-state loss: each step's output hidden state regressed onto the
-    # target's own hidden state at the position it stands in for (EAGLE's feature loss). It
-    # keeps the recurrent input of step j+1 like the target's, and with the LM head frozen it
-    # regularises a head that otherwise memorises its training text (README, "MTP head training").
-    feature_loss: float = 1.0
-    train_lm_head: bool = False  # False: the draft LM head stays the target's rows, frozen
+    # target's own hidden state at the position it stands in for (EAGLE's feature loss), meant
+    # to keep step j+1's input like the target's. Off by default: with it (and the LM head
+    # frozen) the head stopped memorising its text but learned the target's choices more slowly
+    # (benchmarks/README.md, "MTP head training").
+    feature_loss: float = 0.0
+    train_lm_head: bool = True  # False: the draft LM head stays the target's rows, frozen
     gen_tokens: int = 100_000  # response tokens the target writes (default corpus only)
     gen_max_new: int = 256  # longest response
     gen_batch: int = 16  # prompts decoded together
@@ -845,9 +846,9 @@ def evaluate(
     drafting would feed, so this is the greedy acceptance drafting will see; on other text it is
     a teacher-forced estimate.
     """
-    sums, counts = torch.zeros(k, dtype=torch.float64), torch.zeros(k, dtype=torch.float64)
-    feature, feature_counts = torch.zeros(k, dtype=torch.float64), torch.zeros(k, dtype=torch.float64)
-    hits, scored = torch.zeros(k, dtype=torch.float64), torch.zeros(k, dtype=torch.float64)
+    sums, counts, feature, feature_counts, hits, scored = (
+        torch.zeros(k, dtype=torch.float64) for _ in range(6)
+    )
     cache = head.reads_target_cache
     for group in batches_of(labels, list(range(len(labels.bounds))), budget):
         batch = sequence_batch(labels, group, embedding, k, rope, cache)
@@ -868,7 +869,7 @@ def evaluate(
     acceptance = (hits / scored.clamp(min=1)).tolist()
     return {
         "loss": float(weighted_loss(sums, counts, weights.to(sums.dtype))),
-        "feature_loss": round(float(weighted_loss(feature, feature_counts, weights.to(sums.dtype))), 4),
+        "feature_loss": round(float(weighted_loss(feature, feature_counts, weights.double())), 4),
         "acceptance": [round(a, 4) for a in acceptance],
         "tau": round(1 + sum(acceptance), 4),
     }
@@ -1035,7 +1036,10 @@ def _train(options, rank, world, progress, began) -> dict:
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(head)
     optimizer = torch.optim.AdamW(
-        [p for p in head.parameters() if p.requires_grad], lr=options.lr, betas=(0.9, 0.95), weight_decay=options.weight_decay
+        [p for p in head.parameters() if p.requires_grad],
+        lr=options.lr,
+        betas=(0.9, 0.95),
+        weight_decay=options.weight_decay,
     )
     weights = options.step_decay ** torch.arange(options.k, dtype=torch.float32)
     embedding = target.embed_tokens.weight.detach()

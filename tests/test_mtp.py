@@ -110,6 +110,24 @@ def test_training_decreases_heldout_loss(trained):
     )
 
 
+def test_frozen_lm_head_and_feature_loss(tiny_dir):
+    """--freeze-lm-head keeps the draft LM head at the target's rows; the hidden-state loss is
+    reported, and it and the held-out loss fall."""
+    from mtp_edge.checkpoints import load_model
+    from mtp_edge.mtp import load_heads, target_lm_head
+
+    out = tiny_dir / "frozen" / "heads.safetensors"
+    opts = options(tiny_dir, out=str(out), steps=100, train_lm_head=False, feature_loss=1.0)
+    summary = train_heads(opts, lambda _: None)
+    first, last = summary["history"][0], summary["history"][-1]
+    assert last["loss"] < 0.8 * first["loss"]
+    assert last["feature_loss"] < first["feature_loss"]
+    target = load_model(str(tiny_dir / "model"))
+    head = load_heads(out, target.model, target.name)
+    rows = target_lm_head(target.model)[head.draft_ids].to(torch.float16)
+    assert torch.equal(head.lm_head.weight.to(torch.float16), rows)
+
+
 @pytest.mark.parametrize("head_kind", ["untrained", "trained"])
 def test_greedy_mtp_equals_plain_float64(tiny_dir, trained, head_kind):
     target = load_model(str(tiny_dir / "model"), dtype=torch.float64)

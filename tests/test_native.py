@@ -142,16 +142,23 @@ def assert_same_tokens(python_runs, native_ids, what: str):
             )
 
 
-def python_runs(bundle_dir, prompts, drafter, adaptive_k=False, confidence=0.0) -> list:
+def python_runs(
+    bundle_dir, prompts, drafter, adaptive_k=False, confidence=0.0, stop_strings=()
+) -> list:
     bundle = open_bundle(bundle_dir)
     session = target_session(bundle)
     m = bundle.manifest
     config = GenerationConfig(
-        max_new_tokens=MAX_NEW_TOKENS, k=4, adaptive_k=adaptive_k, eos_ids=tuple(m.eos_ids)
+        max_new_tokens=MAX_NEW_TOKENS,
+        k=4,
+        adaptive_k=adaptive_k,
+        eos_ids=tuple(m.eos_ids),
+        stop_strings=tuple(stop_strings),
     )
     if drafter == "bundle":
         drafter = bundle_drafter(bundle, confidence)
-    return [(i, generate(session, ids, drafter, config)) for i, _, ids in prompts]
+    detokenize = bundle.tokenizer.decode
+    return [(i, generate(session, ids, drafter, config, detokenize)) for i, _, ids in prompts]
 
 
 def test_cpp_unit_tests(runner):
@@ -263,6 +270,96 @@ def test_runner_text_prompts_and_c_api_match_python(runner, mtp_bundle, tmp_path
     assert_same_tokens([("p", expected)], [row["spec_token_ids"]], "runner text prompt")
 
 
+NEVER = "\u2603 never generated"  # a second --stop that the tiny models do not produce
+
+
+def stop_point(decode, result, k: int = 4) -> tuple[int, str] | None:
+    """A stop string taken from a plain run's text that ends generation at token n, mid-way
+    (the latest n in 8..20): the shortest tail of the text of the first n tokens that the text
+    of the first n - 1 does not contain. None where a near-tie up to the last verify step could
+    let the runtimes differ, or the text ends inside a character."""
+    for n in range(20, 7, -1):
+        text, before = decode(result.token_ids[:n]), decode(result.token_ids[: n - 1])
+        if min(result.top2_gaps[: n + k + 1]) < NEAR_TIE or "\ufffd" in text:
+            continue
+        for size in range(3, len(text) + 1):
+            if text[-size:] not in before:
+                return n, text[-size:]
+    return None
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "mtp"])
+def test_stop_strings_match_python(runner, mtp_bundle, tmp_path, drafter):
+    """--stop (repeatable): the runner stops where the Python loop does, on the token whose text
+    completes a stop string, plain and speculative (accepted drafts past it are dropped), with
+    the same ids, verify steps, acceptance and stop_reason."""
+    decode = open_bundle(mtp_bundle).tokenizer.decode
+    prompts = suite_ids(mtp_bundle)
+    chosen = []
+    for prompt, (_, result) in zip(prompts, python_runs(mtp_bundle, prompts, None), strict=True):
+        point = stop_point(decode, result)
+        if point is not None:
+            chosen.append((prompt, *point))
+    assert len(chosen) >= 4, "too few prompts without near-ties for the test"
+    dropped = 0
+    for prompt, n, stop in chosen[:: len(chosen) // 4][:4]:
+        report = run_native(
+            runner,
+            mtp_bundle,
+            [prompt],
+            tmp_path,
+            "--drafter",
+            drafter,
+            "--stop",
+            stop,
+            "--stop",
+            NEVER,
+        )
+        [row] = report["prompts"]
+        stops = (stop, NEVER)
+        [(_, plain)] = python_runs(mtp_bundle, [prompt], None, stop_strings=stops)
+        spec_drafter = NgramDrafter() if drafter == "ngram" else "bundle"
+        [(_, spec)] = python_runs(mtp_bundle, [prompt], spec_drafter, stop_strings=stops)
+        what = f"{prompt[0]}, stop {stop!r} at token {n}"
+        assert plain.stop_reason == spec.stop_reason == "stop_string", what
+        assert len(plain.token_ids) == n and spec.token_ids == plain.token_ids, what
+        assert row["ar_token_ids"] == plain.token_ids, what
+        assert row["spec_token_ids"] == spec.token_ids, what
+        assert row["stop_reason_ar"] == row["stop_reason_spec"] == "stop_string", what
+        assert row["verify_steps"] == spec.stats.verify_steps, what
+        assert row["acceptance_rate"] == pytest.approx(spec.stats.acceptance_rate, abs=1e-4)
+        # Tokens the verify steps accepted beyond the one completing the stop string.
+        dropped += 1 + spec.stats.verify_steps + spec.stats.accepted_tokens - n
+    if drafter == "ngram":
+        assert dropped > 0  # some run stopped in the middle of a verify step's tokens
+
+
+def test_c_api_stop_strings_match_python(runner, mtp_bundle):
+    """The C API's options {"stop_strings": [...]}: Python's tokens and stop_reason; its text
+    ends before the stop string, as mtp-run's."""
+    bundle = open_bundle(mtp_bundle)
+    decode = bundle.tokenizer.decode
+    text = "the cat sat on the mat. the cat sat on the"
+    ids = bundle.tokenizer.encode_prompt(text, chat=True)
+    [(_, whole)] = python_runs(mtp_bundle, [("p", "c", ids)], "bundle")
+    n, stop = stop_point(decode, whole)
+    [(_, expected)] = python_runs(mtp_bundle, [("p", "c", ids)], "bundle", stop_strings=[stop])
+    assert len(expected.token_ids) == n and expected.stop_reason == "stop_string"
+    options = {"max_new_tokens": MAX_NEW_TOKENS, "k": 4, "stop_strings": [NEVER, stop]}
+    done = subprocess.run(
+        [str(native.UNIT_TESTS), mtp_bundle, text, json.dumps(options)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.split("\n", 1)[0])
+    assert result["token_ids"] == expected.token_ids
+    assert result["stop_reason"] == "stop_string"
+    full_text = decode(expected.token_ids)
+    assert result["text"] == full_text[: full_text.index(stop)]
+
+
 def test_same_seed_same_samples(runner, mtp_bundle, tmp_path):
     """Sampling draws from the native runtime's own seeded generator: the same seed repeats the
     samples exactly; they are not the Python runtime's samples (torch's generator)."""
@@ -290,6 +387,7 @@ def test_user_errors_are_one_line(runner, mtp_bundle, tmp_path):
     assert "--k" in error("--bundle", mtp_bundle, "--prompt-ids", "1", "--k", "-1")
     assert "unknown option" in error("--bundle", mtp_bundle, "--prompt-ids", "1", "--speed")
     assert "draft-lm" in error("--bundle", mtp_bundle, "--prompt-ids", "1", "--drafter", "draft-lm")
+    assert "--stop" in error("--bundle", mtp_bundle, "--prompt-ids", "1", "--stop", "")
     import shutil
 
     tampered = tmp_path / "tampered"
