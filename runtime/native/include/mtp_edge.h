@@ -24,7 +24,10 @@ typedef void (*mtp_on_text)(const char* piece, void* user);
 
 /* Generates from `prompt`. options_json (NULL or "" for defaults):
  *   {"max_new_tokens": 128, "speculative": true, "k": <bundle's>, "temperature": 0,
- *    "top_p": 1, "seed": 0, "chat": true}
+ *    "top_p": 1, "seed": 0, "chat": true, "stop_strings": []}
+ * stop_strings: non-empty texts; generation stops once the generated text contains one
+ * (stop_reason "stop_string", as mtp-run --stop); "text" then ends before it, while the
+ * streamed pieces include it.
  * On success writes {"text", "stop_reason", "token_ids", "stats": {...}} (stats as mtp-run
  * --json) to stats_json and returns 0; otherwise returns non-zero with the reason in err. */
 int mtp_generate(mtp_engine* engine, const char* prompt, const char* options_json,

@@ -61,6 +61,15 @@ extern "C" int mtp_generate(mtp_engine* handle, const char* prompt, const char* 
     config.sampling.top_p = options.value("top_p", 1.0);
     config.sampling.seed = options.value("seed", uint64_t(0));
     config.eos_ids = engine.manifest().eos_ids;
+    if (options.contains("stop_strings")) {
+      const nlohmann::json& stops = options["stop_strings"];
+      if (!stops.is_array()) throw mtp::UserError("stop_strings must be a list of texts");
+      for (const auto& s : stops) {
+        if (!s.is_string() || s.get<std::string>().empty())
+          throw mtp::UserError("stop_strings must be a list of non-empty texts");
+        config.stop_strings.push_back(s.get<std::string>());
+      }
+    }
     if (!(config.sampling.temperature >= 0)) throw mtp::UserError("temperature must be >= 0");
     if (!(config.sampling.top_p > 0 && config.sampling.top_p <= 1))
       throw mtp::UserError("top_p must be in (0, 1]");
@@ -78,18 +87,29 @@ extern "C" int mtp_generate(mtp_engine* handle, const char* prompt, const char* 
         printed = text.size();
       }
     };
-    mtp::GenerationResult result = mtp::generate(
-        engine.target(), ids, speculative ? engine.drafter() : nullptr, config, stream);
-    nlohmann::json out = {{"text", engine.decode(result.token_ids)},
+    auto detokenize = [&engine](const std::vector<int64_t>& t) { return engine.decode(t); };
+    mtp::GenerationResult result =
+        mtp::generate(engine.target(), ids, speculative ? engine.drafter() : nullptr, config,
+                      detokenize, stream);
+    // As mtp-run: the text ends before the first stop string (the streamed pieces, sent as
+    // tokens came, include it).
+    std::string text = engine.decode(result.token_ids);
+    for (const std::string& s : config.stop_strings) {
+      const size_t at = text.find(s);
+      if (at != std::string::npos) text.resize(at);
+    }
+    nlohmann::json out = {{"text", text},
                           {"stop_reason", result.stop_reason},
                           {"token_ids", result.token_ids},
                           {"prompt_tokens", ids.size()},
                           {"drafter", speculative ? engine.drafter_name() : "none"},
                           {"stats", mtp::stats_json(result.stats)}};
-    const std::string text = out.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
-    if (stats_json != nullptr && text.size() >= stats_len)
-      throw mtp::UserError("stats_json buffer too small: need " + std::to_string(text.size() + 1));
-    copy_out(text, stats_json, stats_len);
+    const std::string dumped =
+        out.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+    if (stats_json != nullptr && dumped.size() >= stats_len)
+      throw mtp::UserError("stats_json buffer too small: need " +
+                           std::to_string(dumped.size() + 1));
+    copy_out(dumped, stats_json, stats_len);
     return 0;
   } catch (const std::exception& e) {
     copy_out(e.what(), err, err_len);

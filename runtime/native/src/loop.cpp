@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <stdexcept>
 
 #include "errors.h"
 
@@ -42,7 +43,7 @@ double GenerationStats::decode_tokens_per_s() const {
 }
 
 GenerationResult generate(Model& target, const std::vector<int64_t>& prompt, Drafter* drafter,
-                          const GenerationConfig& config,
+                          const GenerationConfig& config, const Detokenize& detokenize,
                           const std::function<void(int64_t)>& on_token) {
   if (prompt.empty()) throw UserError("the prompt is empty: give at least one token of text");
   if (int64_t(prompt.size()) >= target.max_seq_len)
@@ -51,6 +52,8 @@ GenerationResult generate(Model& target, const std::vector<int64_t>& prompt, Dra
                     ": shorten the prompt or raise --max-seq-len");
   if (config.max_new_tokens < 1) throw UserError("--max-new-tokens must be >= 1");
   if (config.k < 0) throw UserError("--k must be >= 0");
+  if (!config.stop_strings.empty() && !detokenize)
+    throw std::invalid_argument("stop strings need a detokenize function");
   Sampler sampler(config.sampling);
   const bool wants_hidden = drafter != nullptr && drafter->needs_hidden();
   const int64_t k_max = drafter != nullptr ? config.k : 0;
@@ -70,6 +73,13 @@ GenerationResult generate(Model& target, const std::vector<int64_t>& prompt, Dra
       generated.push_back(token);
       result.top2_gaps.push_back(double(top2_gap(out.logit_row(int64_t(i)), out.vocab)));
       if (on_token) on_token(token);
+      if (!config.stop_strings.empty()) {
+        const size_t from = generated.size() - std::min(generated.size(), kStopTailTokens);
+        const std::string tail =
+            detokenize(std::vector<int64_t>(generated.begin() + from, generated.end()));
+        for (const std::string& s : config.stop_strings)
+          if (tail.find(s) != std::string::npos) return "stop_string";
+      }
       if (int64_t(generated.size()) >= config.max_new_tokens) return "max_tokens";
     }
     return "";

@@ -1,10 +1,10 @@
 // The speculative decoding loop: runtime/loop.py in C++, step for step.
 //
 // Prefill in chunks; then repeat {draft k; verify k+1 in one target call; accept the longest
-// agreeing prefix (greedy) or by rejection sampling; advance} until eos, max tokens or a full
-// context. Plain decoding is the same loop with no drafter. Invariant between steps: `context`
-// holds every token so far; the target's cache holds all of them but the last, which the next
-// call feeds (with the drafts behind it) at position `pos`.
+// agreeing prefix (greedy) or by rejection sampling; advance} until eos, a stop string, max
+// tokens or a full context. Plain decoding is the same loop with no drafter. Invariant between
+// steps: `context` holds every token so far; the target's cache holds all of them but the last,
+// which the next call feeds (with the drafts behind it) at position `pos`.
 #pragma once
 
 #include <cstdint>
@@ -24,7 +24,16 @@ struct GenerationConfig {
   bool adaptive_k = false;  // grow k by 2 after a fully accepted step, shrink by 1 otherwise
   SamplingParams sampling;
   std::vector<int64_t> eos_ids;
+  // Stop as soon as the text of the generated tokens contains one of these (checked after each
+  // token, on the detokenized last kStopTailTokens tokens); the token completing it is kept.
+  std::vector<std::string> stop_strings;
 };
+
+// How many generated tokens the stop-string check detokenizes (runtime/loop.py's window).
+constexpr size_t kStopTailTokens = 64;
+
+// Token ids -> text (special tokens skipped), for stop strings.
+using Detokenize = std::function<std::string(const std::vector<int64_t>&)>;
 
 struct GenerationStats {
   int64_t generated_tokens = 0;
@@ -43,15 +52,16 @@ struct GenerationStats {
 
 struct GenerationResult {
   std::vector<int64_t> token_ids;  // an eos token that stopped generation is left out
-  std::string stop_reason;         // eos | max_tokens | context_full
+  std::string stop_reason;         // eos | stop_string | max_tokens | context_full
   GenerationStats stats;
   std::vector<double> top2_gaps;  // the target's best-minus-second logit where each was chosen
 };
 
-// Throws UserError for an empty prompt or one that fills the context. `on_token` sees each
-// emitted token (for streaming).
+// Throws UserError for an empty prompt or one that fills the context. `detokenize` is needed
+// for stop strings (std::invalid_argument without it); `on_token` sees each emitted token (for
+// streaming).
 GenerationResult generate(Model& target, const std::vector<int64_t>& prompt, Drafter* drafter,
-                          const GenerationConfig& config,
+                          const GenerationConfig& config, const Detokenize& detokenize = nullptr,
                           const std::function<void(int64_t)>& on_token = nullptr);
 
 // Index of the first token where two outputs differ, or -1 when identical.

@@ -94,10 +94,13 @@ nlohmann::json run_suite(Engine& engine, const std::vector<Prompt>& prompts,
     cfg.max_new_tokens = options.max_new_tokens ? options.max_new_tokens : p.max_new_tokens;
     std::vector<double> ar_rates, spec_rates;
     GenerationResult plain, spec;
+    const Detokenize detokenize = [&engine](const std::vector<int64_t>& t) {
+      return engine.decode(t);
+    };
     for (int r = 0; r < options.repeat; ++r) {
       // Interleaved, so that machine drift affects both alike.
-      plain = generate(engine.target(), ids, nullptr, cfg);
-      spec = generate(engine.target(), ids, engine.drafter(), cfg);
+      plain = generate(engine.target(), ids, nullptr, cfg, detokenize);
+      spec = generate(engine.target(), ids, engine.drafter(), cfg, detokenize);
       ar_rates.push_back(plain.stats.decode_tokens_per_s());
       spec_rates.push_back(spec.stats.decode_tokens_per_s());
       ar_tokens += std::max<int64_t>(plain.stats.generated_tokens - 1, 0);

@@ -27,7 +27,7 @@ struct SuiteOptions {
   int64_t max_new_tokens = 0;  // 0: each prompt's own
   int repeat = 1;
   bool chat = true;
-  GenerationConfig config;  // k, adaptive_k, sampling, eos_ids
+  GenerationConfig config;  // k, adaptive_k, sampling, eos_ids, stop_strings
 };
 
 // The report body: summary, per_category, prompts (each row also carries ar_token_ids and

@@ -2,6 +2,7 @@
 // the n-gram drafter, the MTP drafter's positions and cache-end clamp, and the loop's lossless
 // property on a fake target. Plain asserts; the pytest suite (tests/test_native.py) runs this
 // binary and the runner on real bundles.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -236,6 +237,51 @@ void test_loop_lossless() {
   CHECK(refused);
 }
 
+// Stop strings: plain and speculative decoding stop at the same token, the one completing the
+// text; a stop string that never occurs changes nothing.
+void test_loop_stop_strings() {
+  auto detokenize = [](const std::vector<int64_t>& ids) {
+    std::string text;
+    for (int64_t id : ids) text += char('a' + id);
+    return text;
+  };
+  mtp::GenerationConfig cfg;
+  cfg.max_new_tokens = 40;
+  cfg.k = 4;
+  const std::vector<int64_t> prompt = {1, 2, 3, 4, 1, 2, 3};
+  FakeModel m0(11, 64, 6);
+  const auto full = mtp::generate(m0, prompt, nullptr, cfg);
+  const std::string text = detokenize(full.token_ids);
+  CHECK(text.size() == 40);
+  // One character per token: the stop string's first occurrence ends at token `end`, late
+  // enough that the n-gram drafter hits before it (the fake model's output repeats).
+  const std::string stop = text.substr(13, 14);
+  const size_t end = text.find(stop) + stop.size();
+  cfg.stop_strings = {"zzz", stop};
+  for (int64_t k : {0, 2, 4}) {
+    cfg.k = k;
+    FakeModel a(11, 64, 6), b(11, 64, 6);
+    mtp::NgramDrafter ngram;
+    const auto plain = mtp::generate(a, prompt, nullptr, cfg, detokenize);
+    const auto spec = mtp::generate(b, prompt, &ngram, cfg, detokenize);
+    CHECK(plain.stop_reason == "stop_string" && spec.stop_reason == "stop_string");
+    CHECK(plain.token_ids.size() == end && plain.token_ids == spec.token_ids);
+    CHECK(std::equal(plain.token_ids.begin(), plain.token_ids.end(), full.token_ids.begin()));
+    CHECK(k == 0 || spec.stats.verify_steps < plain.stats.verify_steps);  // drafts were kept
+  }
+  cfg.stop_strings = {"zzz"};
+  FakeModel c(11, 64, 6);
+  CHECK(mtp::generate(c, prompt, nullptr, cfg, detokenize).token_ids == full.token_ids);
+  bool refused = false;
+  try {
+    FakeModel d(11, 64, 6);
+    mtp::generate(d, prompt, nullptr, cfg);  // stop strings without detokenize
+  } catch (const std::invalid_argument&) {
+    refused = true;
+  }
+  CHECK(refused);
+}
+
 // The C API on a real bundle: streamed pieces add up to the final text; errors come back as
 // messages. Prints the result JSON for tests/test_native.py to compare with the Python runtime.
 int run_c_api(const char* bundle, const char* prompt, const char* options) {
@@ -259,6 +305,9 @@ int run_c_api(const char* bundle, const char* prompt, const char* options) {
   const std::string json = result.data();
   CHECK(mtp_generate(engine, prompt, "{not json", nullptr, nullptr, result.data(), result.size(),
                      err, sizeof err) != 0);
+  CHECK(mtp_generate(engine, prompt, R"({"stop_strings": [""]})", nullptr, nullptr,
+                     result.data(), result.size(), err, sizeof err) != 0 &&
+        std::strstr(err, "stop_strings") != nullptr);
   mtp_close(engine);
   std::printf("%s\n%s\n", json.c_str(), streamed.c_str());
   return failures ? 1 : 0;
@@ -275,6 +324,7 @@ int main(int argc, char** argv) {
   test_accept_rules();
   test_rejection_sampling_distribution();
   test_loop_lossless();
+  test_loop_stop_strings();
   if (failures) {
     std::fprintf(stderr, "%d check(s) failed\n", failures);
     return 1;

@@ -22,8 +22,10 @@ const char* kUsage =
     "       [--max-new-tokens N] [--repeat R] [--json OUT] [--k K]\n"
     "       [--drafter bundle|none|ngram|mtp|draft-lm] [--ngram-sizes MIN-MAX]\n"
     "       [--draft-confidence P] [--adaptive-k] [--no-chat] [--threads N]\n"
-    "       [--temperature T] [--top-k K] [--top-p P] [--seed S]\n"
+    "       [--temperature T] [--top-k K] [--top-p P] [--seed S] [--stop TEXT]...\n"
     "Each prompt runs plain, then speculative; greedy output must be identical (exit 2 if not).\n"
+    "--stop TEXT (repeatable): stop a run once its generated text contains TEXT, keeping the\n"
+    "token that completes it (as mtp-run --stop; stop_reason \"stop_string\").\n"
     "prompts file: one JSON per line, {\"id\", \"category\", \"prompt\" or \"prompt_ids\",\n"
     "\"max_new_tokens\"}; prompt_ids are fed as is (no chat format, no bos added).\n";
 
@@ -126,6 +128,10 @@ int run(int argc, char** argv) {
         throw mtp::UserError("--top-p must be in (0, 1] (1 = off)");
     } else if (flag == "--seed") {
       options.config.sampling.seed = number<uint64_t>(flag, value());
+    } else if (flag == "--stop") {
+      options.config.stop_strings.push_back(value());
+      if (options.config.stop_strings.back().empty())
+        throw mtp::UserError("--stop takes a non-empty text");
     } else {
       throw mtp::UserError("unknown option " + flag + " (see --help)");
     }
@@ -145,6 +151,8 @@ int run(int argc, char** argv) {
   }
   std::cerr << "[load] " << bundle << std::endl;
   mtp::Engine engine(bundle, engine_options);
+  if (!options.config.stop_strings.empty() && !engine.has_tokenizer())
+    throw mtp::UserError("--stop needs the bundle's tokenizer.json, which " + bundle + " lacks");
   options.config.k = k >= 0 ? k : engine.manifest().default_k();
   engine.check_k(options.config.k);
   options.config.eos_ids = engine.manifest().eos_ids;
