@@ -1,6 +1,10 @@
 #include <executorch/extension/module/module.h>
 #include <executorch/extension/tensor/tensor.h>
+#include <executorch/runtime/backend/backend_options_map.h>
+#include <executorch/runtime/backend/options.h>
 
+#include <atomic>
+#include <cstdlib>
 #include <cstring>
 
 #include "errors.h"
@@ -25,6 +29,48 @@ using executorch::extension::Module;
 using executorch::runtime::Error;
 using executorch::runtime::EValue;
 
+// XNNPACK's weight cache. Without it every XNNPACK delegate packs its own copy of its weights at
+// load time, so a program whose methods (forward, verify, draft) run the same linears holds one
+// packed copy per method. With it, the delegate looks each constant up by its named-data key (the
+// sha256 of its bytes, how the exporter's XNNPACK partitioner stores them) in the backend's one
+// process-wide heap cache and packs it only on the first miss; later delegates (other methods,
+// and a drafter program with the same bytes) reuse the packed copy, and the cache drops an entry
+// when the last delegate using it is destroyed. Turned on per load through the delegate's runtime
+// spec (`weight_cache_enabled`, read by XnnpackBackendOptions::resolve_weight_cache), and turned
+// off the same way (explicitly false, whatever the build's default), so both can be measured.
+// -1: not set by set_xnnpack_weight_cache; then MTP_XNNPACK_WEIGHT_CACHE=0 turns it off.
+std::atomic<int> weight_cache_setting{-1};
+
+bool weight_cache_enabled() {
+  const int setting = weight_cache_setting.load();
+  if (setting >= 0) return setting != 0;
+  const char* env = std::getenv("MTP_XNNPACK_WEIGHT_CACHE");
+  return env == nullptr || std::strcmp(env, "0") != 0;
+}
+
+// The option arrays must outlive every method loaded with them: static storage.
+const executorch::runtime::LoadBackendOptionsMap* xnnpack_load_options() {
+  using executorch::runtime::BackendOptions;
+  using executorch::runtime::LoadBackendOptionsMap;
+  struct Maps {
+    BackendOptions<1> on_options, off_options;
+    LoadBackendOptionsMap on, off;
+    Maps() {
+      on_options.set_option("weight_cache_enabled", true);
+      off_options.set_option("weight_cache_enabled", false);
+      on.set_options("XnnpackBackend", on_options.view());
+      off.set_options("XnnpackBackend", off_options.view());
+    }
+  };
+  static Maps maps;
+  return weight_cache_enabled() ? &maps.on : &maps.off;
+}
+
+Error load_method(Module& module, const std::string& method) {
+  return module.load_method(method, /*planned_memory=*/nullptr, /*event_tracer=*/nullptr,
+                            xnnpack_load_options());
+}
+
 std::shared_ptr<Module> load(const std::string& pte) {
   register_llama_ops();
   // Shared arenas: a program's forward, verify and draft methods keep one KV cache (a shared
@@ -34,7 +80,7 @@ std::shared_ptr<Module> load(const std::string& pte) {
   // memory as well: a method's outputs are copied out before another method runs.
   auto module = std::make_shared<Module>(pte, Module::LoadMode::Mmap, nullptr, nullptr, nullptr,
                                          /*share_memory_arenas=*/true);
-  if (module->load_method("forward") != Error::Ok)
+  if (load_method(*module, "forward") != Error::Ok)
     throw UserError("cannot load the forward method of " + pte +
                     ": not an mtp-export program, or built for another ExecuTorch version");
   return module;
@@ -58,7 +104,7 @@ class ExecuTorchModel : public Model {
  public:
   explicit ExecuTorchModel(const std::string& pte) : pte_(pte), module_(load(pte)) {
     auto names = module_->method_names();
-    if (names.ok() && names->count("verify") && module_->load_method("verify") == Error::Ok) {
+    if (names.ok() && names->count("verify") && load_method(*module_, "verify") == Error::Ok) {
       auto meta = module_->method_meta("verify");
       if (meta.ok() && meta->num_inputs() > 0) verify_width_ = meta->input_tensor_meta(0)->sizes()[1];
     }
@@ -154,7 +200,7 @@ class ExecuTorchStep : public StepProgram {
     if (!names.ok() || !names->count(method))
       throw UserError("the target program " + pte + " has no '" + method +
                       "' method: re-export the bundle");
-    if (module_->load_method(method) != Error::Ok)
+    if (load_method(*module_, method) != Error::Ok)
       throw UserError("cannot load the " + method + " method of " + pte +
                       ": built for another ExecuTorch version?");
   }
@@ -201,6 +247,10 @@ Output prefill(Model& model, const std::vector<int64_t>& tokens, int64_t start,
 void set_executorch_threads(unsigned threads) {
   if (threads > 0) executorch::extension::threadpool::get_threadpool()->_unsafe_reset_threadpool(threads);
 }
+
+void set_xnnpack_weight_cache(bool enabled) { weight_cache_setting.store(enabled ? 1 : 0); }
+
+bool xnnpack_weight_cache() { return weight_cache_enabled(); }
 
 std::unique_ptr<Model> open_executorch_model(const std::string& pte, int64_t max_seq_len,
                                              int64_t max_chunk, int64_t vocab_size) {

@@ -48,6 +48,12 @@ class StepProgram {
 // Sets ExecuTorch's thread pool size (0 = leave it: one thread per core). Before any load.
 void set_executorch_threads(unsigned threads);
 
+// XNNPACK weight cache on or off for programs loaded from now on (see executorch_model.cpp): on,
+// a program's methods share one packed copy of the weights they have in common. Unless set here,
+// on, and the environment variable MTP_XNNPACK_WEIGHT_CACHE=0 turns it off.
+void set_xnnpack_weight_cache(bool enabled);
+bool xnnpack_weight_cache();
+
 std::unique_ptr<Model> open_executorch_model(const std::string& pte, int64_t max_seq_len,
                                              int64_t max_chunk, int64_t vocab_size);
 // A drafter program of its own: forward(h, token).

@@ -21,11 +21,13 @@ const char* kUsage =
     "usage: mtp-runner --bundle DIR (--prompts FILE.jsonl | --prompt TEXT | --prompt-ids 1,2,3)\n"
     "       [--max-new-tokens N] [--repeat R] [--json OUT] [--k K]\n"
     "       [--drafter bundle|none|ngram|mtp|draft-lm] [--ngram-sizes MIN-MAX]\n"
-    "       [--draft-confidence P] [--adaptive-k] [--no-chat] [--threads N]\n"
+    "       [--draft-confidence P] [--adaptive-k] [--no-chat] [--threads N] [--no-weight-cache]\n"
     "       [--temperature T] [--top-k K] [--top-p P] [--seed S] [--stop TEXT]...\n"
     "Each prompt runs plain, then speculative; greedy output must be identical (exit 2 if not).\n"
     "--stop TEXT (repeatable): stop a run once its generated text contains TEXT, keeping the\n"
     "token that completes it (as mtp-run --stop; stop_reason \"stop_string\").\n"
+    "--no-weight-cache: XNNPACK packs weights once per method instead of once per program\n"
+    "(more memory; as MTP_XNNPACK_WEIGHT_CACHE=0).\n"
     "prompts file: one JSON per line, {\"id\", \"category\", \"prompt\" or \"prompt_ids\",\n"
     "\"max_new_tokens\"}; prompt_ids are fed as is (no chat format, no bos added).\n";
 
@@ -116,6 +118,8 @@ int run(int argc, char** argv) {
       options.chat = false;
     } else if (flag == "--threads") {
       engine_options.threads = number<unsigned>(flag, value());
+    } else if (flag == "--no-weight-cache") {
+      mtp::set_xnnpack_weight_cache(false);
     } else if (flag == "--temperature") {
       options.config.sampling.temperature = number<double>(flag, value());
       if (!(options.config.sampling.temperature >= 0))
@@ -167,6 +171,7 @@ int run(int argc, char** argv) {
       {"drafter", engine.drafter_name()},
       {"k", options.config.k},
       {"threads", engine_options.threads},
+      {"weight_cache", mtp::xnnpack_weight_cache()},
       {"temperature", options.config.sampling.temperature},
       {"command", command},
   };
