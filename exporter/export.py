@@ -141,6 +141,11 @@ def export_bundle(
         raise UserError(
             "--target coreml carries no separate draft model yet: use --drafter mtp or ngram"
         )
+    if options.target != "android" and drafter_kind == "mtp" and draft.has_own_cache:
+        raise UserError(
+            f"--target {options.target} does not run self-attending (EAGLE) MTP heads yet: "
+            "export them with --target android, or pass heads trained with --attention none"
+        )
     suffix = {"android": ".pte", "onnx": ".onnx"}.get(options.target)
     # A head that reads the target's cache runs inside the target's program on ExecuTorch (a
     # `draft` method); on ONNX Runtime as its own graph bound to the target session's cache
@@ -234,7 +239,14 @@ def export_bundle(
                 from mtp_edge.exporter.executorch_mtp import export_mtp_program
 
                 methods, settings = export_mtp_program(
-                    draft, target.model.embed_tokens, tmp, draft_scheme, progress
+                    draft,
+                    target.model.embed_tokens,
+                    tmp,
+                    draft_scheme,
+                    progress,
+                    rope=config,
+                    max_seq_len=max_seq_len,
+                    max_chunk=max_chunk,
                 )
             elif options.target == "onnx":
                 from mtp_edge.exporter.onnx import export_mtp_program

@@ -596,11 +596,12 @@ def measure_drafter_acceptance(directory, target, draft) -> dict:
 )
 @click.option(
     "--attention",
-    type=click.Choice(["none", "target_cache"]),
+    type=click.Choice(["none", "target_cache", "self"]),
     default="none",
     show_default=True,
     help="none: an MLP head reading the target's hidden state; target_cache: its first block "
-    "also attends to the target's last-layer KV cache.",
+    "also attends to the target's last-layer KV cache; self (EAGLE): to a KV cache of its own "
+    "features of the whole context.",
 )
 @click.option(
     "--labels",

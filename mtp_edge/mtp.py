@@ -18,8 +18,14 @@ Two kinds of block (`MTPConfig.attention`):
   because a drafted position lies past everything the target has verified, and the target
   overwrites those slots in its next call before any query of its own reads them (the
   static-cache rule that makes rollback free). Its q/k/v/o start as the target's last layer's.
-  On SmolLM2-135M it did not beat "none" (README.md, "The MTP drafter"), so "none" is what
-  ships; both kinds train, export to every backend and run natively.
+  On SmolLM2-135M it did not beat "none" (README.md, "The MTP drafter").
+- "self" (EAGLE): first x + Attention(norm(x)) over the head's *own* KV cache. Its slot i holds
+  the K/V of proj([h_i; emb(x_{i+1})]), the input that reads the token at position i+1 (the
+  position the drafter passes, as for "target_cache", and the rotary position): built from the
+  target's hidden states over the verified text, and from the head's own recurrent states past
+  it while it drafts. After each verification the drafter feeds the newly verified positions (the verify
+  call returns their hidden states) as one chunk, which overwrites the slots its drafts wrote;
+  so the head sees the whole context through features of its own, not one state.
 
 The token embedding is the target's own table (never copied into the head's file); the LM head
 covers only the draft vocabulary (`draft_ids`), because the full head of a small target (SmolLM2:
@@ -64,7 +70,7 @@ class MTPConfig:
     # Native heads only: the block's attention evaluated over the current position alone, which
     # reduces to one D x D linear map (softmax over a single key is 1).
     self_only_attention: bool = False
-    # "none" | "target_cache": see the module doc. The attention's shape is the target's.
+    # "none" | "target_cache" | "self": see the module doc. The attention's shape is the target's.
     attention: str = "none"
     num_heads: int = 0
     num_kv_heads: int = 0
@@ -140,7 +146,7 @@ class MTPBlock(nn.Module):
         if c.self_only_attention:
             self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
             self.attn = nn.Linear(c.hidden_size, c.hidden_size, bias=True)
-        elif c.attention == "target_cache" and first:
+        elif c.attention in ("target_cache", "self") and first:
             # Only the first block attends: the head owns one slot per drafted position.
             self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
             self.cache_attn = CacheAttention(c)
@@ -162,8 +168,8 @@ class TrainContext:
     """What training-time attention reads for B sequences padded to length L: the target's
     last-layer keys (rotary applied) and values per position, and the rotary tables."""
 
-    k: torch.Tensor  # [B, L, KVH, hd]
-    v: torch.Tensor  # [B, L, KVH, hd]
+    k: torch.Tensor | None  # [B, L, KVH, hd] (None for a "self" head: its own, from step 0)
+    v: torch.Tensor | None  # [B, L, KVH, hd]
     key_ok: torch.Tensor  # [B, L] bool: a real position, not padding
     cos: torch.Tensor  # [L + J, hd] by position
     sin: torch.Tensor
@@ -198,6 +204,30 @@ def training_attend(context: TrainContext, step: int, own: list) -> Attend:
     return attend
 
 
+def training_self_attend(context: TrainContext, keep: list) -> Attend:
+    """Step 0 of a "self" head from every origin at once: the query from origin t sees the
+    head's keys from origins <= t, all made from the target's hidden states (the verified text,
+    as the drafter's cache holds it). The K/V are kept (in `keep`) as the context later steps
+    attend to through `training_attend`."""
+    length = context.key_ok.shape[1]
+    # Origin t at rotary position t (drafting puts it at t + 1: rotary scores depend only on
+    # the distance between positions, so the two agree).
+    cos, sin = context.cos[:length], context.sin[:length]
+    causal = torch.ones(length, length, dtype=torch.bool).tril()[None] & context.key_ok[:, None]
+
+    def attend(q, k, v):
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        keep.append((k, v))
+        kv_heads, head_dim = k.shape[-2], k.shape[-1]
+        q = q.unflatten(-2, (kv_heads, -1))  # [B, L, KVH, G, hd]
+        scores = torch.einsum("blkgd,bskd->bkgls", q, k) * head_dim**-0.5
+        scores = scores.masked_fill(~causal[:, None, None], float("-inf"))
+        weights = torch.softmax(scores.float(), -1).to(q.dtype)
+        return torch.einsum("bkgls,bskd->blkgd", weights, v).flatten(-3, -2)
+
+    return attend
+
+
 class MTPHead(nn.Module):
     def __init__(self, config: MTPConfig):
         super().__init__()
@@ -214,6 +244,16 @@ class MTPHead(nn.Module):
     @property
     def reads_target_cache(self) -> bool:
         return self.config.attention == "target_cache"
+
+    @property
+    def has_own_cache(self) -> bool:
+        """A "self" (EAGLE) head: it attends over a KV cache of its own features."""
+        return self.config.attention == "self"
+
+    @property
+    def needs_context(self) -> bool:
+        """Training needs a TrainContext (rotary tables, padding; the target's K/V)."""
+        return self.config.attention != "none"
 
     def step(self, h: torch.Tensor, token_emb: torch.Tensor, attend: Attend | None = None):
         """h [..., D], token_emb [..., D] -> (draft logits [..., Vd], next hidden [..., D]).
@@ -241,7 +281,17 @@ class MTPHead(nn.Module):
         """
         out, hidden, own = [], [], []
         for j in range(token_embs.shape[-2]):
-            attend = training_attend(context, j, own) if self.reads_target_cache else None
+            if self.has_own_cache:
+                if j == 0:
+                    first: list = []
+                    attend = training_self_attend(context, first)
+                else:
+                    if j == 1:  # later steps attend to step 0's K/V, as to a cache
+                        (k0, v0), = first
+                        context = TrainContext(k0, v0, context.key_ok, context.cos, context.sin)
+                    attend = training_attend(context, j - 1, own)
+            else:
+                attend = training_attend(context, j, own) if self.reads_target_cache else None
             logits, h = self.step(h, token_embs[..., j, :], attend)
             out.append(logits)
             hidden.append(h)
@@ -268,11 +318,12 @@ def init_from_target(head: MTPHead, target: Transformer, draft_ids: torch.Tensor
     return head
 
 
-def cache_attention_config(target: Transformer) -> dict:
-    """MTPConfig fields of a head that attends to `target`'s last-layer cache."""
+def cache_attention_config(target: Transformer, kind: str = "target_cache") -> dict:
+    """MTPConfig fields of a head that attends (kind "target_cache": to `target`'s last-layer
+    cache; "self": to its own) with the attention shape of `target`'s layers."""
     c = target.config
     return {
-        "attention": "target_cache",
+        "attention": kind,
         "num_heads": c.num_heads,
         "num_kv_heads": c.num_kv_heads,
         "head_dim": c.head_dim,

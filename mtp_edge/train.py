@@ -74,7 +74,7 @@ class TrainOptions:
     draft_vocab: int = 8192
     num_blocks: int = 1
     intermediate_size: int = 0  # 0: the target's
-    # "none" or "target_cache" (mtp.py); "none" measured better on SmolLM2-135M: README.md
+    # "none", "target_cache" or "self" (mtp.py; measured in README.md, "The MTP drafter")
     attention: str = "none"
     labels: str = "hard"  # hard: the target's argmax; soft: its distribution over the draft vocab
     # Weight of the hidden-state loss: each step's output hidden state regressed onto the
@@ -116,8 +116,8 @@ class TrainOptions:
             (self.gen_batch >= 1, f"--gen-batch must be >= 1, got {self.gen_batch}"),
             (self.gen_tokens >= 0 and self.raw_tokens >= 0, "token budgets must be >= 0"),
             (
-                self.attention in ("none", "target_cache"),
-                f"--attention must be none or target_cache, got {self.attention}",
+                self.attention in ("none", "target_cache", "self"),
+                f"--attention must be none, target_cache or self, got {self.attention}",
             ),
             (self.labels in ("soft", "hard"), f"--labels must be soft or hard, got {self.labels}"),
             (self.feature_loss >= 0, f"--feature-loss must be >= 0, got {self.feature_loss}"),
@@ -759,11 +759,11 @@ def sequence_batch(labels: Labels, seqs, embedding, k: int, rope, cache: bool) -
     valid = (t >= first)[..., None] & (local <= (n - 1)[..., None])
     reads = offset[..., None] + torch.minimum(local, (n - 1)[..., None])
     context = None
-    if cache:
+    if cache:  # a head with attention: rotary tables, padding (and the target's K/V if kept)
         cos, sin = rope
-        context = TrainContext(
-            labels.keys[idx], labels.values[idx], t < n, cos[: length + k], sin[: length + k]
-        )
+        keys = None if labels.keys is None else labels.keys[idx]
+        values = None if labels.values is None else labels.values[idx]
+        context = TrainContext(keys, values, t < n, cos[: length + k], sin[: length + k])
     h = labels.hidden[idx].to(embedding.dtype)
     return Batch(h, F.embedding(labels.tokens[reads], embedding), reads, valid, context)
 
@@ -849,7 +849,7 @@ def evaluate(
     sums, counts, feature, feature_counts, hits, scored = (
         torch.zeros(k, dtype=torch.float64) for _ in range(6)
     )
-    cache = head.reads_target_cache
+    cache = head.needs_context
     for group in batches_of(labels, list(range(len(labels.bounds))), budget):
         batch = sequence_batch(labels, group, embedding, k, rope, cache)
         logits, hidden = head(batch.h, batch.embs, batch.context, return_hidden=True)
@@ -979,7 +979,8 @@ def _train(options, rank, world, progress, began) -> dict:
     train_ids, heldout_ids = _split(len(sequences), options.heldout, options.seed, world)
     say(f"labelling {sum(len(s.tokens) for s in sequences)} tokens in {len(sequences)} sequences")
 
-    cache = options.attention == "target_cache"
+    cache = options.attention == "target_cache"  # labels keep the target's last-layer K/V
+    context = options.attention != "none"
 
     def label(ids: list[int], part: str) -> Labels:
         chosen = [sequences[i] for i in ids[rank::world]]
@@ -1028,7 +1029,7 @@ def _train(options, rank, world, progress, began) -> dict:
         target_name=loaded.name,
         target_hash=target_hash,
         k=options.k,
-        **(cache_attention_config(target) if cache else {}),
+        **(cache_attention_config(target, options.attention) if context else {}),
     )
     head = init_from_target(MTPHead(config), target, draft_ids)
     head.lm_head.weight.requires_grad_(options.train_lm_head)
@@ -1096,7 +1097,9 @@ def _train(options, rank, world, progress, began) -> dict:
     while step < options.steps:
         # Batches depend only on (seed, rank, step), so a resumed run draws the same ones.
         generator = torch.Generator().manual_seed(options.seed * 1_000_003 + rank * 7919 + step)
-        batch = sequence_batch(train, pick_sequences(generator), embedding, options.k, rope, cache)
+        batch = sequence_batch(
+            train, pick_sequences(generator), embedding, options.k, rope, context
+        )
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, options)
         logits, hidden = model(batch.h, batch.embs, batch.context, return_hidden=True)

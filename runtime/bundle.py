@@ -64,7 +64,13 @@ def bundle_drafter(bundle: Bundle, min_confidence: float = 0.0):
     if kind == "mtp":
         from mtp_edge.runtime.mtp_drafter import MtpDrafter
 
-        cache_len = None  # set for a head that writes the target's cache: drafting stops there
+        cache_len = None  # set for a head that writes a cache: drafting stops at its end
+        own = bool(m.drafter.get("own_cache"))  # a self (EAGLE) head, fed the verified rows
+        if own and m.backend != "executorch":
+            raise UserError(
+                f"this bundle's self-attending MTP heads run on ExecuTorch only, not on "
+                f"{m.backend}: re-export it with --target android"
+            )
         if m.backend == "onnxruntime":
             from mtp_edge.runtime.onnx_session import OnnxStep
 
@@ -85,14 +91,16 @@ def bundle_drafter(bundle: Bundle, min_confidence: float = 0.0):
             session = target_session(bundle)
             step = ExecuTorchStep(program=session.program, method=m.drafter["method"])
             cache_len = session.max_seq_len
-        else:
+        else:  # a program of its own (a self head's with its own cache)
             from mtp_edge.runtime.executorch_session import ExecuTorchStep
 
-            step = ExecuTorchStep(bundle.path / m.models["drafter"].file)
+            chunk = m.drafter.get("max_chunk", 0) if own else 0
+            step = ExecuTorchStep(bundle.path / m.models["drafter"].file, max_chunk=chunk)
+            cache_len = m.max_seq_len if own else None
         vocab = json.loads((bundle.path / m.models["drafter_vocab"].file).read_text())
         ids = torch.tensor(vocab["draft_ids"])
         limit = None if cache_len is None else (lambda: cache_len)
-        return MtpDrafter(step, ids, m.vocab_size, min_confidence, limit)
+        return MtpDrafter(step, ids, m.vocab_size, min_confidence, limit, feeds_context=own)
     if kind == "draft-lm":
         from mtp_edge.runtime.drafters import DraftModelDrafter
 

@@ -96,9 +96,17 @@ class ExecuTorchStep:
     """One draft step: step(h [1, D], token [1], position) -> (draft_logits [1, Vd], h').
 
     Either a drafter program of its own (`forward(h, token)`), or a method of the target's
-    loaded program (`draft(h, token, input_pos)`), which then shares the target's cache."""
+    loaded program (`draft(h, token, input_pos)`), which then shares the target's cache; or a
+    self head's program with its own cache (`max_chunk` > 0: `forward(h [1, T, D], tokens
+    [1, T], input_pos)`, fed in chunks of at most max_chunk rows)."""
 
-    def __init__(self, pte_path: str | Path | None = None, program=None, method: str = "forward"):
+    def __init__(
+        self,
+        pte_path: str | Path | None = None,
+        program=None,
+        method: str = "forward",
+        max_chunk: int = 0,
+    ):
         import executorch.kernels.quantized  # noqa: F401
         from executorch.runtime import Runtime
 
@@ -108,8 +116,20 @@ class ExecuTorchStep:
             raise UserError(f"the program has no '{method}' method: re-export the bundle")
         self.method = self.program.load_method(method)
         self.takes_position = method != "forward"
+        self.max_chunk = max_chunk
 
     def __call__(self, h: torch.Tensor, token: torch.Tensor, position: int = 0):
+        if self.max_chunk:
+            for i in range(0, len(token), self.max_chunk):
+                rows = slice(i, i + self.max_chunk)
+                logits, g = self.method.execute(
+                    [
+                        h[rows].float().contiguous()[None],
+                        token[rows].long()[None],
+                        torch.tensor([position + i]),
+                    ]
+                )
+            return logits.clone(), g.clone()
         inputs = [h.float().contiguous(), token.long()]
         if self.takes_position:
             inputs.append(torch.tensor([position]))

@@ -1,11 +1,13 @@
 """The mtp drafter: runs an MTP head recurrently for k steps from the target's last hidden state.
 
-The compute is one injected function, `step_fn(h [1, D], token [1], position) -> (draft_logits
-[1, Vd], next h [1, D])`, so that an exported program (e.g. an ExecuTorch method) can replace the
-eager head without touching the drafting logic. `position` is where the drafted-from token sits:
-a head that reads the target's cache writes its K/V into the target's last-layer cache there
-(mtp.py explains why that is safe) and attends to the slots up to it. Draft logits cover the
-head's reduced vocabulary; `draft_ids` maps them back to target token ids.
+The compute is one injected function, `step_fn(h [T, D], tokens [T], position) -> (draft_logits
+[1, Vd], next h [1, D])` (of the last row), so that an exported program (e.g. an ExecuTorch
+method) can replace the eager head without touching the drafting logic. `position` is where the
+first row sits: a head that reads the target's cache writes its K/V into the target's last-layer
+cache there (mtp.py explains why that is safe) and attends to the slots up to it; a "self"
+(EAGLE) head writes and reads its own cache. T is 1 except for a self head's first call of a
+draft, which feeds the rows the last verification added (the whole prompt after prefill). Draft
+logits cover the head's reduced vocabulary; `draft_ids` maps them back to target token ids.
 """
 
 from __future__ import annotations
@@ -27,7 +29,33 @@ StepFn = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.T
 
 def eager_step_fn(head: MTPHead, target: Transformer) -> StepFn:
     """The head in PyTorch on the eager target: its embedding table and, for heads that read
-    it, its last layer's static cache (the one the eager session decodes with)."""
+    it, its last layer's static cache (the one the eager session decodes with); a self head
+    gets a static cache of its own, as long as the target's."""
+    own: dict[str, torch.Tensor] = {}
+
+    def own_attend_at(position: int, rows: int):
+        c = head.config
+        if own.get("k") is None or own["k"].shape[2] != target.max_seq_len:
+            shape = (1, c.num_kv_heads, target.max_seq_len, c.head_dim)
+            own["k"] = torch.zeros(shape, dtype=target.dtype)
+            own["v"] = torch.zeros(shape, dtype=target.dtype)
+        positions = torch.arange(position, position + rows)
+        cos, sin = target.rope_cos[positions], target.rope_sin[positions]
+        # Slot p - 1 for the input that reads the token at p (nothing reads the token at 0).
+        slots, end = positions - 1, position + rows - 1
+        mask = torch.arange(end)[None] <= slots[:, None]
+
+        def attend(q, k, v):  # q [T, H, hd], k/v [T, KVH, hd]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            own["k"][0, :, slots] = k.transpose(0, 1)
+            own["v"][0, :, slots] = v.transpose(0, 1)
+            keys, values = own["k"][:, :, :end], own["v"][:, :, :end]
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], keys, values, attn_mask=mask, enable_gqa=True
+            )
+            return out[0].transpose(0, 1)  # [T, H, hd]
+
+        return attend
 
     def attend_at(position: int):
         cache = target.layers[-1].self_attn.cache
@@ -44,9 +72,14 @@ def eager_step_fn(head: MTPHead, target: Transformer) -> StepFn:
         return attend
 
     @torch.inference_mode()
-    def step(h: torch.Tensor, token: torch.Tensor, position: int):
-        attend = attend_at(position) if head.reads_target_cache else None
-        return head.step(h, target.embed_tokens(token), attend)
+    def step(h: torch.Tensor, tokens: torch.Tensor, position: int):
+        attend = None
+        if head.reads_target_cache:
+            attend = attend_at(position)
+        elif head.has_own_cache:
+            attend = own_attend_at(position, len(tokens))
+        logits, g = head.step(h, target.embed_tokens(tokens), attend)
+        return logits[-1:], g[-1:]
 
     return step
 
@@ -60,6 +93,10 @@ class MtpDrafter:
     and q is returned so that rejection sampling stays exact. Drafting stops early when q's best
     probability is below `min_confidence` (0 = always draft k); the rule looks only at q, before
     drawing, so the drawn tokens stay distributed as q.
+
+    A self head (`feeds_context`) first feeds every row of `hidden` (the positions the last
+    verification added; the whole prompt after prefill) with the tokens that follow them, which
+    fills its cache with the verified text's features and gives the first draft from the last.
     """
 
     name = "mtp"
@@ -72,6 +109,7 @@ class MtpDrafter:
         vocab_size: int,
         min_confidence: float = 0.0,
         cache_len: Callable[[], int] | None = None,
+        feeds_context: bool = False,
     ):
         if not 0 <= min_confidence < 1:
             raise UserError(f"draft confidence threshold must be in [0, 1), got {min_confidence}")
@@ -81,19 +119,24 @@ class MtpDrafter:
         self.min_confidence = min_confidence
         # For a head that writes the target's cache: its length (drafting stops at its end).
         self.cache_len = cache_len
+        self.feeds_context = feeds_context
 
     def propose(self, context, hidden, k, sampler) -> Draft:
         if k <= 0 or hidden is None or len(hidden) == 0:
             return Draft([])
-        h = hidden[-1:]
-        token = context[-1]
         position = len(context) - 1
         if self.cache_len is not None:
             k = min(k, self.cache_len() - position)
+        if self.feeds_context:  # rows at positions len(context) - 1 - T .. len(context) - 2
+            h, feed = hidden, context[-len(hidden) :]
+        else:
+            h, feed = hidden[-1:], context[-1:]
+        position -= len(feed) - 1
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
-        for i in range(k):
-            logits, h = self.step_fn(h, torch.tensor([token]), position + i)
+        for _ in range(k):
+            logits, h = self.step_fn(h, torch.tensor(feed), position)
+            position += len(feed)
             logits = logits[0]
             if sampler.greedy:
                 best = int(torch.argmax(logits))
@@ -112,6 +155,7 @@ class MtpDrafter:
                 q = torch.zeros(self.vocab_size, dtype=q_draft.dtype)
                 probs.append(q.index_copy_(0, self.draft_ids, q_draft))
             tokens.append(token)
+            feed = [token]
         return Draft(tokens, torch.stack(probs) if probs else None)
 
 
@@ -122,7 +166,8 @@ def mtp_drafter(head: MTPHead, target: Transformer, min_confidence: float = 0.0)
         head.draft_ids,
         head.config.vocab_size,
         min_confidence,
-        (lambda: target.max_seq_len) if head.reads_target_cache else None,
+        (lambda: target.max_seq_len) if head.config.attention != "none" else None,
+        feeds_context=head.has_own_cache,
     )
 
 

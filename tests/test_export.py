@@ -217,11 +217,11 @@ def test_exported_fp32_logits_match_eager(model_dir, tmp_path):
     )
 
 
-@pytest.fixture(scope="module", params=["target_cache", "none"])
+@pytest.fixture(scope="module", params=["target_cache", "none", "self"])
 def mtp_bundle(model_dir, tmp_path_factory, request):
     """A bundle with an MTP drafter (random heads: lossless does not need good drafts), of
-    both kinds: a head that reads the target's cache (a method of target.pte) and one without
-    attention (its own drafter.pte)."""
+    each kind: a head that reads the target's cache (a method of target.pte), one without
+    attention and one with a cache of its own (each its own drafter.pte)."""
     root = tmp_path_factory.mktemp("mtp")
     save_random_heads(model_dir, root / "heads.safetensors", request.param)
     args = [
@@ -266,6 +266,50 @@ def test_mtp_bundle_is_lossless_greedy_and_sampled(mtp_bundle):
     assert spec["stats"]["drafted_tokens"] > 0
     sampled = CliRunner().invoke(run, [*args, "--temperature", "0.9", "--seed", "1"])
     assert sampled.exit_code == 0, sampled.output
+
+
+def test_exported_self_head_drafts_as_the_eager_head(model_dir, tmp_path):
+    """The self head's fp32 program (its own cache in buffers, chunks of T rows) gives the
+    eager head's draft logits: a chunk of verified rows, recurrent steps past it, then a chunk
+    that starts inside the drafted slots and overwrites them."""
+    from mtp_edge.mtp import load_heads
+    from mtp_edge.runtime.executorch_session import ExecuTorchStep
+    from mtp_edge.runtime.mtp_drafter import eager_step_fn
+
+    from mtp_edge.checkpoints import load_model
+
+    heads = save_random_heads(model_dir, tmp_path / "heads.safetensors", "self")
+    loaded = load_model(str(model_dir))
+    head = load_heads(heads, loaded.model, loaded.name)
+    options = ExportOptions(
+        model=str(model_dir),
+        drafter="mtp",
+        heads=str(heads),
+        quant="fp32",
+        draft_quant="fp32",
+        group_size=0,
+        embedding_quant="none",
+        max_seq_len=64,
+        max_chunk=8,
+        quality_tokens=0,
+    )
+    export_bundle(options, tmp_path / "b", None, progress=lambda _: None)
+    manifest = Manifest.load(tmp_path / "b")
+    assert manifest.drafter["own_cache"] and manifest.drafter["max_chunk"] == 8
+    program = ExecuTorchStep(tmp_path / "b" / "drafter.pte", max_chunk=8)
+    model = loaded.model
+    model.setup_cache(64)
+    eager = eager_step_fn(head, model)
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(40, model.config.hidden_size, generator=generator)
+    tokens = torch.randint(0, model.config.vocab_size, (40,), generator=generator)
+    calls = [(0, 13), (13, 1), (14, 1), (15, 1), (13, 3), (16, 1), (16, 20)]  # (row, rows)
+    for row, rows in calls:
+        h, t = hidden[row : row + rows], tokens[row : row + rows]
+        want, want_h = eager(h, t, row + 1)
+        got, got_h = program(h, t, row + 1)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got_h, want_h, atol=1e-4, rtol=1e-4)
 
 
 def test_heads_for_another_target_are_refused(mtp_bundle, tmp_path):

@@ -83,9 +83,9 @@ def options(root, **overrides) -> TrainOptions:
     return TrainOptions(**values)
 
 
-@pytest.fixture(scope="module", params=["none", "target_cache"])
+@pytest.fixture(scope="module", params=["none", "target_cache", "self"])
 def trained(tiny_dir, request):
-    """Heads of both kinds (mtp.py), the second with soft labels."""
+    """Heads of each kind (mtp.py), the cache-reading one with soft labels."""
     out = tiny_dir / f"trained-{request.param}"
     labels = "soft" if request.param == "target_cache" else "hard"
     opts = options(
@@ -541,16 +541,19 @@ def test_a_bundle_of_another_model_is_refused(tiny_dir, fp32_bundle, tmp_path):
         train_heads(opts, lambda _: None)
 
 
-def test_training_attention_is_what_drafting_computes(tiny_dir):
-    """The training-time test (all origins at once, the target's K/V as context, the head's own
-    K/V of earlier steps on the diagonal) equals drafting step by step on the eager target,
-    which writes the head's K/V into the target's cache: training learns what drafting runs."""
+@pytest.mark.parametrize("attention", ["target_cache", "self"])
+def test_training_attention_is_what_drafting_computes(tiny_dir, attention):
+    """The training-time test (all origins at once; as context the target's K/V, or for a self
+    head its own step-0 K/V; the head's K/V of earlier steps on the diagonal) equals drafting
+    step by step on the eager target, which writes the head's K/V into the target's cache or
+    into the self head's own (fed the verified rows as one chunk first): training learns what
+    drafting runs."""
     from mtp_edge.mtp import cache_attention_config
     from mtp_edge.train import Sequence, label_sequences, rope_tables, sequence_batch
 
     target = load_model(str(tiny_dir / "model"), dtype=torch.float64).model
     c = target.config
-    extra = cache_attention_config(target)
+    extra = cache_attention_config(target, attention)
     config = MTPConfig(c.hidden_size, 2 * c.hidden_size, c.vocab_size, c.vocab_size, **extra)
     torch.manual_seed(5)
     head = MTPHead(config).to(torch.float64)
@@ -561,7 +564,8 @@ def test_training_attention_is_what_drafting_computes(tiny_dir):
     generator = torch.Generator().manual_seed(2)
     tokens = torch.randint(0, c.vocab_size, (24,), generator=generator).tolist()
     k = 3
-    labels = label_sequences(target, [Sequence(tokens, 0)], cache=True, dtype=torch.float64)
+    own = attention == "self"
+    labels = label_sequences(target, [Sequence(tokens, 0)], cache=not own, dtype=torch.float64)
     rope = tuple(t.to(torch.float64) for t in rope_tables(c, len(tokens) + k + 1))
     batch = sequence_batch(labels, [0], target.embed_tokens.weight.detach(), k, rope, True)
     with torch.no_grad():
@@ -569,9 +573,13 @@ def test_training_attention_is_what_drafting_computes(tiny_dir):
 
     session = EagerSession(target, 64)
     step = eager_step_fn(head, target)
-    for origin in (0, 5, 17):
+    for origin in (0, 5, 17, 9):  # 9 after 17: stale slots past the chunk must not matter
         _, hidden = session.forward(tokens[: origin + 1], 0, return_hidden=True)
-        h = hidden[-1:]
+        h = hidden if own else hidden[-1:]
+        feed = tokens[1 : origin + 2] if own else tokens[origin + 1 : origin + 2]
+        position = origin + 2 - len(feed)
         for j in range(k):
-            logits, h = step(h, torch.tensor([tokens[origin + 1 + j]]), origin + 1 + j)
+            logits, h = step(h, torch.tensor(feed), position)
             torch.testing.assert_close(logits[0], trained[origin, j], atol=1e-6, rtol=1e-5)
+            position += len(feed)
+            feed = [tokens[origin + 2 + j]]

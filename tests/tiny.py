@@ -125,7 +125,8 @@ def chi_square_pvalue(counts, dist: dict, samples: int) -> float:
 def save_random_heads(model_dir, path, attention: str = "target_cache"):
     """MTP heads with random weights for the model in `model_dir`, saved at `path` (lossless
     tests do not need good drafts): a 64-token draft vocabulary at the top of the vocabulary.
-    `attention`: "target_cache" (reads the target's cache) or "none" (see mtp.py)."""
+    `attention`: "target_cache" (reads the target's cache), "self" (its own cache) or "none"
+    (see mtp.py)."""
     from mtp_edge.checkpoints import load_model
     from mtp_edge.mtp import (
         MTPConfig,
@@ -138,7 +139,7 @@ def save_random_heads(model_dir, path, attention: str = "target_cache"):
 
     target = load_model(str(model_dir))
     c = target.config
-    extra = cache_attention_config(target.model) if attention == "target_cache" else {}
+    extra = cache_attention_config(target.model, attention) if attention != "none" else {}
     config = MTPConfig(
         c.hidden_size,
         2 * c.hidden_size,
