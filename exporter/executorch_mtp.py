@@ -22,9 +22,8 @@ import torch
 from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
 from executorch.exir.passes import MemoryPlanningPass
-from torch import nn
-
 from executorch.exir.passes.sym_shape_eval_pass import ConstraintBasedSymShapeEvalPass
+from torch import nn
 
 from mtp_edge.config import ModelConfig
 from mtp_edge.exporter.executorch import CustomOpAttention, MatmulRMSNorm

@@ -23,9 +23,9 @@ Two kinds of block (`MTPConfig.attention`):
   the K/V of proj([h_i; emb(x_{i+1})]), the input that reads the token at position i+1 (the
   position the drafter passes, as for "target_cache", and the rotary position): built from the
   target's hidden states over the verified text, and from the head's own recurrent states past
-  it while it drafts. After each verification the drafter feeds the newly verified positions (the verify
-  call returns their hidden states) as one chunk, which overwrites the slots its drafts wrote;
-  so the head sees the whole context through features of its own, not one state.
+  it while it drafts. After each verification the drafter feeds the newly verified positions
+  (the verify call returns their hidden states) as one chunk, which overwrites the slots its
+  drafts wrote; so the head sees the whole context through features of its own, not one state.
 
 The token embedding is the target's own table (never copied into the head's file); the LM head
 covers only the draft vocabulary (`draft_ids`), because the full head of a small target (SmolLM2:
@@ -287,7 +287,7 @@ class MTPHead(nn.Module):
                     attend = training_self_attend(context, first)
                 else:
                     if j == 1:  # later steps attend to step 0's K/V, as to a cache
-                        (k0, v0), = first
+                        ((k0, v0),) = first
                         context = TrainContext(k0, v0, context.key_ok, context.cos, context.sin)
                     attend = training_attend(context, j - 1, own)
             else:

@@ -272,11 +272,10 @@ def test_exported_self_head_drafts_as_the_eager_head(model_dir, tmp_path):
     """The self head's fp32 program (its own cache in buffers, chunks of T rows) gives the
     eager head's draft logits: a chunk of verified rows, recurrent steps past it, then a chunk
     that starts inside the drafted slots and overwrites them."""
+    from mtp_edge.checkpoints import load_model
     from mtp_edge.mtp import load_heads
     from mtp_edge.runtime.executorch_session import ExecuTorchStep
     from mtp_edge.runtime.mtp_drafter import eager_step_fn
-
-    from mtp_edge.checkpoints import load_model
 
     heads = save_random_heads(model_dir, tmp_path / "heads.safetensors", "self")
     loaded = load_model(str(model_dir))
