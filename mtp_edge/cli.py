@@ -59,6 +59,14 @@ def build_drafter(spec: str, target, bundle, max_seq_len: int, opts: dict):
     confidence = opts["draft_confidence"]
     if spec == "none":
         return None
+    if spec.endswith("+ngram"):  # e.g. mtp+ngram: lookup where the context repeats, else mtp
+        from mtp_edge.runtime.drafters import HybridDrafter
+
+        model = build_drafter(spec.removesuffix("+ngram"), target, bundle, max_seq_len, opts)
+        if model is None:
+            raise UserError(f"--drafter {spec}: name a model drafter before +ngram, e.g. mtp+ngram")
+        low, high = parse_ngram_sizes(opts["ngram_sizes"])
+        return HybridDrafter(model, max_n=high, min_match=low)
     if spec == "ngram":
         low, high = parse_ngram_sizes(opts["ngram_sizes"])
         return NgramDrafter(max_n=high, min_n=low)
@@ -117,8 +125,9 @@ def drafter_options(f):
         click.option(
             "--drafter",
             default=None,
-            help="none | ngram | path to a draft model with the target's vocabulary "
-            "(default: the bundle's drafter, else ngram).",
+            help="none | ngram | mtp | path to a draft model with the target's vocabulary | "
+            "any of these +ngram (e.g. mtp+ngram: prompt lookup where the context repeats "
+            "itself, the model elsewhere) (default: the bundle's drafter, else ngram).",
         ),
         click.option(
             "--k", default=None, type=int, help="Most tokens drafted per step (default: 4)."

@@ -65,6 +65,36 @@ class NgramDrafter:
         return Draft([])
 
 
+class HybridDrafter:
+    """Prompt lookup where the context repeats itself, a model drafter elsewhere.
+
+    The n-gram drafter is free and right where the output copies its input (summaries,
+    extraction, code edits); an MTP head or draft model is right on new text. When the context's
+    last `min_match` (or more) tokens occurred before, the lookup's continuation is proposed;
+    otherwise the model drafts. A drafter that must see every verified position (a self MTP
+    head: its cache) is told about the positions it did not draft for (`observe`).
+    """
+
+    def __init__(self, model, max_n: int = 3, min_match: int = 1):
+        if not 1 <= min_match <= max_n:
+            raise UserError(f"n-gram sizes need 1 <= min <= max, got min {min_match}, max {max_n}")
+        self.model = model
+        self.lookup = NgramDrafter(max_n=max_n, min_n=min_match)
+        self.name = f"{model.name}+ngram"
+        self.needs_hidden = model.needs_hidden
+        self.from_lookup = 0  # drafts the lookup made (for reports)
+
+    def propose(self, context, hidden, k, sampler) -> Draft:
+        draft = self.lookup.propose(context, None, k, sampler) if k > 0 else Draft([])
+        if not draft.tokens:
+            return self.model.propose(context, hidden, k, sampler)
+        observe = getattr(self.model, "observe", None)
+        if observe is not None:
+            observe(context, hidden)
+        self.from_lookup += 1
+        return draft
+
+
 class DraftModelDrafter:
     """A separate small LM with the target's vocabulary and its own static KV cache.
 

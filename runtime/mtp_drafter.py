@@ -121,6 +121,12 @@ class MtpDrafter:
         self.cache_len = cache_len
         self.feeds_context = feeds_context
 
+    def observe(self, context, hidden) -> None:
+        """A self head's cache takes in the verified rows of a step it did not draft for."""
+        if self.feeds_context and hidden is not None and len(hidden):
+            position = len(context) - len(hidden)
+            self.step_fn(hidden, torch.tensor(context[-len(hidden) :]), position)
+
     def propose(self, context, hidden, k, sampler) -> Draft:
         if k <= 0 or hidden is None or len(hidden) == 0:
             return Draft([])

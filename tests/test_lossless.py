@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny import tiny_model
 
-from mtp_edge.runtime.drafters import Draft, DraftModelDrafter, NgramDrafter
+from mtp_edge.runtime.drafters import Draft, DraftModelDrafter, HybridDrafter, NgramDrafter
 from mtp_edge.runtime.loop import GenerationConfig, first_divergence, generate
 from mtp_edge.runtime.session import EagerSession
 
@@ -66,6 +66,8 @@ def make_drafter(kind: str, seed: int, error_rate: float):
         return DraftModelDrafter(session(seed + 1, chunk=5))
     if kind == "draft-lm-self":  # same weights: accepts everything, exercises the bonus path
         return DraftModelDrafter(EagerSession(tiny_model(seed=seed, vocab=VOCAB), 160, 8))
+    if kind == "hybrid":  # lookup where the context repeats, the noisy oracle elsewhere
+        return HybridDrafter(NoisyOracleDrafter(seed, error_rate, seed), 3, 1 + seed % 2)
     return NoisyOracleDrafter(seed, error_rate, seed)
 
 
@@ -80,7 +82,7 @@ prompts = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12).flatmap(
     seed=st.integers(0, 2),
     prompt=prompts,
     k=st.integers(1, 6),
-    kind=st.sampled_from(["ngram", "draft-lm-other", "draft-lm-self", "noisy-oracle"]),
+    kind=st.sampled_from(["ngram", "draft-lm-other", "draft-lm-self", "noisy-oracle", "hybrid"]),
     error_rate=st.sampled_from([0.0, 0.2, 0.6]),
     max_new=st.integers(1, 40),
     adaptive=st.booleans(),

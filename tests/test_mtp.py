@@ -151,6 +151,53 @@ def test_greedy_mtp_equals_plain_float64(tiny_dir, trained, head_kind):
         assert accepted > 0
 
 
+def test_hybrid_keeps_a_self_heads_cache_whole(tiny_dir):
+    """mtp+ngram with a self head: lossless, the lookup drafts some steps and the head others,
+    and every draft the head makes equals what a fresh head fed the whole context at once
+    drafts: the steps the lookup took were still fed into the head's cache (`observe`)."""
+    from mtp_edge.mtp import cache_attention_config
+    from mtp_edge.runtime.drafters import HybridDrafter
+
+    target = load_model(str(tiny_dir / "model"), dtype=torch.float64)
+    model = target.model
+    c = model.config
+    config = MTPConfig(
+        c.hidden_size, 2 * c.hidden_size, c.vocab_size, c.vocab_size,
+        **cache_attention_config(model, "self"),
+    )  # fmt: skip
+    torch.manual_seed(3)
+    head = MTPHead(config).to(torch.float64)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.3)
+    head.eval()
+    session = EagerSession(model, 160, max_chunk=16)
+    drafter = mtp_drafter(head, model)
+    made = []
+    propose = drafter.propose
+
+    def recording(context, hidden, k, sampler):
+        draft = propose(context, hidden, k, sampler)
+        made.append((list(context), draft.tokens))
+        return draft
+
+    drafter.propose = recording
+    hybrid = HybridDrafter(drafter, max_n=3, min_match=1)
+    rng = random.Random(4)
+    config = GenerationConfig(max_new_tokens=40, k=3)
+    for n in range(3):
+        words = [rng.choice(WORDS) for _ in range(4)]
+        prompt = target.tokenizer.encode(" ".join(words * (2 + n)))
+        plain = generate(session, prompt, None, config)
+        assert generate(session, prompt, hybrid, config).token_ids == plain.token_ids
+    assert hybrid.from_lookup > 0 and len(made) > 0
+    fresh_session = EagerSession(model, 160, max_chunk=16)
+    for context, tokens in made[-6:]:
+        _, hidden = fresh_session.forward(context[:-1], 0, return_hidden=True)
+        fresh = mtp_drafter(head, model).propose(context, hidden, 3, Sampler(SamplingParams()))
+        assert fresh.tokens == tokens
+
+
 SAMPLE_VOCAB, NEW, PROMPT = 4, 4, [1, 2, 3]
 SAMPLE_PARAMS = dict(temperature=0.9, top_k=3)
 
@@ -166,12 +213,16 @@ def exact_distribution(session, params) -> dict:
     return dist
 
 
-def sampled_counts(samples: int) -> tuple[Counter, dict, int]:
+def sampled_counts(samples: int, hybrid: bool = False) -> tuple[Counter, dict, int]:
+    from mtp_edge.runtime.drafters import HybridDrafter
+
     target = tiny_model(seed=11, vocab=SAMPLE_VOCAB, hidden_size=16, num_layers=1)
     session = EagerSession(target, 32)
     dist = exact_distribution(session, SamplingParams(**SAMPLE_PARAMS))
     # Token 1 is outside the draft vocabulary: q is zero there and the residual must supply it.
     drafter = mtp_drafter(random_head(target, [0, 2, 3], seed=3, std=0.5), target)
+    if hybrid:  # 4 tokens: the lookup (one-hot drafts) often matches, the head drafts otherwise
+        drafter = HybridDrafter(drafter, max_n=2, min_match=1)
     counts, accepted = Counter(), 0
     for seed in range(samples):
         config = GenerationConfig(
@@ -186,8 +237,9 @@ def sampled_counts(samples: int) -> tuple[Counter, dict, int]:
 SAMPLES = 5000
 
 
-def test_mtp_sampling_follows_the_target_distribution():
-    counts, dist, accepted = sampled_counts(SAMPLES)
+@pytest.mark.parametrize("hybrid", [False, True], ids=["mtp", "mtp+ngram"])
+def test_mtp_sampling_follows_the_target_distribution(hybrid):
+    counts, dist, accepted = sampled_counts(SAMPLES, hybrid)
     assert accepted > SAMPLES // 2  # the drafts are used, not just rejected
     assert chi_square_pvalue(counts, dist, SAMPLES) > 1e-3
 
