@@ -1,8 +1,11 @@
 """verify(k+1) / decode(1) of a bundle's target, steady state: the same call repeated, as in
 speculative decoding where verifications follow each other (scheme_table.py instead alternates
-widths and methods every call, which costs more: see benchmarks/README.md).
+widths and methods every call, which costs more: see benchmarks/README.md), at each of several
+cache positions (attention reads every earlier slot, and the row-exact verify reads them once
+per row). Writes results/verify_cost.{json,md,png}.
 
     python benchmarks/verify_cost.py [--bundle DIR] [--threads 2] [--repeats 60]
+        [--positions 32,64,150,250,400,550]
 """
 
 from __future__ import annotations
@@ -36,35 +39,75 @@ def main() -> None:
     parser.add_argument("--bundle", default="bundles/SmolLM2-135M-Instruct-android")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=60)
+    parser.add_argument("--positions", default="32,64,150,250,400,550")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    positions = [int(p) for p in args.positions.split(",")]
     bundle = open_bundle(args.bundle)
     session = target_session(bundle)
     width = bundle.manifest.drafter.get("k", 4) + 1
-    position = 64
-    prefill(session, list(range(100, 100 + position)))
+    prefill(session, [100 + i % 1000 for i in range(max(positions))])
     tokens = list(range(5, 5 + width))
-    decode = timed(lambda: session.forward(tokens[:1], position), args.repeats)
-    verify = timed(lambda: session.forward(tokens, position), args.repeats)
-    batched = timed(
-        lambda: session.method.execute([torch.tensor([tokens]), torch.tensor([position])]),
-        args.repeats,
+    rows = []
+    for position in positions:
+        at = torch.tensor([position])
+        decode = timed(lambda p=position: session.forward(tokens[:1], p), args.repeats)
+        verify = timed(lambda p=position: session.forward(tokens, p), args.repeats)
+        batched = timed(
+            lambda a=at: session.method.execute([torch.tensor([tokens]), a]), args.repeats
+        )
+        rows.append(
+            {
+                "position": position,
+                "decode_ms": round(decode, 3),
+                "verify_ms": round(verify, 3),
+                "verify_over_decode": round(verify / decode, 3),
+                "batched_forward_ms": round(batched, 3),
+                "batched_over_decode": round(batched / decode, 3),
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
+    command = (
+        f"python benchmarks/verify_cost.py --bundle {args.bundle} --threads {args.threads} "
+        f"--repeats {args.repeats} --positions {args.positions}"
     )
-    report = {
-        "bundle": args.bundle,
-        "threads": args.threads,
-        "position": position,
-        "decode_ms": round(decode, 3),
-        "verify_ms": round(verify, 3),
-        "verify_over_decode": round(verify / decode, 3),
-        "batched_forward_ms": round(batched, 3),
-        "batched_over_decode": round(batched / decode, 3),
-        "command": f"python benchmarks/verify_cost.py --bundle {args.bundle} "
-        f"--threads {args.threads} --repeats {args.repeats}",
-    }
+    report = {"bundle": args.bundle, "threads": args.threads, "width": width, "rows": rows}
+    report["command"] = command
     with open(RESULTS + ".json", "w") as f:
         f.write(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report, indent=2))
+    lines = [
+        f"# verify({width}) / decode(1) by cache position: {args.bundle}",
+        "",
+        "| position | decode ms | verify ms | verify/decode | batched ms | batched/decode |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['position']} | {r['decode_ms']} | {r['verify_ms']} | "
+            f"{r['verify_over_decode']} | {r['batched_forward_ms']} | {r['batched_over_decode']} |"
+        )
+    lines += ["", f"Command: `{command}`", ""]
+    with open(RESULTS + ".md", "w") as f:
+        f.write("\n".join(lines))
+    plot(rows, width, RESULTS + ".png")
+
+
+def plot(rows: list[dict], width: int, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [r["position"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(x, [r["verify_over_decode"] for r in rows], "o-", label=f"row-exact verify({width})")
+    ax.plot(x, [r["batched_over_decode"] for r in rows], "s--", label=f"batched forward({width})")
+    ax.axhline(1.3, color="grey", lw=0.8, ls=":", label="goal 1.3")
+    ax.set_xlabel("cache position")
+    ax.set_ylabel("cost / one decode step")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -598,6 +598,19 @@ def measure_drafter_acceptance(directory, target, draft) -> dict:
     help="Response tokens the target writes for the default corpus.",
 )
 @click.option(
+    "--self-prompt-tokens",
+    default=0,
+    show_default=True,
+    help="More response tokens, to requests the target writes itself (sampled from the start "
+    "of a user turn of its chat template): more varied requests than the templates.",
+)
+@click.option(
+    "--init",
+    "init_heads",
+    default=None,
+    help="Continue training these heads (their design and draft vocabulary carry over).",
+)
+@click.option(
     "--raw-tokens",
     default=50_000,
     show_default=True,
@@ -650,6 +663,8 @@ def train(
     resume,
     draft_vocab,
     gen_tokens,
+    self_prompt_tokens,
+    init_heads,
     raw_tokens,
     attention,
     labels,
@@ -675,6 +690,8 @@ def train(
         resume=resume,
         draft_vocab=draft_vocab,
         gen_tokens=gen_tokens,
+        self_prompt_tokens=self_prompt_tokens,
+        init=init_heads,
         raw_tokens=raw_tokens,
         attention=attention,
         labels=labels,

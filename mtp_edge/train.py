@@ -51,6 +51,7 @@ from mtp_edge.mtp import (
     TrainContext,
     cache_attention_config,
     init_from_target,
+    load_heads,
     save_heads,
     target_fingerprint,
     target_lm_head,
@@ -85,6 +86,11 @@ class TrainOptions:
     feature_loss: float = 0.0
     train_lm_head: bool = True  # False: the draft LM head stays the target's rows, frozen
     gen_tokens: int = 100_000  # response tokens the target writes (default corpus only)
+    # More response tokens, to requests the target writes itself (Magpie: sampled from the
+    # start of a user turn of its own chat template): requests as varied as the model's own
+    # idea of what users ask, beyond the templates over offline material.
+    self_prompt_tokens: int = 0
+    init: str | None = None  # heads to start from (their draft vocabulary and design too)
     gen_max_new: int = 256  # longest response
     gen_batch: int = 16  # prompts decoded together
     raw_tokens: int = 50_000  # tokens of offline text (default corpus only)
@@ -114,7 +120,10 @@ class TrainOptions:
             (0 < self.heldout < 1, f"--heldout must be in (0, 1), got {self.heldout}"),
             (self.seq_len >= 2, f"--seq-len must be >= 2, got {self.seq_len}"),
             (self.gen_batch >= 1, f"--gen-batch must be >= 1, got {self.gen_batch}"),
-            (self.gen_tokens >= 0 and self.raw_tokens >= 0, "token budgets must be >= 0"),
+            (
+                min(self.gen_tokens, self.raw_tokens, self.self_prompt_tokens) >= 0,
+                "token budgets must be >= 0",
+            ),
             (
                 self.attention in ("none", "target_cache", "self"),
                 f"--attention must be none, target_cache or self, got {self.attention}",
@@ -134,6 +143,7 @@ class TrainOptions:
         values["model"] = Path(self.model).name
         values["bundle"] = Path(self.bundle).name if self.bundle else None
         values["data"] = [Path(p).name for p in self.data]
+        values["init"] = Path(self.init).name if self.init else None
         return values
 
 
@@ -161,6 +171,7 @@ def artifact_paths(out: str | Path) -> dict[str, Path]:
     out = Path(out)
     return {
         "generated": out.with_name(out.stem + ".gen.jsonl"),
+        "requests": out.with_name(out.stem + ".requests.jsonl"),  # the target's own requests
         "checkpoint": out.with_name(out.stem + ".ckpt.safetensors"),
         "labels": out.with_name(out.stem + ".labels"),  # + .<part><rank>.safetensors
         "checkpoint_json": out.with_name(out.stem + ".ckpt.json"),
@@ -438,9 +449,16 @@ def _batched_forward(model: Transformer, tokens, cols, offsets, key_ok, caches) 
 
 @torch.inference_mode()
 def generate_batch(
-    model: Transformer, prompts: list[list[int]], max_new: int, eos_ids: list[int]
+    model: Transformer,
+    prompts: list[list[int]],
+    max_new: int,
+    eos_ids: list[int],
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    ended: list[bool] | None = None,
 ) -> list[list[int]]:
-    """Greedy continuations of several prompts at once (eos left out).
+    """Greedy (or, with a temperature, sampled) continuations of several prompts at once (eos
+    left out; `ended`, if given, receives whether each row stopped at eos).
 
     One decode step reads the weights once for the whole batch, which is what makes writing a
     self-distillation corpus affordable on a CPU. Prompts are left-padded to a common length.
@@ -464,7 +482,12 @@ def generate_batch(
     done = [False] * len(prompts)
     cols = torch.arange(longest)
     for _ in range(max_new):
-        chosen = _batched_forward(model, tokens, cols, offsets, key_ok, caches).argmax(-1)
+        logits = _batched_forward(model, tokens, cols, offsets, key_ok, caches)
+        if temperature > 0:
+            probs = torch.softmax(logits.float() / temperature, -1)
+            chosen = torch.multinomial(probs, 1, generator=generator)[:, 0]
+        else:
+            chosen = logits.argmax(-1)
         for row, token in enumerate(chosen.tolist()):
             if not done[row]:
                 done[row] = token in eos_ids
@@ -473,7 +496,86 @@ def generate_batch(
         if all(done):
             break
         tokens, cols = chosen[:, None], cols[-1:] + 1
+    if ended is not None:
+        ended[:] = done
     return outputs
+
+
+def self_written_requests(
+    loaded: LoadedModel,
+    count: int,
+    seed: int,
+    path: Path,
+    progress: Callable[[str], None],
+    session=None,
+) -> list[str]:
+    """`count` distinct user requests the target writes itself: its chat template up to the
+    start of a user message, continued by sampling (temperature 1) until the turn ends
+    (Magpie, Xu et al. 2024). Requests cut off by the length limit, very short or repeated
+    ones are dropped. Kept in `path` (keyed by model and seed) so reruns reuse them. Written
+    by the exported target `session` one at a time when given, else by the eager model in
+    batches."""
+    from mtp_edge.runtime.loop import GenerationConfig, generate
+    from mtp_edge.runtime.sampling import SamplingParams
+
+    tokenizer = loaded.tokenizer
+    if tokenizer.chat_template is None:
+        raise UserError(
+            f"{loaded.name} has no chat template, so it cannot write requests of its own: "
+            "drop --self-prompt-tokens or give text with --data"
+        )
+    marker = "\x00request\x00"
+    prefix = tokenizer.apply_chat_template([{"role": "user", "content": marker}])
+    prefix = prefix[: prefix.index(marker)]
+    key = f"{loaded.name}:{target_fingerprint(loaded.model)[:16]}:{seed}"
+    requests: list[str] = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if entry.get("key") == key:
+                requests.append(entry["request"])
+    seen = set(requests)
+    ids = tokenizer.encode(prefix)
+    if tokenizer.add_bos and ids[:1] != [tokenizer.bos_id]:
+        ids.insert(0, tokenizer.bos_id)
+    generator = torch.Generator().manual_seed(seed * 7919 + len(requests))
+    started = time.perf_counter()
+    while len(requests) < count:
+        ended: list[bool] = []
+        if session is None:
+            outs = generate_batch(
+                loaded.model, [ids] * 16, 96, tokenizer.eos_ids, 1.0, generator, ended
+            )
+        else:
+            outs = []
+            for _ in range(16):
+                draw = int(torch.randint(0, 2**31 - 1, (), generator=generator))
+                config = GenerationConfig(
+                    max_new_tokens=96,
+                    k=0,
+                    eos_ids=tuple(tokenizer.eos_ids),
+                    sampling=SamplingParams(temperature=1.0, seed=draw),
+                )
+                result = generate(session, ids, None, config)
+                outs.append(result.token_ids)
+                ended.append(result.stop_reason == "eos")
+        new = []
+        for out, stopped in zip(outs, ended, strict=True):
+            text = tokenizer.decode(out).strip()
+            if stopped and len(text.split()) >= 4 and text not in seen:
+                seen.add(text)
+                new.append(text)
+        with open(path, "a") as f:
+            f.writelines(
+                json.dumps({"key": key, "request": t}, ensure_ascii=False) + "\n" for t in new
+            )
+        requests += new
+        rate = len(requests) / (time.perf_counter() - started)
+        progress(f"the target wrote {len(requests)}/{count} requests ({rate:.1f}/s)")
+    return requests[:count]
 
 
 def generate_with_session(session, prompts: list[list[int]], max_new: int, eos_ids) -> list:
@@ -539,14 +641,40 @@ def generated_sequences(
     Responses are appended to the cache file as they are made, so an interrupted run (or any
     later run with the same target and seed) continues where it stopped.
     """
+    sequences = _responses(
+        loaded, options, target_hash, rank, world, progress, session,
+        instruction_prompts(options.seed), options.gen_tokens,
+    )  # fmt: skip
+    if options.self_prompt_tokens:
+        # About one request per 150 response tokens; more are written if they run out.
+        count = options.self_prompt_tokens // 150 + 16
+        path = artifact_paths(options.out)["requests"]
+        requests = self_written_requests(loaded, count, options.seed, path, progress, session)
+        while True:
+            try:
+                sequences += _responses(
+                    loaded, options, target_hash, rank, world, progress, session,
+                    iter(requests), options.self_prompt_tokens,
+                )  # fmt: skip
+                break
+            except StopIteration:
+                count = count * 3 // 2
+                requests = self_written_requests(
+                    loaded, count, options.seed, path, progress, session
+                )
+    return sequences
+
+
+def _responses(
+    loaded, options, target_hash, rank, world, progress, session, prompts, budget: int
+) -> list[Sequence]:
     path = artifact_paths(options.out)["generated"]
     cached = _read_generated(path, target_hash)
     tokenizer = loaded.tokenizer
-    prompts = instruction_prompts(options.seed)
     seen: set[str] = set()  # template prompts repeat; a repeat would leak into the held-out set
     sequences: list[Sequence] = []
     total, made, started = 0, 0, time.perf_counter()
-    while total < options.gen_tokens:
+    while total < budget:
         batch = []
         while len(batch) < options.gen_batch * world:
             prompt = next(prompts)
@@ -593,7 +721,7 @@ def generated_sequences(
             )
         for prompt, _ in batch:
             entry = cached[prompt]
-            if entry["response_ids"] and total < options.gen_tokens:
+            if entry["response_ids"] and total < budget:
                 sequences.append(
                     Sequence(
                         entry["prompt_ids"] + entry["response_ids"], len(entry["prompt_ids"]) - 1
@@ -602,7 +730,7 @@ def generated_sequences(
                 total += len(entry["response_ids"])
         if made:
             rate = made / (time.perf_counter() - started)
-            progress(f"generated {total}/{options.gen_tokens} tokens ({rate:.0f} new tokens/s)")
+            progress(f"generated {total}/{budget} tokens ({rate:.0f} new tokens/s)")
     return sequences
 
 
@@ -970,6 +1098,11 @@ def _train(options, rank, world, progress, began) -> dict:
     target = loaded.model.requires_grad_(False)
     target_hash = target_fingerprint(target)
     c = target.config
+    start = None
+    if options.init:  # continue training these heads: their design and vocabulary carry over
+        start = load_heads(options.init, target, loaded.name)
+        options.attention = start.config.attention
+        say(f"starting from {options.init} ({start.config.attention} attention)")
     session, text_hash = None, target_hash
     if options.bundle:
         session, text_hash = open_target_bundle(options.bundle, loaded)
@@ -1010,6 +1143,9 @@ def _train(options, rank, world, progress, began) -> dict:
         dist.all_reduce(counts)
         dist.all_reduce(heldout_counts)
     draft_ids, coverage = draft_vocabulary(counts, options.draft_vocab)
+    if start is not None:  # the heads keep their vocabulary
+        draft_ids = start.draft_ids.clone()
+        coverage = float(counts[draft_ids].sum() / counts.sum().clamp(min=1))
     to_draft = torch.full((c.vocab_size,), IGNORE, dtype=torch.long)
     to_draft[draft_ids] = torch.arange(len(draft_ids))
     say(
@@ -1031,7 +1167,12 @@ def _train(options, rank, world, progress, began) -> dict:
         k=options.k,
         **(cache_attention_config(target, options.attention) if context else {}),
     )
-    head = init_from_target(MTPHead(config), target, draft_ids)
+    if start is not None:
+        config = MTPConfig.from_dict({**start.config.to_dict(), "k": options.k, "recipe": {}})
+        head = MTPHead(config)
+        head.load_state_dict(start.float().state_dict())
+    else:
+        head = init_from_target(MTPHead(config), target, draft_ids)
     head.lm_head.weight.requires_grad_(options.train_lm_head)
     model = head
     if world > 1:

@@ -320,6 +320,66 @@ def test_default_corpus_is_written_by_the_target_and_cached(tiny_dir, monkeypatc
     assert [s.tokens for s in again] == [s.tokens for s in sequences]
 
 
+def test_self_written_requests(tiny_dir, monkeypatch):
+    """--self-prompt-tokens: the target samples requests from the start of a user turn of its
+    chat template, whole turns only; the requests are cached and reused; their responses join
+    the corpus after the template ones. Without a chat template: a one-line refusal."""
+    from mtp_edge import train
+
+    loaded = load_model(str(tiny_dir / "model"))
+    root = tiny_dir / "requests"
+    root.mkdir()
+    settings = dict(data=(), gen_tokens=30, gen_max_new=8, gen_batch=2, raw_tokens=0)
+    opts = options(tiny_dir, out=str(root / "heads.safetensors"), **settings)
+    opts.self_prompt_tokens = 30
+    with pytest.raises(UserError, match="no chat template"):
+        train.build_corpus(loaded, opts, "hash", 0, 1, print)
+    loaded.tokenizer.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}<assistant> {% endif %}"
+    )
+    real = train.generate_batch
+
+    def ending(model, prompts, max_new, eos_ids, temperature=0.0, generator=None, ended=None):
+        # Tiny random weights rarely say eos: end each sampled turn after 6 tokens.
+        outs = real(model, prompts, 6, [], temperature, generator, None)
+        if ended is not None:
+            ended[:] = [temperature > 0] * len(outs)
+        return outs
+
+    monkeypatch.setattr(train, "generate_batch", ending)
+    sequences = train.build_corpus(loaded, opts, "hash", 0, 1, print)
+    requests = [json.loads(line) for line in (root / "heads.requests.jsonl").read_text().split()]
+    assert len({r["request"] for r in requests}) == len(requests) >= 30 // 150 + 16
+    prompts = [loaded.tokenizer.decode(s.tokens[: s.start + 1]) for s in sequences]
+    written = [p for p in prompts if any(r["request"] in p for r in requests)]
+    assert written and len(written) < len(prompts)  # both kinds of request
+
+    def no_sampling(*args, **kwargs):
+        raise AssertionError("the cached requests were written again")
+
+    monkeypatch.setattr(train, "generate_batch", no_sampling)
+    again = train.build_corpus(loaded, opts, "hash", 0, 1, print)
+    assert [s.tokens for s in again] == [s.tokens for s in sequences]
+
+
+def test_init_continues_from_heads(tiny_dir, trained):
+    """--init starts from given heads: their held-out result at step 0, their vocabulary."""
+    path, summary = trained
+    attention = json.loads(path.with_suffix(".json").read_text())["attention"]
+    out = tiny_dir / f"init-{attention}" / "heads.safetensors"
+    labels = "soft" if attention == "target_cache" else "hard"  # as the fixture trained them
+    opts = options(tiny_dir, out=str(out), steps=20, init=str(path), labels=labels)
+    again = train_heads(opts, lambda _: None)
+    start = again["history"][0]
+    assert start["loss"] == pytest.approx(summary["history"][-1]["loss"], rel=2e-2)
+    target = load_model(str(tiny_dir / "model"))
+    first = load_heads(path, target.model, target.name)
+    second = load_heads(out, target.model, target.name)
+    assert torch.equal(first.draft_ids, second.draft_ids)
+    assert second.config.attention == first.config.attention
+
+
 def test_resume_continues_exactly(tiny_dir):
     straight = tiny_dir / "straight" / "heads.safetensors"
     train_heads(options(tiny_dir, out=str(straight), steps=20, checkpoint_every=10), print)
