@@ -34,6 +34,21 @@ class ExportOptions:
     max_seq_len: int = 2048
     max_chunk: int = 128  # most tokens per call: prefill chunk, and the verify width limit
     quality_tokens: int = 1024  # held-out tokens for the perplexity check (0 = skip)
+    # How the runtime drafts with a model drafter unless told otherwise (stored in the
+    # manifest): prompt lookup first where the context's last MIN..MAX tokens occurred before
+    # ("none": the model alone), and no draft below this first-token confidence. Measured best
+    # on the default bundle (benchmarks/README.md, "Drafting policy").
+    lookup: str = "2-3"
+    draft_confidence: float = 0.5
+
+
+def check_lookup(text: str) -> None:
+    """--lookup takes none or MIN-MAX n-gram sizes with 1 <= MIN <= MAX."""
+    if text == "none":
+        return
+    low, _, high = text.partition("-")
+    if not (low.isdigit() and high.isdigit() and 1 <= int(low) <= int(high)):
+        raise UserError(f"--lookup takes none or MIN-MAX n-gram sizes such as 2-3, got {text!r}")
 
 
 def chat_format(tokenizer) -> dict | None:
@@ -121,6 +136,9 @@ def export_bundle(
         from mtp_edge.exporter.onnx import export_program
     if not 1 <= options.k <= 15:
         raise UserError(f"--k must be in 1..15, got {options.k}")
+    check_lookup(options.lookup)
+    if not 0 <= options.draft_confidence < 1:
+        raise UserError(f"--draft-confidence must be in [0, 1), got {options.draft_confidence}")
     started = time.perf_counter()
     progress(f"[load] {options.model}")
     target = load_model(options.model)
@@ -191,6 +209,10 @@ def export_bundle(
         }
         hidden = drafter_kind == "mtp"
         drafter = {"kind": drafter_kind, "k": options.k}
+        if drafter_kind in ("mtp", "draft-lm"):  # the runtime's defaults for this drafter
+            if options.lookup != "none":
+                drafter["lookup"] = options.lookup
+            drafter["draft_confidence"] = options.draft_confidence
         draft_quant = dict(quant, scheme=options.draft_quant)
         if options.target == "coreml":  # one package: target functions and the drafter step
             from mtp_edge.exporter.coreml import export_package

@@ -141,13 +141,17 @@ def drafter_options(f):
             help="Grow k after a fully accepted step, shrink it after a miss.",
         ),
         click.option(
-            "--ngram-sizes", default="1-3", show_default=True, help="n-gram drafter: MIN-MAX n."
+            "--ngram-sizes",
+            default=None,
+            help="n-gram drafter (and the lookup of X+ngram): MIN-MAX n (default 1-3, or the "
+            "bundle's lookup sizes).",
         ),
         click.option(
             "--draft-confidence",
-            default=0.0,
-            show_default=True,
-            help="Draft model: stop drafting when its best probability falls below.",
+            default=None,
+            type=float,
+            help="Model drafters: stop drafting when the best probability falls below (default "
+            "0, or the bundle's).",
         ),
         click.option(
             "--max-seq-len", default=2048, show_default=True, help="Static KV cache length."
@@ -194,7 +198,8 @@ def setup(opts: dict, sampling=None, max_new_tokens: int = 128, stop_strings=())
 
     if opts["threads"]:
         torch.set_num_threads(opts["threads"])
-    parse_ngram_sizes(opts["ngram_sizes"])  # bad sizes fail before anything loads
+    if opts["ngram_sizes"] is not None:
+        parse_ngram_sizes(opts["ngram_sizes"])  # bad sizes fail before anything loads
     max_seq_len, drafter, k = opts["max_seq_len"], opts["drafter"], opts["k"]
     if max_seq_len < 2:
         raise UserError(f"--max-seq-len must be >= 2, got {max_seq_len}")
@@ -207,7 +212,14 @@ def setup(opts: dict, sampling=None, max_new_tokens: int = 128, stop_strings=())
         m = bundle.manifest
         session = target_session(bundle)
         tokenizer, name, target = bundle.tokenizer, m.model_name, None
-        drafter = drafter or m.drafter.get("kind", "none")
+        if drafter is None:  # the bundle's drafter, as its exporter set it to run
+            drafter = m.drafter.get("kind", "none")
+            if "lookup" in m.drafter:
+                drafter += "+ngram"
+                if opts["ngram_sizes"] is None:
+                    opts = dict(opts, ngram_sizes=m.drafter["lookup"])
+        if opts["draft_confidence"] is None:
+            opts = dict(opts, draft_confidence=m.drafter.get("draft_confidence", 0.0))
         k = m.drafter.get("k") if k is None else k
     else:
         bundle = None
@@ -216,6 +228,9 @@ def setup(opts: dict, sampling=None, max_new_tokens: int = 128, stop_strings=())
         max_seq_len = min(max_seq_len, target.config.max_position_embeddings)
         session = EagerSession(target.model, max_seq_len)
         drafter = drafter or "ngram"
+    opts = dict(opts, ngram_sizes=opts["ngram_sizes"] or "1-3")
+    if opts["draft_confidence"] is None:
+        opts["draft_confidence"] = 0.0
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
         k=4 if k is None else k,
@@ -455,6 +470,19 @@ def write_atomic(path: str | None, text: str) -> None:
     "--embedding-quant", default="8w", show_default=True, help="8w | 4w | none (android only)."
 )
 @click.option("--draft-quant", default=None, help="Drafter weights (default: as --quant).")
+@click.option(
+    "--lookup",
+    default="2-3",
+    show_default=True,
+    help="Runtime default for a model drafter: prompt lookup first where the context's last "
+    "MIN-MAX tokens occurred before (none: the model alone).",
+)
+@click.option(
+    "--draft-confidence",
+    default=0.5,
+    show_default=True,
+    help="Runtime default for a model drafter: no draft below this first-token probability.",
+)
 @click.option("--max-seq-len", default=2048, show_default=True, help="Static KV cache length.")
 @click.option("--out", default=None, help="Bundle directory (default: bundles/<model>-<target>).")
 @click.option(
@@ -473,6 +501,8 @@ def export(
     group_size,
     embedding_quant,
     draft_quant,
+    lookup,
+    draft_confidence,
     max_seq_len,
     out,
     quality_tokens,
@@ -496,6 +526,8 @@ def export(
         draft_quant=draft_quant or quant,
         max_seq_len=max_seq_len,
         quality_tokens=quality_tokens,
+        lookup=lookup,
+        draft_confidence=draft_confidence,
     )
 
     def open_program(path: Path, seq_len: int):

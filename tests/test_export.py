@@ -311,6 +311,29 @@ def test_exported_self_head_drafts_as_the_eager_head(model_dir, tmp_path):
         torch.testing.assert_close(got_h, want_h, atol=1e-4, rtol=1e-4)
 
 
+def test_bundle_carries_its_drafting_policy(mtp_bundle):
+    """The exporter stores how the runtime drafts with the bundle's model drafter (lookup first,
+    a first-token confidence floor); the runtime applies it unless told otherwise."""
+    from mtp_edge.cli import setup
+    from mtp_edge.runtime.drafters import HybridDrafter
+
+    drafter = Manifest.load(mtp_bundle).drafter
+    assert drafter["lookup"] == "2-3" and drafter["draft_confidence"] == 0.5
+    opts = dict(
+        model_spec="default", bundle=str(mtp_bundle), drafter=None, k=None, heads=None,
+        adaptive_k=False, ngram_sizes=None, draft_confidence=None, max_seq_len=96,
+        no_chat_template=True, threads=0,
+    )  # fmt: skip
+    default = setup(opts).drafter
+    assert isinstance(default, HybridDrafter) and default.name == "mtp+ngram"
+    assert (default.lookup.min_n, default.lookup.max_n) == (2, 3)
+    assert default.model.min_confidence == 0.5
+    told = setup(dict(opts, drafter="mtp", draft_confidence=0.0)).drafter
+    assert told.name == "mtp" and told.min_confidence == 0.0
+    sizes = setup(dict(opts, ngram_sizes="1-4")).drafter
+    assert (sizes.lookup.min_n, sizes.lookup.max_n) == (1, 4)
+
+
 def test_heads_for_another_target_are_refused(mtp_bundle, tmp_path):
     other = save_hf_dir(hf_reference("llama", seed=8), tmp_path / "other")
     heads = mtp_bundle.parent / "heads.safetensors"
