@@ -107,6 +107,7 @@ class ExecuTorchStep:
         method: str = "forward",
         max_chunk: int = 0,
     ):
+        import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (a self head's ops)
         import executorch.kernels.quantized  # noqa: F401
         from executorch.runtime import Runtime
 

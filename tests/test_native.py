@@ -1,8 +1,10 @@
 """The native C++ runtime (runtime/native): it builds with cmake here, its C++ unit tests pass,
 and on real exported bundles its runner produces the same tokens as the Python runtime, for
-every drafter (none, ngram, mtp, draft-lm), greedy, over the built-in prompt suite; MTP heads of
-both kinds: heads that read the target's cache (the `draft` method of the target's program, on its
-cache) and MLP heads (a drafter program of their own).
+every drafter (none, ngram, mtp, draft-lm, and the hybrids mtp+ngram / draft-lm+ngram), greedy,
+over the built-in prompt suite; MTP heads of all three kinds: heads that read the target's cache
+(the `draft` method of the target's program, on its cache), MLP heads (a drafter program of their
+own) and self-attending heads (a drafter program with a cache of its own, fed the verified rows);
+for the hybrids and self heads also the same drafts at every verify step.
 
 The native build registers its own kernels for ExecuTorch's llama cache ops (the pip wheel has
 them only inside its Python extension), so its attention rounds differently from the Python
@@ -15,6 +17,7 @@ import json
 import subprocess
 
 import pytest
+import torch
 from click.testing import CliRunner
 from tiny import hf_reference, save_hf_dir, save_random_heads
 
@@ -22,8 +25,9 @@ from mtp_edge.cli import export
 from mtp_edge.devices.harness import NEAR_TIE, load_prompts
 from mtp_edge.runtime import native
 from mtp_edge.runtime.bundle import bundle_drafter, open_bundle, target_session
-from mtp_edge.runtime.drafters import NgramDrafter
+from mtp_edge.runtime.drafters import HybridDrafter, NgramDrafter
 from mtp_edge.runtime.loop import GenerationConfig, first_divergence, generate
+from mtp_edge.runtime.mtp_drafter import MtpDrafter
 
 MAX_NEW_TOKENS = 24
 PROMPT_TOKENS = 160  # the tail of each built-in prompt in the tiny tokenizer (context is 256)
@@ -53,21 +57,22 @@ def export_bundle(tmp_path_factory, *extra) -> str:
     return str(out)
 
 
-def export_mtp_bundle(tmp_path_factory, attention: str) -> str:
+def export_mtp_bundle(tmp_path_factory, attention: str, *extra) -> str:
     root = tmp_path_factory.mktemp("heads")
     model_dir = tiny_dir(root / "model", seed=3)
     save_random_heads(model_dir, root / "heads.safetensors", attention)
-    if attention == "target_cache":
+    if attention != "none":
         amplify_cache_attention(root / "heads.safetensors")
     return export_bundle(
-        tmp_path_factory, "--drafter", "mtp", "--heads", str(root / "heads.safetensors")
+        tmp_path_factory, "--drafter", "mtp", "--heads", str(root / "heads.safetensors"), *extra
     )
 
 
 def amplify_cache_attention(path, factor: float = 4.0) -> None:
     """Scale the random head's attention output so that its drafts depend on what it reads in
     the cache: with the plain random head, a draft method reading a cache of its own (zeros)
-    drafts the same tokens, and the tests could not tell (checked by breaking the sharing)."""
+    drafts the same tokens, and the tests could not tell (checked by breaking the sharing). A
+    self head's drafts then depend more on the rows fed into its own cache."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -94,6 +99,22 @@ def mlp_mtp_bundle(tmp_path_factory):
     """The same with MLP heads (attention "none"): a drafter.pte program of their own."""
     bundle = export_mtp_bundle(tmp_path_factory, "none")
     m = open_bundle(bundle).manifest
+    assert "method" not in m.drafter and "drafter" in m.models
+    return bundle
+
+
+@pytest.fixture(scope="module")
+def self_mtp_bundle(tmp_path_factory):
+    """The same with self-attending (EAGLE-style) heads: a drafter.pte with a KV cache of its
+    own, fed the rows the target verified in chunks of at most max_chunk (128 < the 160-token
+    prompts), then one drafted token per step. The drafter in fp32 (the target stays 8da4w):
+    the random head's draft logits often nearly tie (16% of its drafts within 0.02), and with
+    8-bit activations the runtimes' rounding flips some of them, so that draft-by-draft
+    comparison would have to excuse differences as large as those of a broken rule (a step
+    whose rows the head never took in); in fp32 the runtimes draft alike exactly."""
+    bundle = export_mtp_bundle(tmp_path_factory, "self", "--draft-quant", "fp32")
+    m = open_bundle(bundle).manifest
+    assert m.drafter["own_cache"] and m.drafter["max_chunk"] == 128 < PROMPT_TOKENS
     assert "method" not in m.drafter and "drafter" in m.models
     return bundle
 
@@ -143,8 +164,18 @@ def assert_same_tokens(python_runs, native_ids, what: str):
 
 
 def python_runs(
-    bundle_dir, prompts, drafter, adaptive_k=False, confidence=0.0, stop_strings=()
+    bundle_dir,
+    prompts,
+    drafter,
+    adaptive_k=False,
+    confidence=0.0,
+    stop_strings=(),
+    ngram_sizes=None,
+    drafts=None,
 ) -> list:
+    """Python's generate on each prompt. drafter "bundle": the bundle's own; with ngram_sizes
+    (MIN, MAX) it becomes "<drafter>+ngram", HybridDrafter as mtp_edge/cli.py builds it; a list
+    `drafts` receives, per prompt, DraftRecorder's record of each step's draft."""
     bundle = open_bundle(bundle_dir)
     session = target_session(bundle)
     m = bundle.manifest
@@ -157,8 +188,73 @@ def python_runs(
     )
     if drafter == "bundle":
         drafter = bundle_drafter(bundle, confidence)
+    if ngram_sizes is not None:
+        drafter = HybridDrafter(drafter, max_n=ngram_sizes[1], min_match=ngram_sizes[0])
+    if drafts is not None:
+        drafter = DraftRecorder(drafter, drafts)
     detokenize = bundle.tokenizer.decode
-    return [(i, generate(session, ids, drafter, config, detokenize)) for i, _, ids in prompts]
+    runs = []
+    for i, _, ids in prompts:
+        if drafts is not None:
+            drafts.append([])
+        runs.append((i, generate(session, ids, drafter, config, detokenize)))
+    return runs
+
+
+class DraftRecorder:
+    """A Python drafter, recorded: appends to steps[-1], for each verify step, (the tokens the
+    target verified; for an MTP head's draft, at each token the gap between its draft logits'
+    two best and the runner-up token, None for a lookup's or a draft model's draft; whether a
+    hybrid's lookup drafted)."""
+
+    def __init__(self, drafter, steps: list):
+        self.drafter, self.steps = drafter, steps
+        self.name, self.needs_hidden = drafter.name, drafter.needs_hidden
+        self.gaps = None
+        self.hybrid = drafter if isinstance(drafter, HybridDrafter) else None
+        head = drafter.model if self.hybrid else drafter
+        if isinstance(head, MtpDrafter):
+            step_fn, ids = head.step_fn, head.draft_ids
+
+            def step(h, tokens, position):
+                logits, next_h = step_fn(h, tokens, position)
+                if self.gaps is not None:
+                    top2 = torch.topk(logits[0].float(), 2)
+                    gap = float(top2.values[0] - top2.values[1])
+                    self.gaps.append((gap, int(ids[top2.indices[1]])))
+                return logits, next_h
+
+            head.step_fn = step
+
+    def propose(self, context, hidden, k, sampler):
+        lookups = self.hybrid.from_lookup if self.hybrid else 0
+        self.gaps = []
+        draft = self.drafter.propose(context, hidden, k, sampler)
+        gaps, self.gaps = self.gaps, None
+        lookup = (self.hybrid.from_lookup if self.hybrid else 0) > lookups
+        self.steps[-1].append(
+            (list(draft.tokens[:k]), None if lookup or not gaps else gaps, lookup)
+        )
+        return draft
+
+
+def same_drafts(python_steps, native_steps, what: str, tie: float = NEAR_TIE) -> bool:
+    """Step by step the same drafts: True; False where a model draft first differs at a token
+    that is the runner-up of the Python run's draft logits, within `tie` of the best (the
+    runtimes' kernels round differently, see the module doc), after which the runs may go apart
+    and are not compared further."""
+    for j, ((tokens, gaps, _), ours) in enumerate(zip(python_steps, native_steps, strict=False)):
+        if ours != tokens:
+            i = first_divergence(tokens, ours)
+            gap, second = gaps[i] if gaps is not None and i < len(gaps) else (None, None)
+            runner_up = i < len(ours) and ours[i] == second
+            assert gap is not None and gap < tie and runner_up, (
+                f"{what}: step {j} drafts {ours} natively, {tokens} in Python (their draft "
+                f"logits' two best differ by {gap}, runner-up {second})"
+            )
+            return False
+    assert len(python_steps) == len(native_steps), what
+    return True
 
 
 def test_cpp_unit_tests(runner):
@@ -193,6 +289,55 @@ def test_runner_equals_python_mtp_bundle(request, runner, tmp_path, bundle_name,
             assert r["acceptance_rate"] == pytest.approx(result.stats.acceptance_rate, abs=1e-4)
 
 
+@pytest.mark.parametrize(
+    "bundle_name, drafter, sizes, count, tie",
+    [
+        ("self_mtp_bundle", "mtp", None, 48, 1e-4),  # fp32 drafter: ties at float rounding
+        ("self_mtp_bundle", "mtp+ngram", (1, 3), 48, 1e-4),
+        ("mlp_mtp_bundle", "mtp+ngram", (2, 4), 48, NEAR_TIE),
+        ("draft_lm_bundle", "draft-lm+ngram", (1, 3), 16, NEAR_TIE),
+    ],
+)
+def test_runner_drafts_equal_python(
+    request, runner, tmp_path, bundle_name, drafter, sizes, count, tie
+):
+    """Self heads and the hybrid drafters: the runner drafts what Python drafts, step by step
+    (the random heads' drafts are almost never accepted, so equal tokens and verify steps would
+    not show it), and generates the same tokens in the same verify steps. For X+ngram the lookup
+    drafts where it finds the context's last MIN..MAX tokens earlier, the model elsewhere, and a
+    self head still takes in the rows of the lookup's steps (observe)."""
+    bundle = request.getfixturevalue(bundle_name)
+    prompts = suite_ids(bundle)[:count]
+    options = ["--drafter", drafter, "--record-drafts"]
+    if sizes is not None:
+        options += ["--ngram-sizes", f"{sizes[0]}-{sizes[1]}"]
+    report = run_native(runner, bundle, prompts, tmp_path, *options)
+    assert report["drafter"] == drafter
+    rows = report["prompts"]
+    if sizes is None:
+        plain = python_runs(bundle, prompts, None)
+        assert_same_tokens(plain, [r["ar_token_ids"] for r in rows], "plain")
+    drafts: list = []
+    spec = python_runs(bundle, prompts, "bundle", ngram_sizes=sizes, drafts=drafts)
+    assert_same_tokens(spec, [r["spec_token_ids"] for r in rows], drafter)
+    assert report["summary"]["lossless"]
+    compared = 0
+    for r, (_, result), steps in zip(rows, spec, drafts, strict=True):
+        what = f"{bundle_name} {drafter}, prompt {r['id']}"
+        if not same_drafts(steps, r["spec_drafts"], what, tie):
+            continue
+        compared += 1
+        assert r["spec_token_ids"] == result.token_ids, what
+        assert r["stop_reason_spec"] == result.stop_reason, what
+        assert r["verify_steps"] == result.stats.verify_steps, what
+        assert r["acceptance_rate"] == pytest.approx(result.stats.acceptance_rate, abs=1e-4)
+    assert compared >= count * 7 // 8, f"only {compared} of {count} prompts drafted alike"
+    lookups = [lookup for steps in drafts for _, _, lookup in steps]
+    if sizes is not None:  # both drafters of the hybrid drafted; the lookup's drafts were kept
+        assert any(lookups) and not all(lookups)
+        assert report["summary"]["acceptance_rate"] > 0
+
+
 @pytest.mark.parametrize("bundle_name", ["mtp_bundle", "mlp_mtp_bundle", "draft_lm_bundle"])
 def test_adaptive_k_and_draft_confidence_match_python(request, runner, tmp_path, bundle_name):
     """The same steps as Python with k adapting and drafting stopped at low confidence."""
@@ -209,9 +354,12 @@ def test_adaptive_k_and_draft_confidence_match_python(request, runner, tmp_path,
             assert r["acceptance_rate"] == pytest.approx(result.stats.acceptance_rate, abs=1e-4)
 
 
-def test_mtp_draft_method_at_the_end_of_the_cache(runner, mtp_bundle, tmp_path):
-    """Prompts that fill the context: the draft method writes cache slots up to the last ones
-    (k shrinks to the room left), and both runtimes stop on a full context with the same tokens."""
+@pytest.mark.parametrize("bundle_name", ["mtp_bundle", "self_mtp_bundle"])
+def test_mtp_draft_method_at_the_end_of_the_cache(request, runner, tmp_path, bundle_name):
+    """Prompts that fill the context: the draft method (or a self head, in its own cache) writes
+    cache slots up to the last ones (k shrinks to the room left), and both runtimes stop on a
+    full context with the same tokens."""
+    mtp_bundle = request.getfixturevalue(bundle_name)
     tails = [ids for _, _, ids in suite_ids(mtp_bundle)[:6]]
     prompts = [(f"p{i}", "c", (tails[i] + tails[i + 1])[-(244 + i) :]) for i in range(5)]
     report = run_native(runner, mtp_bundle, prompts, tmp_path)
@@ -236,9 +384,12 @@ def test_runner_equals_python_draft_lm_bundle(runner, draft_lm_bundle, tmp_path)
     assert report["summary"]["acceptance_rate"] > 0
 
 
-def test_runner_text_prompts_and_c_api_match_python(runner, mtp_bundle, tmp_path):
+@pytest.mark.parametrize("bundle_name", ["mtp_bundle", "self_mtp_bundle"])
+def test_runner_text_prompts_and_c_api_match_python(request, runner, tmp_path, bundle_name):
     """Text prompts go through the native tokenizer and the manifest's chat format; the C API
-    streams text that adds up to its result, and generates what the Python runtime does."""
+    streams text that adds up to its result, and generates what the Python runtime does (with
+    the bundle's own drafter: the C API opens bundles so), in the same verify steps."""
+    mtp_bundle = request.getfixturevalue(bundle_name)
     text = "the cat sat on the mat. the cat sat on the"
     bundle = open_bundle(mtp_bundle)
     assert bundle.manifest.chat_format is not None
@@ -256,6 +407,10 @@ def test_runner_text_prompts_and_c_api_match_python(runner, mtp_bundle, tmp_path
     result = json.loads(result_line)
     assert result["prompt_tokens"] == len(ids)
     assert_same_tokens([("p", expected)], [result["token_ids"]], "C API")
+    assert result["drafter"] == "mtp"
+    if result["token_ids"] == expected.token_ids:
+        for key in ("verify_steps", "drafted_tokens", "accepted_tokens"):
+            assert result["stats"][key] == getattr(expected.stats, key), key
     assert streamed[:-1] == result["text"] == bundle.tokenizer.decode(result["token_ids"])
 
     done = subprocess.run(

@@ -12,7 +12,7 @@ NgramDrafter::NgramDrafter(int max_n, int min_n) : max_n_(max_n), min_n_(min_n) 
                     ", max " + std::to_string(max_n));
 }
 
-Draft NgramDrafter::propose(const std::vector<int64_t>& context, const std::vector<float>*,
+Draft NgramDrafter::propose(const std::vector<int64_t>& context, const Hidden*,
                             int64_t k, Sampler&) {
   const int64_t len = int64_t(context.size());
   for (int64_t n = std::min<int64_t>(max_n_, len - 1); n >= min_n_; --n) {
@@ -34,7 +34,7 @@ DraftModelDrafter::DraftModelDrafter(std::unique_ptr<Model> model, double min_co
     throw UserError("draft confidence threshold must be in [0, 1)");
 }
 
-Draft DraftModelDrafter::propose(const std::vector<int64_t>& context, const std::vector<float>*,
+Draft DraftModelDrafter::propose(const std::vector<int64_t>& context, const Hidden*,
                                  int64_t k, Sampler& sampler) {
   k = std::min<int64_t>(k, model_->max_seq_len - int64_t(context.size()));
   if (k <= 0) return {};
@@ -66,28 +66,48 @@ Draft DraftModelDrafter::propose(const std::vector<int64_t>& context, const std:
 }
 
 MtpDrafter::MtpDrafter(std::unique_ptr<StepProgram> step, std::vector<int64_t> draft_ids,
-                       int64_t vocab_size, double min_confidence, int64_t cache_len)
+                       int64_t vocab_size, double min_confidence, int64_t cache_len,
+                       bool feeds_context)
     : step_(std::move(step)),
       draft_ids_(std::move(draft_ids)),
       vocab_size_(vocab_size),
       min_confidence_(min_confidence),
-      cache_len_(cache_len) {
+      cache_len_(cache_len),
+      feeds_context_(feeds_context) {
   if (!(0 <= min_confidence && min_confidence < 1))
     throw UserError("draft confidence threshold must be in [0, 1)");
 }
 
-Draft MtpDrafter::propose(const std::vector<int64_t>& context, const std::vector<float>* hidden,
-                          int64_t k, Sampler& sampler) {
+void MtpDrafter::observe(const std::vector<int64_t>& context, const Hidden* hidden) {
+  if (!feeds_context_ || hidden == nullptr || hidden->empty()) return;
+  const int64_t rows = hidden->rows;
+  std::vector<float> logits, next_h;
+  step_->step(hidden->data, {context.end() - rows, context.end()},
+              int64_t(context.size()) - rows, logits, next_h);
+}
+
+Draft MtpDrafter::propose(const std::vector<int64_t>& context, const Hidden* hidden, int64_t k,
+                          Sampler& sampler) {
   Draft draft;
   if (k <= 0 || hidden == nullptr || hidden->empty()) return draft;
-  std::vector<float> h = *hidden, next_h, logits;
-  int64_t token = context.back();
-  const int64_t position = int64_t(context.size()) - 1;
+  int64_t position = int64_t(context.size()) - 1;
   if (cache_len_ > 0) k = std::min(k, cache_len_ - position);
+  std::vector<float> h, next_h, logits;
+  std::vector<int64_t> feed;
+  if (feeds_context_) {  // rows at positions len(context) - 1 - T .. len(context) - 2
+    h = hidden->data;
+    feed.assign(context.end() - hidden->rows, context.end());
+  } else {
+    h.assign(hidden->row(hidden->rows - 1), hidden->row(hidden->rows - 1) + hidden->dim);
+    feed = {context.back()};
+  }
+  position -= int64_t(feed.size()) - 1;
   for (int64_t i = 0; i < k; ++i) {
-    step_->step(h, token, position + i, logits, next_h);
+    step_->step(h, feed, position, logits, next_h);
+    position += int64_t(feed.size());
     h.swap(next_h);
     const int64_t width = int64_t(logits.size());
+    int64_t token;
     if (sampler.greedy()) {
       const int64_t best = argmax(logits.data(), width);
       if (min_confidence_ > 0 && softmax(logits.data(), width)[best] < min_confidence_) break;
@@ -101,7 +121,21 @@ Draft MtpDrafter::propose(const std::vector<int64_t>& context, const std::vector
       draft.probs.push_back(std::move(q));
     }
     draft.tokens.push_back(token);
+    feed = {token};
   }
+  return draft;
+}
+
+HybridDrafter::HybridDrafter(std::unique_ptr<Drafter> model, int max_n, int min_match)
+    : model_(std::move(model)), lookup_(max_n, min_match) {}
+
+Draft HybridDrafter::propose(const std::vector<int64_t>& context, const Hidden* hidden, int64_t k,
+                             Sampler& sampler) {
+  Draft draft;
+  if (k > 0) draft = lookup_.propose(context, nullptr, k, sampler);
+  if (draft.tokens.empty()) return model_->propose(context, hidden, k, sampler);
+  model_->observe(context, hidden);
+  ++from_lookup_;
   return draft;
 }
 

@@ -19,15 +19,30 @@ struct Draft {
   std::vector<std::vector<double>> probs;
 };
 
+// The target's hidden states [rows, dim] for the positions its last call processed and kept:
+// the prompt after prefill, the accepted inputs (n + 1 rows) after a verify. The last row is at
+// the position of context[-2] (whose logits chose context[-1]).
+struct Hidden {
+  int64_t rows = 0, dim = 0;
+  std::vector<float> data;  // [rows, dim]
+  const float* row(int64_t i) const { return data.data() + i * dim; }
+  bool empty() const { return rows == 0; }
+};
+
 class Drafter {
  public:
   virtual ~Drafter() = default;
   virtual std::string name() const = 0;
   virtual bool needs_hidden() const { return false; }
   // context: every token so far (the last not yet in the target's cache); hidden: the target's
-  // hidden state at the position of context[-2] (only for drafters that need it, else null).
-  virtual Draft propose(const std::vector<int64_t>& context, const std::vector<float>* hidden,
-                        int64_t k, Sampler& sampler) = 0;
+  // hidden states of its last call (only for drafters that need them, else null).
+  virtual Draft propose(const std::vector<int64_t>& context, const Hidden* hidden, int64_t k,
+                        Sampler& sampler) = 0;
+  // Told about a step another drafter drafted for (HybridDrafter), so that a drafter that must
+  // see every verified position (a self MTP head: its cache) takes in its rows. Default: nothing.
+  virtual void observe(const std::vector<int64_t>& context, const Hidden* hidden) {
+    (void)context, (void)hidden;
+  }
 };
 
 // Prompt lookup: the latest earlier occurrence of the context's last n tokens (n from max_n
@@ -36,7 +51,7 @@ class NgramDrafter : public Drafter {
  public:
   NgramDrafter(int max_n = 3, int min_n = 1);
   std::string name() const override { return "ngram"; }
-  Draft propose(const std::vector<int64_t>& context, const std::vector<float>* hidden, int64_t k,
+  Draft propose(const std::vector<int64_t>& context, const Hidden* hidden, int64_t k,
                 Sampler& sampler) override;
 
  private:
@@ -49,7 +64,7 @@ class DraftModelDrafter : public Drafter {
  public:
   DraftModelDrafter(std::unique_ptr<Model> model, double min_confidence = 0.0);
   std::string name() const override { return "draft-lm"; }
-  Draft propose(const std::vector<int64_t>& context, const std::vector<float>* hidden, int64_t k,
+  Draft propose(const std::vector<int64_t>& context, const Hidden* hidden, int64_t k,
                 Sampler& sampler) override;
 
  private:
@@ -60,15 +75,21 @@ class DraftModelDrafter : public Drafter {
 
 // MTP heads run recurrently from the target's hidden state; draft_ids maps the head's reduced
 // vocabulary back to target ids. Step i runs at position len(context) - 1 + i. cache_len > 0:
-// the step writes the target's cache (a head that reads it), so drafting stops at its end.
+// the step writes a cache of that length (the target's, or a self head's own), so drafting stops
+// at its end. feeds_context (a self, EAGLE-style head): the first step feeds every row of
+// `hidden` with the tokens that follow them (context[-T:] at position len(context) - T), which
+// fills the head's cache with the verified text; later steps feed one token each.
 class MtpDrafter : public Drafter {
  public:
   MtpDrafter(std::unique_ptr<StepProgram> step, std::vector<int64_t> draft_ids,
-             int64_t vocab_size, double min_confidence = 0.0, int64_t cache_len = 0);
+             int64_t vocab_size, double min_confidence = 0.0, int64_t cache_len = 0,
+             bool feeds_context = false);
   std::string name() const override { return "mtp"; }
   bool needs_hidden() const override { return true; }
-  Draft propose(const std::vector<int64_t>& context, const std::vector<float>* hidden, int64_t k,
+  Draft propose(const std::vector<int64_t>& context, const Hidden* hidden, int64_t k,
                 Sampler& sampler) override;
+  // A self head's cache takes in the verified rows of a step it did not draft for.
+  void observe(const std::vector<int64_t>& context, const Hidden* hidden) override;
 
  private:
   std::unique_ptr<StepProgram> step_;
@@ -76,6 +97,26 @@ class MtpDrafter : public Drafter {
   int64_t vocab_size_;
   double min_confidence_;
   int64_t cache_len_;
+  bool feeds_context_;
+};
+
+// Prompt lookup where the context repeats itself, a model drafter elsewhere
+// (runtime/drafters.py HybridDrafter): the n-gram lookup (sizes max_n down to min_match) runs
+// first; when it proposes tokens they are the draft and the model drafter only observes the
+// step, otherwise the model drafts. Named "<model>+ngram".
+class HybridDrafter : public Drafter {
+ public:
+  HybridDrafter(std::unique_ptr<Drafter> model, int max_n = 3, int min_match = 1);
+  std::string name() const override { return model_->name() + "+ngram"; }
+  bool needs_hidden() const override { return model_->needs_hidden(); }
+  Draft propose(const std::vector<int64_t>& context, const Hidden* hidden, int64_t k,
+                Sampler& sampler) override;
+  int64_t from_lookup() const { return from_lookup_; }  // drafts the lookup made
+
+ private:
+  std::unique_ptr<Drafter> model_;
+  NgramDrafter lookup_;
+  int64_t from_lookup_ = 0;
 };
 
 }  // namespace mtp

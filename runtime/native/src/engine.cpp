@@ -25,11 +25,53 @@ std::unique_ptr<Drafter> bundle_drafter(const Manifest& m, const std::string& ki
       return std::make_unique<MtpDrafter>(std::move(step), std::move(ids), m.vocab_size,
                                           confidence, target.max_seq_len);
     }
+    if (m.drafter.value("own_cache", false)) {
+      // A self (EAGLE-style) head: a program of its own with its KV cache inside, fed the
+      // verified rows in chunks of at most max_chunk; it writes its cache, so drafting stops at
+      // the cache's end (runtime/bundle.py bundle_drafter).
+      const int64_t chunk = m.drafter.value("max_chunk", int64_t(0));
+      if (chunk < 1)
+        throw UserError("the manifest's self-attending MTP drafter has no max_chunk: re-export "
+                        "the bundle");
+      return std::make_unique<MtpDrafter>(open_executorch_step(m.path("drafter"), chunk),
+                                          std::move(ids), m.vocab_size, confidence,
+                                          m.max_seq_len, /*feeds_context=*/true);
+    }
     return std::make_unique<MtpDrafter>(open_executorch_step(m.path("drafter")), std::move(ids),
                                         m.vocab_size, confidence);
   }
   auto model = open_executorch_model(m.path("drafter"), m.max_seq_len, m.max_chunk, m.vocab_size);
   return std::make_unique<DraftModelDrafter>(std::move(model), confidence);
+}
+
+const std::string kHybridSuffix = "+ngram";
+
+// The drafter named by `spec` (mtp_edge/cli.py build_drafter): none | ngram | bundle (the
+// bundle's own) | mtp | draft-lm (the bundle's own, by name) | any of these + "+ngram" (prompt
+// lookup first, the model where it finds nothing: HybridDrafter). Null for none.
+std::unique_ptr<Drafter> make_drafter(const std::string& spec, const Manifest& m,
+                                      const EngineOptions& options, Model& target) {
+  const std::string own = m.drafter_kind();
+  if (spec.size() > kHybridSuffix.size() &&
+      spec.compare(spec.size() - kHybridSuffix.size(), kHybridSuffix.size(), kHybridSuffix) == 0) {
+    auto model = make_drafter(spec.substr(0, spec.size() - kHybridSuffix.size()), m, options,
+                              target);
+    if (model == nullptr)
+      throw UserError("--drafter " + spec + ": name a model drafter before +ngram, e.g. mtp+ngram");
+    return std::make_unique<HybridDrafter>(std::move(model), options.ngram_max, options.ngram_min);
+  }
+  const std::string kind = spec == "bundle" ? own : spec;
+  if (kind == "none") return nullptr;
+  if (kind == "ngram") return std::make_unique<NgramDrafter>(options.ngram_max, options.ngram_min);
+  if (kind == "mtp" || kind == "draft-lm") {
+    if (kind != own)
+      throw UserError("--drafter " + kind + ": this bundle carries a '" + own +
+                      "' drafter; use it, none or ngram (or export another bundle)");
+    return bundle_drafter(m, kind, options.draft_confidence, target);
+  }
+  throw UserError("--drafter takes none, ngram or the bundle's own (" + own +
+                  "), optionally +ngram (e.g. " + (own == "draft-lm" ? own : "mtp") +
+                  "+ngram), got " + spec);
 }
 
 }  // namespace
@@ -42,18 +84,7 @@ Engine::Engine(const std::string& bundle_dir, const EngineOptions& options)
                     "' is not supported by the native runtime: use an android bundle");
   set_executorch_threads(options.threads);
   target_ = open_executorch_model(m.path("target"), m.max_seq_len, m.max_chunk, m.vocab_size);
-  const std::string own = m.drafter_kind();
-  const std::string kind = options.drafter == "bundle" ? own : options.drafter;
-  if (kind == "ngram") {
-    drafter_ = std::make_unique<NgramDrafter>(options.ngram_max, options.ngram_min);
-  } else if (kind == "mtp" || kind == "draft-lm") {
-    if (kind != own)
-      throw UserError("--drafter " + kind + ": this bundle carries a '" + own +
-                      "' drafter; use it, none or ngram (or export another bundle)");
-    drafter_ = bundle_drafter(m, kind, options.draft_confidence, *target_);
-  } else if (kind != "none") {
-    throw UserError("--drafter takes none, ngram or the bundle's own (" + own + "), got " + kind);
-  }
+  drafter_ = make_drafter(options.drafter, m, options, *target_);
 #ifdef MTP_HAVE_TOKENIZER
   const std::string tokenizer_json = m.dir + "/tokenizer.json";
   struct stat s;

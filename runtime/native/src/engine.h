@@ -22,7 +22,9 @@
 namespace mtp {
 
 struct EngineOptions {
-  std::string drafter = "bundle";  // bundle (the bundle's own) | none | ngram | mtp | draft-lm
+  // bundle (the bundle's own) | none | ngram | mtp | draft-lm, or any of these +ngram (e.g.
+  // mtp+ngram: prompt lookup where the context repeats itself, the model drafter elsewhere)
+  std::string drafter = "bundle";
   int ngram_min = 1, ngram_max = 3;
   double draft_confidence = 0.0;
   unsigned threads = 0;  // ExecuTorch thread pool size (0 = one per core)

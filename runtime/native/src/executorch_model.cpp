@@ -126,9 +126,8 @@ class ExecuTorchModel : public Model {
       const int64_t end = std::min(T, i + verify_width_);
       append(out, call({tokens.begin() + i, tokens.begin() + end}, start + i, want_hidden, false));
     }
-    if (last_only) {
+    if (last_only) {  // the last row's logits; the hidden states of every row stay
       out.logits.erase(out.logits.begin(), out.logits.end() - out.vocab);
-      if (want_hidden) out.hidden.erase(out.hidden.begin(), out.hidden.end() - out.dim);
       out.rows = 1;
     }
     return out;
@@ -149,7 +148,8 @@ class ExecuTorchModel : public Model {
     return out;
   }
 
-  // Runs `method` on tokens at `start`; returns its first n rows (only row n-1 with last_only).
+  // Runs `method` on tokens at `start`; returns its first n rows (with last_only the logits of
+  // row n-1 only, and the hidden states of all n).
   Output run(const char* method, const std::vector<int64_t>& tokens, int64_t start, int64_t n,
              bool want_hidden, bool last_only) {
     std::vector<int64_t> ids = tokens;
@@ -175,8 +175,8 @@ class ExecuTorchModel : public Model {
             "hidden states: re-export with --drafter mtp, or use ngram");
       const auto& hidden = outputs[1].toTensor();
       out.dim = hidden.size(2);
-      const float* hp = hidden.const_data_ptr<float>() + first * out.dim;
-      out.hidden.assign(hp, hp + out.rows * out.dim);
+      const float* hp = hidden.const_data_ptr<float>();
+      out.hidden.assign(hp, hp + n * out.dim);
     }
     return out;
   }
@@ -187,10 +187,12 @@ class ExecuTorchModel : public Model {
 };
 
 // forward(h, token) of a drafter program of its own, or `method`(h, token, input_pos) of the
-// target's program (then module is the target's, shared).
+// target's program (then module is the target's, shared), or a self head's forward(h [1, T, D],
+// tokens [1, T], input_pos) with its own cache, in chunks of at most max_chunk rows.
 class ExecuTorchStep : public StepProgram {
  public:
-  explicit ExecuTorchStep(const std::string& pte) : pte_(pte), module_(load(pte)) {}
+  ExecuTorchStep(const std::string& pte, int64_t max_chunk)
+      : pte_(pte), module_(load(pte)), takes_position_(max_chunk > 0), max_chunk_(max_chunk) {}
   ExecuTorchStep(const std::string& pte, std::shared_ptr<Module> module, const std::string& method)
       : pte_(pte),
         module_(std::move(module)),
@@ -205,12 +207,32 @@ class ExecuTorchStep : public StepProgram {
                       ": built for another ExecuTorch version?");
   }
 
-  void step(const std::vector<float>& h, int64_t token, int64_t position,
+  void step(const std::vector<float>& h, const std::vector<int64_t>& tokens, int64_t position,
             std::vector<float>& logits, std::vector<float>& next_h) override {
-    std::vector<float> h_in = h;
-    int64_t tok = token, pos = position;
-    auto h_t = from_blob(h_in.data(), {1, int32_t(h_in.size())}, ScalarType::Float);
-    auto tok_t = from_blob(&tok, {1}, ScalarType::Long);
+    const int64_t T = int64_t(tokens.size());
+    if (T < 1 || h.size() % size_t(T) != 0)
+      throw std::logic_error("a draft step takes T >= 1 rows of h and T tokens");
+    const int64_t dim = int64_t(h.size()) / T;
+    if (max_chunk_ == 0) {
+      if (T != 1) throw std::logic_error("this drafter program takes one row per step");
+      run({h.begin(), h.end()}, {tokens[0]}, position, {1, int32_t(dim)}, {1}, logits, next_h);
+      return;
+    }
+    for (int64_t i = 0; i < T; i += max_chunk_) {  // a self head: the last chunk's outputs count
+      const int64_t end = std::min(T, i + max_chunk_), rows = end - i;
+      run({h.begin() + i * dim, h.begin() + end * dim}, {tokens.begin() + i, tokens.begin() + end},
+          position + i, {1, int32_t(rows), int32_t(dim)}, {1, int32_t(rows)}, logits, next_h);
+    }
+  }
+
+ private:
+  void run(std::vector<float> h_in, std::vector<int64_t> tok, int64_t position,
+           std::vector<executorch::aten::SizesType> h_shape,
+           std::vector<executorch::aten::SizesType> tok_shape, std::vector<float>& logits,
+           std::vector<float>& next_h) {
+    int64_t pos = position;
+    auto h_t = from_blob(h_in.data(), h_shape, ScalarType::Float);
+    auto tok_t = from_blob(tok.data(), tok_shape, ScalarType::Long);
     auto pos_t = from_blob(&pos, {1}, ScalarType::Long);
     std::vector<EValue> inputs = {EValue(h_t), EValue(tok_t)};
     if (takes_position_) inputs.emplace_back(pos_t);
@@ -224,11 +246,11 @@ class ExecuTorchStep : public StepProgram {
     next_h.assign(g.const_data_ptr<float>(), g.const_data_ptr<float>() + g.numel());
   }
 
- private:
   std::string pte_;
   std::shared_ptr<Module> module_;
   std::string method_ = "forward";
   bool takes_position_ = false;
+  int64_t max_chunk_ = 0;  // > 0: a self head's program, T rows per call
 };
 
 }  // namespace
@@ -236,11 +258,14 @@ class ExecuTorchStep : public StepProgram {
 Output prefill(Model& model, const std::vector<int64_t>& tokens, int64_t start,
                bool want_hidden) {
   Output out;
+  std::vector<float> hidden;
   for (size_t i = 0; i < tokens.size(); i += model.max_chunk) {
     size_t end = std::min(tokens.size(), i + size_t(model.max_chunk));
     std::vector<int64_t> chunk(tokens.begin() + i, tokens.begin() + end);
     out = model.forward(chunk, start + int64_t(i), want_hidden, /*last_only=*/true);
+    hidden.insert(hidden.end(), out.hidden.begin(), out.hidden.end());
   }
+  out.hidden = std::move(hidden);
   return out;
 }
 
@@ -261,8 +286,8 @@ std::unique_ptr<Model> open_executorch_model(const std::string& pte, int64_t max
   return model;
 }
 
-std::unique_ptr<StepProgram> open_executorch_step(const std::string& pte) {
-  return std::make_unique<ExecuTorchStep>(pte);
+std::unique_ptr<StepProgram> open_executorch_step(const std::string& pte, int64_t max_chunk) {
+  return std::make_unique<ExecuTorchStep>(pte, max_chunk);
 }
 
 std::unique_ptr<StepProgram> open_executorch_method_step(Model& target, const std::string& method) {

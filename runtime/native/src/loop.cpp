@@ -88,8 +88,12 @@ GenerationResult generate(Model& target, const std::vector<int64_t>& prompt, Dra
   // Prefill: the whole prompt in chunks; its last logits give the first token.
   const double start = now();
   Output out = prefill(target, prompt, 0, wants_hidden);
-  std::vector<float> hidden;
-  if (wants_hidden) hidden.assign(out.hidden_row(out.rows - 1), out.hidden_row(out.rows - 1) + out.dim);
+  Hidden hidden;  // the rows the target's last call added (all of the prompt's after prefill)
+  if (wants_hidden) {
+    hidden.dim = out.dim;
+    hidden.rows = out.dim > 0 ? int64_t(out.hidden.size()) / out.dim : 0;
+    hidden.data = std::move(out.hidden);
+  }
   const int64_t first = sampler.pick(out.logit_row(out.rows - 1), out.vocab);
   stats.ttft_ms = (now() - start) * 1e3;
   const double decode_start = now();
@@ -140,7 +144,10 @@ GenerationResult generate(Model& target, const std::vector<int64_t>& prompt, Dra
     stop = emit(new_tokens, out);
     context.insert(context.end(), new_tokens.begin(), new_tokens.end());
     pos += a.n + 1;
-    if (wants_hidden) hidden.assign(out.hidden_row(a.n), out.hidden_row(a.n) + out.dim);
+    if (wants_hidden) {  // the accepted inputs' rows: context[-(n+2)] .. context[-2]
+      hidden.rows = a.n + 1;
+      hidden.data.assign(out.hidden_row(0), out.hidden_row(a.n + 1));
+    }
   }
 
   stats.decode_seconds = now() - decode_start;

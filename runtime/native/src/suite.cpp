@@ -41,6 +41,29 @@ nlohmann::json compare_runs(const GenerationResult& plain, const GenerationResul
           {"near_tie", near_tie}};
 }
 
+// Passes everything through to `inner` and keeps the tokens of each draft it proposed, cut to k
+// as the loop cuts them.
+class RecordingDrafter : public Drafter {
+ public:
+  explicit RecordingDrafter(Drafter* inner) : inner_(inner) {}
+  std::string name() const override { return inner_->name(); }
+  bool needs_hidden() const override { return inner_->needs_hidden(); }
+  Draft propose(const std::vector<int64_t>& context, const Hidden* hidden, int64_t k,
+                Sampler& sampler) override {
+    Draft draft = inner_->propose(context, hidden, k, sampler);
+    const size_t n = std::min(draft.tokens.size(), size_t(std::max<int64_t>(k, 0)));
+    drafts.emplace_back(draft.tokens.begin(), draft.tokens.begin() + n);
+    return draft;
+  }
+  void observe(const std::vector<int64_t>& context, const Hidden* hidden) override {
+    inner_->observe(context, hidden);
+  }
+  std::vector<std::vector<int64_t>> drafts;
+
+ private:
+  Drafter* inner_;
+};
+
 }  // namespace
 
 double median(std::vector<double> v) {
@@ -94,13 +117,20 @@ nlohmann::json run_suite(Engine& engine, const std::vector<Prompt>& prompts,
     cfg.max_new_tokens = options.max_new_tokens ? options.max_new_tokens : p.max_new_tokens;
     std::vector<double> ar_rates, spec_rates;
     GenerationResult plain, spec;
+    std::vector<std::vector<int64_t>> spec_drafts;
     const Detokenize detokenize = [&engine](const std::vector<int64_t>& t) {
       return engine.decode(t);
     };
     for (int r = 0; r < options.repeat; ++r) {
       // Interleaved, so that machine drift affects both alike.
       plain = generate(engine.target(), ids, nullptr, cfg, detokenize);
-      spec = generate(engine.target(), ids, engine.drafter(), cfg, detokenize);
+      if (options.record_drafts && engine.drafter() != nullptr) {
+        RecordingDrafter recording(engine.drafter());
+        spec = generate(engine.target(), ids, &recording, cfg, detokenize);
+        spec_drafts = std::move(recording.drafts);
+      } else {
+        spec = generate(engine.target(), ids, engine.drafter(), cfg, detokenize);
+      }
       ar_rates.push_back(plain.stats.decode_tokens_per_s());
       spec_rates.push_back(spec.stats.decode_tokens_per_s());
       ar_tokens += std::max<int64_t>(plain.stats.generated_tokens - 1, 0);
@@ -144,6 +174,7 @@ nlohmann::json run_suite(Engine& engine, const std::vector<Prompt>& prompts,
     row.update(compare_runs(plain, spec));
     row["ar_token_ids"] = plain.token_ids;
     row["spec_token_ids"] = spec.token_ids;
+    if (options.record_drafts) row["spec_drafts"] = spec_drafts;
     ar_steps.push_back(row["ar_ms_per_step"]);
     verify_steps.push_back(row["verify_ms_per_step"]);
     draft_steps.push_back(row["draft_ms_per_step"]);

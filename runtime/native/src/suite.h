@@ -27,11 +27,14 @@ struct SuiteOptions {
   int64_t max_new_tokens = 0;  // 0: each prompt's own
   int repeat = 1;
   bool chat = true;
+  // Each row also gets "spec_drafts": the tokens the drafter proposed at each verify step of the
+  // last speculative run (what the target verified), to compare drafters step by step.
+  bool record_drafts = false;
   GenerationConfig config;  // k, adaptive_k, sampling, eos_ids, stop_strings
 };
 
 // The report body: summary, per_category, prompts (each row also carries ar_token_ids and
-// spec_token_ids, the generated ids of the last repeat).
+// spec_token_ids, the generated ids of the last repeat, and spec_drafts if asked for).
 nlohmann::json run_suite(Engine& engine, const std::vector<Prompt>& prompts,
                          const SuiteOptions& options,
                          const std::function<void(const std::string&)>& progress);

@@ -47,14 +47,16 @@ class FakeModel : public mtp::Model {
     for (size_t i = 0; i < tokens.size(); ++i) cache[start + i] = tokens[i];
     Output out;
     out.vocab = vocab_size, out.dim = want_hidden ? 2 : 0;
+    // With last_only the last row's logits, but every row's hidden state (as the real model).
     const int64_t first = last_only ? int64_t(tokens.size()) - 1 : 0;
-    for (int64_t i = first; i < int64_t(tokens.size()); ++i) {
+    for (int64_t i = 0; i < int64_t(tokens.size()); ++i) {
       const int64_t p = start + i;
       const int64_t a = cache[p], b = p > 0 ? cache[p - 1] : 0;
+      if (want_hidden) out.hidden.insert(out.hidden.end(), {float(a), float(b)});
+      if (i < first) continue;
       for (int64_t v = 0; v < vocab_size; ++v)
         out.logits.push_back(float(std::sin(0.7 * double(v * (a + 3)) + 0.3 * double(b * v)) * 3 +
                                    (v == (a * 5 + 1) % vocab_size ? 2.5 : 0.0)));
-      if (want_hidden) out.hidden.insert(out.hidden.end(), {float(a), float(b)});
       ++out.rows;
     }
     ++calls;
@@ -69,9 +71,9 @@ class NoisyDrafter : public mtp::Drafter {
  public:
   std::string name() const override { return "noisy"; }
   bool needs_hidden() const override { return true; }
-  mtp::Draft propose(const std::vector<int64_t>& context, const std::vector<float>* hidden,
-                     int64_t k, mtp::Sampler&) override {
-    CHECK(hidden != nullptr && hidden->size() == 2);
+  mtp::Draft propose(const std::vector<int64_t>& context, const mtp::Hidden* hidden, int64_t k,
+                     mtp::Sampler&) override {
+    check_rows(context, hidden);
     mtp::Draft d;
     int64_t last = context.back();
     for (int64_t i = 0; i < k; ++i) {
@@ -80,7 +82,22 @@ class NoisyDrafter : public mtp::Drafter {
     }
     return d;
   }
-  int64_t turn = 0;
+  void observe(const std::vector<int64_t>& context, const mtp::Hidden* hidden) override {
+    check_rows(context, hidden);
+    ++observed;
+  }
+  // The hidden rows are those of the target's last call: the whole prompt after prefill, the
+  // accepted inputs after a verify; the fake model's row holds the token at its position, and
+  // the last row is at context[-2].
+  void check_rows(const std::vector<int64_t>& context, const mtp::Hidden* hidden) {
+    CHECK(hidden != nullptr && hidden->dim == 2 && hidden->rows >= 1);
+    CHECK(int64_t(hidden->data.size()) == hidden->rows * 2);
+    CHECK(hidden->rows < int64_t(context.size()));
+    const int64_t offset = int64_t(context.size()) - 1 - hidden->rows;
+    for (int64_t i = 0; i < hidden->rows; ++i) CHECK(hidden->row(i)[0] == float(context[offset + i]));
+    if (++calls == 1) CHECK(hidden->rows == int64_t(context.size()) - 1);  // after prefill
+  }
+  int64_t turn = 0, calls = 0, observed = 0;
 };
 
 void test_sha256() {
@@ -115,22 +132,34 @@ void test_ngram() {
   CHECK(refused);
 }
 
-// An MTP step that records its positions and always favours draft slot (token + 1) % 4.
+// An MTP step that records its positions (and rows fed) and always favours draft slot
+// (last token + 1) % 4; h has 2 values per row.
 struct RecordingStep : mtp::StepProgram {
   std::vector<int64_t>* positions;
-  explicit RecordingStep(std::vector<int64_t>* p) : positions(p) {}
-  void step(const std::vector<float>& h, int64_t token, int64_t position,
+  std::vector<std::vector<int64_t>>* fed = nullptr;
+  explicit RecordingStep(std::vector<int64_t>* p, std::vector<std::vector<int64_t>>* f = nullptr)
+      : positions(p), fed(f) {}
+  void step(const std::vector<float>& h, const std::vector<int64_t>& tokens, int64_t position,
             std::vector<float>& logits, std::vector<float>& next_h) override {
+    CHECK(!tokens.empty() && h.size() == 2 * tokens.size());
     positions->push_back(position);
+    if (fed != nullptr) fed->push_back(tokens);
     logits.assign(4, 0.0f);
-    logits[(token + 1) % 4] = 5.0f;
-    next_h = h;
+    logits[(tokens.back() + 1) % 4] = 5.0f;
+    next_h.assign(h.end() - 2, h.end());
   }
 };
 
+mtp::Hidden hidden_rows(int64_t rows) {
+  mtp::Hidden h;
+  h.rows = rows, h.dim = 2;
+  h.data.assign(2 * rows, 0.0f);
+  return h;
+}
+
 void test_mtp_positions_and_cache_end() {
   mtp::Sampler s({});
-  const std::vector<float> hidden(8, 0.0f);
+  const mtp::Hidden hidden = hidden_rows(4);
   std::vector<int64_t> positions;
   // Step i runs at len(context) - 1 + i; draft slot j is target token 10 + j.
   mtp::MtpDrafter own(std::make_unique<RecordingStep>(&positions), {10, 11, 12, 13}, 16);
@@ -144,6 +173,63 @@ void test_mtp_positions_and_cache_end() {
   CHECK((positions == std::vector<int64_t>{6, 7}));
   CHECK(cached.propose({0, 1, 2, 3, 4, 5, 6, 7, 8}, &hidden, 4, s).tokens.empty());
   CHECK(positions.size() == 2);
+  // An MLP or cache-reading head reads only the last row and observes nothing.
+  own.observe({1, 2, 3}, &hidden);
+  CHECK(positions.size() == 2);
+}
+
+// A self (EAGLE-style) head: the first step feeds every hidden row with context[-T:] at
+// position len(context) - T, later steps one token each; k stops at its cache's end; observe
+// feeds the rows of a step another drafter drafted for.
+void test_mtp_self_head_feeds_the_verified_rows() {
+  mtp::Sampler s({});
+  std::vector<int64_t> positions;
+  std::vector<std::vector<int64_t>> fed;
+  mtp::MtpDrafter self(std::make_unique<RecordingStep>(&positions, &fed), {10, 11, 12, 13}, 16,
+                       0.0, 9, /*feeds_context=*/true);
+  const mtp::Hidden three = hidden_rows(3);
+  CHECK((self.propose({1, 2, 3, 4, 5}, &three, 3, s).tokens == std::vector<int64_t>{12, 11, 10}));
+  CHECK((positions == std::vector<int64_t>{2, 5, 6}));
+  CHECK((fed == std::vector<std::vector<int64_t>>{{3, 4, 5}, {12}, {11}}));
+  positions.clear(), fed.clear();
+  // From position 7 of a cache of 9: two steps.
+  const mtp::Hidden two = hidden_rows(2);
+  CHECK(self.propose({0, 1, 2, 3, 4, 5, 6, 7}, &two, 4, s).tokens.size() == 2);
+  CHECK((positions == std::vector<int64_t>{6, 8}));
+  CHECK((fed == std::vector<std::vector<int64_t>>{{6, 7}, {(7 + 1) % 4 + 10}}));
+  positions.clear(), fed.clear();
+  self.observe({1, 2, 3, 4, 5}, &two);
+  CHECK((positions == std::vector<int64_t>{3}) && (fed == std::vector<std::vector<int64_t>>{{4, 5}}));
+}
+
+// mtp+ngram: the lookup's draft where it finds one (the model only observes the step), the
+// model's draft elsewhere.
+void test_hybrid_drafter() {
+  mtp::Sampler s({});
+  std::vector<int64_t> positions;
+  std::vector<std::vector<int64_t>> fed;
+  auto model = std::make_unique<mtp::MtpDrafter>(std::make_unique<RecordingStep>(&positions, &fed),
+                                                 std::vector<int64_t>{10, 11, 12, 13}, 16, 0.0,
+                                                 64, /*feeds_context=*/true);
+  mtp::HybridDrafter hybrid(std::move(model), 3, 2);
+  CHECK(hybrid.name() == "mtp+ngram" && hybrid.needs_hidden());
+  const mtp::Hidden two = hidden_rows(2);
+  // The last 2 tokens (1, 2) occurred before: the lookup proposes what followed; the self head
+  // takes in the verified rows (context[-2:] at position 5) and drafts nothing.
+  CHECK((hybrid.propose({1, 2, 7, 8, 1, 2}, &two, 3, s).tokens == std::vector<int64_t>{7, 8, 1}));
+  CHECK((positions == std::vector<int64_t>{4}) && (fed == std::vector<std::vector<int64_t>>{{1, 2}}));
+  CHECK(hybrid.from_lookup() == 1);
+  positions.clear(), fed.clear();
+  // Only a 1-token match (min_match 2): the model drafts.
+  CHECK((hybrid.propose({1, 2, 7, 8, 1, 3}, &two, 2, s).tokens == std::vector<int64_t>{10, 13}));
+  CHECK((positions == std::vector<int64_t>{4, 6}) && hybrid.from_lookup() == 1);
+  bool refused = false;
+  try {
+    mtp::HybridDrafter bad(std::make_unique<mtp::NgramDrafter>(), 1, 2);
+  } catch (const mtp::UserError&) {
+    refused = true;
+  }
+  CHECK(refused);
 }
 
 void test_accept_rules() {
@@ -211,8 +297,13 @@ void test_loop_lossless() {
         auto spec = mtp::generate(b, prompt, &ngram, cfg);
         NoisyDrafter noisy;
         auto spec2 = mtp::generate(c, prompt, &noisy, cfg);
+        FakeModel d(11, max_seq, 6);
+        mtp::HybridDrafter hybrid(std::make_unique<NoisyDrafter>(), 3, 1);
+        auto spec3 = mtp::generate(d, prompt, &hybrid, cfg);
         CHECK(plain.token_ids == spec.token_ids && plain.stop_reason == spec.stop_reason);
         CHECK(plain.token_ids == spec2.token_ids && plain.stop_reason == spec2.stop_reason);
+        CHECK(plain.token_ids == spec3.token_ids && plain.stop_reason == spec3.stop_reason);
+        CHECK(k == 0 || hybrid.from_lookup() > 0);
         drafted += spec2.stats.drafted_tokens;
         accepted += spec2.stats.accepted_tokens;
         CHECK(plain.stats.verify_steps == plain.stats.generated_tokens - 1 ||
@@ -321,6 +412,8 @@ int main(int argc, char** argv) {
   test_sha256();
   test_ngram();
   test_mtp_positions_and_cache_end();
+  test_mtp_self_head_feeds_the_verified_rows();
+  test_hybrid_drafter();
   test_accept_rules();
   test_rejection_sampling_distribution();
   test_loop_lossless();

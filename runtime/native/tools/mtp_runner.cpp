@@ -20,12 +20,18 @@ namespace {
 const char* kUsage =
     "usage: mtp-runner --bundle DIR (--prompts FILE.jsonl | --prompt TEXT | --prompt-ids 1,2,3)\n"
     "       [--max-new-tokens N] [--repeat R] [--json OUT] [--k K]\n"
-    "       [--drafter bundle|none|ngram|mtp|draft-lm] [--ngram-sizes MIN-MAX]\n"
+    "       [--drafter bundle|none|ngram|mtp|draft-lm|mtp+ngram|draft-lm+ngram]\n"
+    "       [--ngram-sizes MIN-MAX]\n"
     "       [--draft-confidence P] [--adaptive-k] [--no-chat] [--threads N] [--no-weight-cache]\n"
     "       [--temperature T] [--top-k K] [--top-p P] [--seed S] [--stop TEXT]...\n"
+    "       [--record-drafts]\n"
     "Each prompt runs plain, then speculative; greedy output must be identical (exit 2 if not).\n"
+    "--drafter X+ngram: prompt lookup (--ngram-sizes) where the context repeats itself, the\n"
+    "bundle's model drafter X elsewhere.\n"
     "--stop TEXT (repeatable): stop a run once its generated text contains TEXT, keeping the\n"
     "token that completes it (as mtp-run --stop; stop_reason \"stop_string\").\n"
+    "--record-drafts: each prompt's report row gets spec_drafts, the tokens drafted at each\n"
+    "verify step of its speculative run.\n"
     "--no-weight-cache: XNNPACK packs weights once per method instead of once per program\n"
     "(more memory; as MTP_XNNPACK_WEIGHT_CACHE=0).\n"
     "prompts file: one JSON per line, {\"id\", \"category\", \"prompt\" or \"prompt_ids\",\n"
@@ -114,6 +120,8 @@ int run(int argc, char** argv) {
       engine_options.draft_confidence = number<double>(flag, value());
     } else if (flag == "--adaptive-k") {
       options.config.adaptive_k = true;
+    } else if (flag == "--record-drafts") {
+      options.record_drafts = true;
     } else if (flag == "--no-chat") {
       options.chat = false;
     } else if (flag == "--threads") {
