@@ -47,11 +47,13 @@ def tiny_dir(root, seed: int, **overrides):
 
 
 def export_bundle(tmp_path_factory, *extra) -> str:
+    """A tiny bundle without a drafting policy (the bundle's drafter runs alone, ungated)
+    unless `extra` sets one: test_bundle_drafting_policy_matches_python tests the policy."""
     root = tmp_path_factory.mktemp("native")
     model_dir = tiny_dir(root / "model", seed=3)
     out = root / "bundle"
     args = ["--model", str(model_dir), "--out", str(out), "--max-seq-len", "256"]
-    args += ["--quality-tokens", "0", *extra]
+    args += ["--quality-tokens", "0", "--lookup", "none", "--draft-confidence", "0", *extra]
     result = CliRunner().invoke(export, args)
     assert result.exit_code == 0, result.output
     return str(out)
@@ -287,6 +289,44 @@ def test_runner_equals_python_mtp_bundle(request, runner, tmp_path, bundle_name,
         if first_divergence(result.token_ids, r["spec_token_ids"]) is None:
             assert r["verify_steps"] == result.stats.verify_steps, r["id"]
             assert r["acceptance_rate"] == pytest.approx(result.stats.acceptance_rate, abs=1e-4)
+
+
+def test_bundle_drafting_policy_matches_python(runner, mlp_mtp_bundle, tmp_path):
+    """A bundle's drafting policy (manifest drafter.lookup and draft_confidence, which
+    mtp-export writes) is what both runtimes run by default: native mtp-runner with no
+    --drafter against mtp_edge.cli.setup's default drafter (mtp+ngram, gated), same tokens,
+    same drafts; and flags still win over it."""
+    import shutil
+
+    from mtp_edge.cli import setup
+
+    bundle = tmp_path / "policy"
+    shutil.copytree(mlp_mtp_bundle, bundle)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest["drafter"].update(lookup="2-3", draft_confidence=0.05)
+    (bundle / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    prompts = suite_ids(str(bundle))[:16]
+    report = run_native(runner, str(bundle), prompts, tmp_path, "--record-drafts")
+    assert report["drafter"] == "mtp+ngram"
+    opts = dict(
+        model_spec="default", bundle=str(bundle), drafter=None, k=None, heads=None,
+        adaptive_k=False, ngram_sizes=None, draft_confidence=None, max_seq_len=256,
+        no_chat_template=True, threads=0,
+    )  # fmt: skip
+    policy = setup(opts).drafter
+    assert (policy.lookup.min_n, policy.lookup.max_n, policy.model.min_confidence) == (2, 3, 0.05)
+    drafts: list = []
+    spec = python_runs(str(bundle), prompts, policy, drafts=drafts)
+    rows = report["prompts"]
+    assert_same_tokens(spec, [r["spec_token_ids"] for r in rows], "policy")
+    assert policy.from_lookup > 0
+    gated = sum(1 for steps in drafts for tokens, *_ in steps if not tokens)
+    assert gated > 0  # the floor stopped some drafts
+    for r, steps in zip(rows, drafts, strict=True):
+        assert same_drafts(steps, r["spec_drafts"], f"policy {r['id']}")
+    told = run_native(runner, str(bundle), prompts[:2], tmp_path, "--drafter", "bundle",
+                      "--ngram-sizes", "1-1", "--draft-confidence", "0")  # fmt: skip
+    assert told["drafter"] == "mtp+ngram"
 
 
 @pytest.mark.parametrize(

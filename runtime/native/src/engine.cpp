@@ -74,6 +74,32 @@ std::unique_ptr<Drafter> make_drafter(const std::string& spec, const Manifest& m
                   "+ngram), got " + spec);
 }
 
+// The bundle's drafting policy (set by mtp-export) where the options leave it open: its own
+// model drafter behind a prompt lookup of drafter.lookup = "MIN-MAX" sizes, and its
+// drafter.draft_confidence.
+EngineOptions with_bundle_policy(const EngineOptions& options, const Manifest& m) {
+  EngineOptions out = options;
+  if (options.drafter == "bundle" && m.drafter.contains("lookup") &&
+      m.drafter["lookup"].is_string()) {
+    out.drafter = "bundle" + kHybridSuffix;
+    if (!options.ngram_sizes_given) {
+      const std::string sizes = m.drafter["lookup"].get<std::string>();
+      const size_t dash = sizes.find('-');
+      try {
+        out.ngram_min = std::stoi(sizes.substr(0, dash));
+        out.ngram_max = dash == std::string::npos ? out.ngram_min : std::stoi(sizes.substr(dash + 1));
+      } catch (const std::exception&) {
+        throw UserError("manifest drafter.lookup must be MIN-MAX, got '" + sizes +
+                        "': re-export the bundle");
+      }
+    }
+  }
+  if (!options.draft_confidence_given && m.drafter.contains("draft_confidence") &&
+      m.drafter["draft_confidence"].is_number())
+    out.draft_confidence = m.drafter["draft_confidence"].get<double>();
+  return out;
+}
+
 }  // namespace
 
 Engine::Engine(const std::string& bundle_dir, const EngineOptions& options)
@@ -84,7 +110,8 @@ Engine::Engine(const std::string& bundle_dir, const EngineOptions& options)
                     "' is not supported by the native runtime: use an android bundle");
   set_executorch_threads(options.threads);
   target_ = open_executorch_model(m.path("target"), m.max_seq_len, m.max_chunk, m.vocab_size);
-  drafter_ = make_drafter(options.drafter, m, options, *target_);
+  const EngineOptions chosen = with_bundle_policy(options, m);
+  drafter_ = make_drafter(chosen.drafter, m, chosen, *target_);
 #ifdef MTP_HAVE_TOKENIZER
   const std::string tokenizer_json = m.dir + "/tokenizer.json";
   struct stat s;

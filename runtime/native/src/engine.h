@@ -27,6 +27,9 @@ struct EngineOptions {
   std::string drafter = "bundle";
   int ngram_min = 1, ngram_max = 3;
   double draft_confidence = 0.0;
+  // Unless given, the bundle's drafting policy applies (manifest drafter.lookup: "bundle"
+  // becomes "bundle+ngram" with those sizes; drafter.draft_confidence), as in mtp_edge/cli.py.
+  bool ngram_sizes_given = false, draft_confidence_given = false;
   unsigned threads = 0;  // ExecuTorch thread pool size (0 = one per core)
 };
 

@@ -116,8 +116,10 @@ int run(int argc, char** argv) {
       engine_options.ngram_max =
           dash == std::string::npos ? engine_options.ngram_min
                                     : number<int>(flag, sizes.substr(dash + 1));
+      engine_options.ngram_sizes_given = true;
     } else if (flag == "--draft-confidence") {
       engine_options.draft_confidence = number<double>(flag, value());
+      engine_options.draft_confidence_given = true;
     } else if (flag == "--adaptive-k") {
       options.config.adaptive_k = true;
     } else if (flag == "--record-drafts") {
