@@ -260,11 +260,15 @@ def test_mtp_bundle_is_lossless_greedy_and_sampled(mtp_bundle):
         "--max-new-tokens",
         "40",
     ]
-    spec = json.loads(CliRunner().invoke(run, args).stdout)
+    # The head alone and ungated (random heads are never confident), then the bundle's policy.
+    head = ["--drafter", "mtp", "--draft-confidence", "0"]
+    spec = json.loads(CliRunner().invoke(run, [*args, *head]).stdout)
     plain = json.loads(CliRunner().invoke(run, [*args, "--drafter", "none"]).stdout)
     assert spec["token_ids"] == plain["token_ids"]
     assert spec["stats"]["drafted_tokens"] > 0
-    sampled = CliRunner().invoke(run, [*args, "--temperature", "0.9", "--seed", "1"])
+    policy = json.loads(CliRunner().invoke(run, args).stdout)
+    assert policy["token_ids"] == plain["token_ids"]
+    sampled = CliRunner().invoke(run, [*args, *head, "--temperature", "0.9", "--seed", "1"])
     assert sampled.exit_code == 0, sampled.output
 
 
