@@ -349,11 +349,16 @@ def test_self_written_requests(tiny_dir, monkeypatch):
 
     monkeypatch.setattr(train, "generate_batch", ending)
     sequences = train.build_corpus(loaded, opts, "hash", 0, 1, print)
-    requests = [json.loads(line) for line in (root / "heads.requests.jsonl").read_text().split()]
+    requests = [
+        json.loads(line) for line in (root / "heads.requests.jsonl").read_text().splitlines()
+    ]
     assert len({r["request"] for r in requests}) == len(requests) >= 30 // 150 + 16
-    prompts = [loaded.tokenizer.decode(s.tokens[: s.start + 1]) for s in sequences]
-    written = [p for p in prompts if any(r["request"] in p for r in requests)]
-    assert written and len(written) < len(prompts)  # both kinds of request
+    gen = [json.loads(line) for line in (root / "heads.gen.jsonl").read_text().splitlines()]
+    asked = {r["request"] for r in requests}
+    answered = [e for e in gen if e["prompt"] in asked]
+    assert answered and len(answered) < len(gen)  # both kinds of request
+    texts = [s.tokens for s in sequences]
+    assert any(e["prompt_ids"] + e["response_ids"] in texts for e in answered if e["response_ids"])
 
     def no_sampling(*args, **kwargs):
         raise AssertionError("the cached requests were written again")
