@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from tiny import hf_reference, save_hf_dir, save_random_heads
+from tiny import hf_reference, save_hf_dir, save_random_heads, setup_options
 
 from mtp_edge.cli import bench, export, run
 from mtp_edge.errors import UserError
@@ -323,11 +323,7 @@ def test_bundle_carries_its_drafting_policy(mtp_bundle):
 
     drafter = Manifest.load(mtp_bundle).drafter
     assert drafter["lookup"] == "2-3" and drafter["draft_confidence"] == 0.5
-    opts = dict(
-        model_spec="default", bundle=str(mtp_bundle), drafter=None, k=None, heads=None,
-        adaptive_k=False, ngram_sizes=None, draft_confidence=None, max_seq_len=96,
-        no_chat_template=True, threads=0,
-    )  # fmt: skip
+    opts = setup_options(mtp_bundle, 96)
     default = setup(opts).drafter
     assert isinstance(default, HybridDrafter) and default.name == "mtp+ngram"
     assert (default.lookup.min_n, default.lookup.max_n) == (2, 3)

@@ -39,9 +39,14 @@ from mtp_edge.train import TrainOptions, generate_batch, train_heads
 WORDS = "the cat sat on a mat and then the dog ran to the park while birds sang in trees".split()
 
 
-def random_head(target, draft_ids: list[int], seed: int = 0, std: float = 0.3) -> MTPHead:
+def random_head(
+    target, draft_ids: list[int], seed: int = 0, std: float = 0.3, attention: str = "none"
+) -> MTPHead:
+    from mtp_edge.mtp import cache_attention_config
+
     c = target.config
-    config = MTPConfig(c.hidden_size, 2 * c.hidden_size, c.vocab_size, len(draft_ids))
+    extra = cache_attention_config(target, attention) if attention != "none" else {}
+    config = MTPConfig(c.hidden_size, 2 * c.hidden_size, c.vocab_size, len(draft_ids), **extra)
     torch.manual_seed(seed)
     head = MTPHead(config).to(target.dtype)
     with torch.no_grad():
@@ -155,22 +160,11 @@ def test_hybrid_keeps_a_self_heads_cache_whole(tiny_dir):
     """mtp+ngram with a self head: lossless, the lookup drafts some steps and the head others,
     and every draft the head makes equals what a fresh head fed the whole context at once
     drafts: the steps the lookup took were still fed into the head's cache (`observe`)."""
-    from mtp_edge.mtp import cache_attention_config
     from mtp_edge.runtime.drafters import HybridDrafter
 
     target = load_model(str(tiny_dir / "model"), dtype=torch.float64)
     model = target.model
-    c = model.config
-    config = MTPConfig(
-        c.hidden_size, 2 * c.hidden_size, c.vocab_size, c.vocab_size,
-        **cache_attention_config(model, "self"),
-    )  # fmt: skip
-    torch.manual_seed(3)
-    head = MTPHead(config).to(torch.float64)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.normal_(0, 0.3)
-    head.eval()
+    head = random_head(model, list(range(model.config.vocab_size)), seed=3, attention="self")
     session = EagerSession(model, 160, max_chunk=16)
     drafter = mtp_drafter(head, model)
     made = []

@@ -19,7 +19,7 @@ import subprocess
 import pytest
 import torch
 from click.testing import CliRunner
-from tiny import hf_reference, save_hf_dir, save_random_heads
+from tiny import hf_reference, save_hf_dir, save_random_heads, setup_options
 
 from mtp_edge.cli import export
 from mtp_edge.devices.harness import NEAR_TIE, load_prompts
@@ -308,11 +308,7 @@ def test_bundle_drafting_policy_matches_python(runner, mlp_mtp_bundle, tmp_path)
     prompts = suite_ids(str(bundle))[:16]
     report = run_native(runner, str(bundle), prompts, tmp_path, "--record-drafts")
     assert report["drafter"] == "mtp+ngram"
-    opts = dict(
-        model_spec="default", bundle=str(bundle), drafter=None, k=None, heads=None,
-        adaptive_k=False, ngram_sizes=None, draft_confidence=None, max_seq_len=256,
-        no_chat_template=True, threads=0,
-    )  # fmt: skip
+    opts = setup_options(bundle, 256)
     policy = setup(opts).drafter
     assert (policy.lookup.min_n, policy.lookup.max_n, policy.model.min_confidence) == (2, 3, 0.05)
     drafts: list = []
