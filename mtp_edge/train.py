@@ -775,9 +775,9 @@ def _labels(sequences: list[Sequence], hidden, argmax, keys=None, values=None) -
     tokens = torch.tensor([t for s in sequences for t in s.tokens])
     remaining = torch.cat([torch.arange(len(s.tokens) - 1, -1, -1) for s in sequences])
     return Labels(
-        torch.cat(hidden),
+        hidden if isinstance(hidden, torch.Tensor) else torch.cat(hidden),
         tokens,
-        torch.cat(argmax),
+        argmax if isinstance(argmax, torch.Tensor) else torch.cat(argmax),
         remaining,
         torch.cat(starts),
         torch.tensor(bounds, dtype=torch.long).view(-1, 3),
@@ -786,12 +786,24 @@ def _labels(sequences: list[Sequence], hidden, argmax, keys=None, values=None) -
     )
 
 
+def _labelling_progress(say, total: int):
+    """say() about every tenth of `total` sequences labelled (labelling is minutes of work)."""
+    every = max(1, total // 10)
+
+    def done(i: int) -> None:
+        if say is not None and ((i + 1) % every == 0 or i + 1 == total):
+            say(f"labelled {i + 1}/{total} sequences")
+
+    return done
+
+
 @torch.inference_mode()
 def label_sequences(
     model: Transformer,
     sequences: list[Sequence],
     cache: bool = False,
     dtype: torch.dtype = torch.float16,
+    say: Callable[[str], None] | None = None,
 ) -> Labels:
     """Run the frozen target over each sequence (one teacher-forced call through the static
     cache) and keep, per position, its final hidden state and its argmax (and with `cache`, its
@@ -801,7 +813,8 @@ def label_sequences(
         model.setup_cache(longest)
     hidden, argmax, keys, values = [], [], [], []
     last = model.layers[-1].self_attn
-    for s in sequences:
+    done = _labelling_progress(say, len(sequences))
+    for i, s in enumerate(sequences):
         n = len(s.tokens)
         logits, h = model(torch.tensor([s.tokens]), torch.tensor([0]), return_hidden=True, kv_len=n)
         hidden.append(h[0].to(dtype))
@@ -809,18 +822,30 @@ def label_sequences(
         if cache:  # [1, KVH, S, hd] -> [n, KVH, hd]
             keys.append(last.cache.k[0, :, :n].transpose(0, 1).to(dtype))
             values.append(last.cache.v[0, :, :n].transpose(0, 1).to(dtype))
+        done(i)
     return _labels(sequences, hidden, argmax, keys, values)
 
 
-def label_with_session(session, sequences: list[Sequence]) -> Labels:
-    """label_sequences through an exported target: its hidden states and argmax per position."""
-    hidden, argmax = [], []
-    for s in sequences:
+def label_with_session(session, sequences: list[Sequence], say=None) -> Labels:
+    """label_sequences through an exported target: its hidden states and argmax per position.
+
+    The results go straight into tensors allocated once for all positions. Kept as thousands of
+    small pieces between the per-call logits (up to 25 MB each, freed at once), they fragmented
+    the heap: labelling 723k tokens grew past 18 GB of RSS and was killed."""
+    total = sum(len(s.tokens) for s in sequences)
+    hidden, argmax, at = None, torch.empty(total, dtype=torch.long), 0
+    done = _labelling_progress(say, len(sequences))
+    for j, s in enumerate(sequences):
         n = len(s.tokens)
         for i in range(0, n, session.max_chunk):
             logits, h = session.forward(s.tokens[i : i + session.max_chunk], i, True)
-            hidden.append(h.to(torch.float16))
-            argmax.append(logits.argmax(-1))
+            if hidden is None:
+                hidden = torch.empty(total, h.shape[-1], dtype=torch.float16)
+            rows = len(h)
+            hidden[at : at + rows] = h
+            argmax[at : at + rows] = logits.argmax(-1)
+            at += rows
+        done(j)
     return _labels(sequences, hidden, argmax)
 
 
@@ -1128,9 +1153,9 @@ def _train(options, rank, world, progress, began) -> dict:
             source,
             cache,
             lambda: (
-                label_with_session(session, chosen)
+                label_with_session(session, chosen, say)
                 if by_session
-                else label_sequences(target, chosen, cache)
+                else label_sequences(target, chosen, cache, say=say)
             ),
             say,
         )
