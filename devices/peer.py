@@ -27,6 +27,9 @@ def textllmrunner_baseline(pte: Path, tokenizer_json: Path, prompts: list[tuple[
         from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401
         from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
 
+        from mtp_edge.runtime.executorch_ops import load_kernels
+
+        load_kernels()  # our programs' attention op (runtime/executorch_ops.py)
         runner = TextLLMRunner(str(pte), str(tokenizer_json))
     except Exception as e:  # the runner is optional: report why it is absent, keep going
         return {"error": f"TextLLMRunner could not load {pte.name}: {e}"}

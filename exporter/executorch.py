@@ -5,19 +5,24 @@ so that ExecuTorch's own runner (TextLLMRunner) can run it too:
   dynamic in 1..max_chunk: prefill chunks and the verification of k+1 drafted tokens are the
   same method;
 - the KV cache is a pair of mutable buffers per layer in the layout of ExecuTorch's custom ops,
-  [1, max_seq_len, kv_heads, head_dim], written in place by `llama.update_cache`; attention is
-  `llama.custom_sdpa`, which reads for a query at position p only the slots <= p. The slots of
-  rejected drafts are never read and the next call overwrites them: rollback costs nothing;
+  [1, max_seq_len, kv_heads, head_dim], written in place by `llama.update_cache`; attention reads
+  for a query at position p only the slots <= p. The slots of rejected drafts are never read and
+  the next call overwrites them: rollback costs nothing;
 - constant methods carrying the metadata the runner reads (max_seq_len, vocab size, eos ids...);
 - with a drafter, a `verify(tokens [1, W], input_pos [1])` method sharing forward's KV cache, for
   checking k+1 = W tokens. Speculative output must equal plain output token for token, so each
   row of a verify must be bitwise what a one-token forward computes at that position. XNNPACK's
   linear layers are row-independent (also with dynamically quantized activations: each row has
-  its own scale), but `custom_sdpa` is not: a W-row call computes every row's scores over the
-  keys of the whole block and in different tiles, so rows move by a few ulps — and in a
-  quantized model an ulp that crosses an int8 rounding step grows, layer by layer, into logits
-  that differ by whole units (measured on SmolLM2-135M 8da4w: the argmax differed at 10% of
-  positions). `verify` therefore runs attention one row at a time, as the one-token call does;
+  its own scale); attention decides the rest. ExecuTorch's `llama.custom_sdpa` is not
+  row-exact: a W-row call computes every row's scores over the keys of the whole block and in
+  different tiles, so rows move by a few ulps, and in a quantized model an ulp that crosses an
+  int8 rounding step grows, layer by layer, into logits that differ by whole units (measured on
+  SmolLM2-135M 8da4w: the argmax differed at 10% of positions). So the programs call our own op,
+  `mtp_edge::sdpa` (runtime/executorch_ops.py, kernel in runtime/native/src/llama_ops.cpp),
+  which computes each row alone: a W-row call is row-exact and `verify` is one call. With
+  `attention_kernel="executorch"` (for ExecuTorch's stock runners, which carry only its own ops)
+  the programs call `llama.custom_sdpa`, and `verify` calls it once per row, as the one-token
+  call does;
 - with an MTP head that reads the target's cache (mtp.py), a `draft(h [1, D], token [1],
   input_pos [1]) -> (draft_logits [1, Vd], next_h [1, D])` method: one draft step, run inside the
   target's program so that it reads (and writes, past the verified positions) the last layer's
@@ -51,14 +56,30 @@ from mtp_edge.errors import UserError
 from mtp_edge.model import Attention, RMSNorm, Transformer
 from mtp_edge.mtp import MTPHead
 from mtp_edge.quantize.schemes import QuantScheme, check_scheme, quantize_model, quantize_modules
+from mtp_edge.runtime import executorch_ops
+
+executorch_ops.define()  # torch.ops.mtp_edge.sdpa
+
+# Which attention kernel the programs call: "mtp" (ours, mtp_edge::sdpa: row-exact, so a
+# verification is one call) or "executorch" (llama.custom_sdpa, which ExecuTorch's stock
+# runners carry; then `verify` calls it once per row).
+ATTENTION_KERNELS = ("mtp", "executorch")
+
+
+def sdpa(q, k_cache, v_cache, start, kernel: str):
+    """Causal attention of q [1, T, H, hd] over the caches from position `start`."""
+    if kernel == "mtp":
+        return torch.ops.mtp_edge.sdpa(q, k_cache, v_cache, start)
+    return torch.ops.llama.custom_sdpa(q, k_cache, v_cache, start, None, 0.0, True)
 
 
 class CustomOpAttention(nn.Module):
     """Our Attention (same projections and norms) on ExecuTorch's cache-update and SDPA ops."""
 
-    def __init__(self, attention: Attention, max_seq_len: int):
+    def __init__(self, attention: Attention, max_seq_len: int, kernel: str = "mtp"):
         super().__init__()
         a = attention
+        self.kernel = kernel
         self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = a.q_proj, a.k_proj, a.v_proj, a.o_proj
         self.q_norm, self.k_norm = a.q_norm, a.k_norm
@@ -91,17 +112,15 @@ class CustomOpAttention(nn.Module):
         torch._check(start + t <= self.max_seq_len)
         torch.ops.llama.update_cache(k, self.k_cache, start)
         torch.ops.llama.update_cache(v, self.v_cache, start)
-        if self.rows_apart:
-            # One single-query SDPA per row: bitwise what a one-token call computes (below).
+        if self.rows_apart and self.kernel == "executorch":
+            # One single-query SDPA per row: bitwise what a one-token call computes (module doc).
             rows = [
-                torch.ops.llama.custom_sdpa(
-                    q[:, r : r + 1], self.k_cache, self.v_cache, start + r, None, 0.0, True
-                )
+                sdpa(q[:, r : r + 1], self.k_cache, self.v_cache, start + r, self.kernel)
                 for r in range(t)
             ]
             out = torch.cat(rows, 1)
-        else:
-            out = torch.ops.llama.custom_sdpa(q, self.k_cache, self.v_cache, start, None, 0.0, True)
+        else:  # our kernel computes each row alone: one call is row-exact
+            out = sdpa(q, self.k_cache, self.v_cache, start, self.kernel)
         return self.o_proj(out.view(1, -1, self.num_heads * self.head_dim))
 
 
@@ -132,13 +151,15 @@ def with_export_norms(module: nn.Module) -> nn.Module:
     return module
 
 
-def exportable_copy(model: Transformer, scheme: QuantScheme, max_seq_len: int) -> Transformer:
+def exportable_copy(
+    model: Transformer, scheme: QuantScheme, max_seq_len: int, kernel: str = "mtp"
+) -> Transformer:
     """A float32, quantized copy of `model` with export attention and norms (model is untouched)."""
     model = copy.deepcopy(model).float().eval()
     model.setup_cache(max_seq_len)  # rotary tables for max_seq_len positions
     quantize_model(model, scheme)
     for layer in model.layers:
-        layer.self_attn = CustomOpAttention(layer.self_attn, max_seq_len)
+        layer.self_attn = CustomOpAttention(layer.self_attn, max_seq_len, kernel)
     return with_export_norms(model)
 
 
@@ -167,15 +188,8 @@ class DraftMethod(nn.Module):
             k = k * cos + F.linear(k, attention.rotate) * sin
             torch.ops.llama.update_cache(k.view(1, 1, kv_heads, dim), attention.k_cache, start)
             torch.ops.llama.update_cache(v.view(1, 1, kv_heads, dim), attention.v_cache, start)
-            out = torch.ops.llama.custom_sdpa(
-                q.view(1, 1, heads, dim),
-                attention.k_cache,
-                attention.v_cache,
-                start,
-                None,
-                0.0,
-                True,
-            )
+            q = q.view(1, 1, heads, dim)
+            out = sdpa(q, attention.k_cache, attention.v_cache, start, attention.kernel)
             return out.view(1, heads, dim)
 
         return self.head.step(h, self.model.embed_tokens(token), attend)
@@ -225,6 +239,7 @@ def export_program(
     verify_width: int = 0,
     draft_head: MTPHead | None = None,
     draft_scheme: QuantScheme | None = None,
+    attention_kernel: str = "mtp",
     progress: Callable[[str], None] | None = None,
 ) -> dict:
     """Quantize a copy of `model`, export it to an XNNPACK .pte at `path` (written at the very
@@ -233,7 +248,7 @@ def export_program(
     `head_quant` / `head_group_size` give the LM head its own scheme (default: the linear one).
     `verify_width` W > 0 adds the row-exact `verify` method for W tokens (see the module doc).
     `draft_head` (a head that reads the target's cache) adds the `draft` method, quantized with
-    `draft_scheme`.
+    `draft_scheme`. `attention_kernel`: one of ATTENTION_KERNELS.
     """
     say = progress or (lambda _message: None)
     scheme = QuantScheme(
@@ -245,7 +260,12 @@ def export_program(
             f"the chunk size must be between 2 and --max-seq-len {max_seq_len}, got {max_chunk}"
         )
     say(f"[quantize] {scheme.label()}")
-    exportable = exportable_copy(model, scheme, max_seq_len)
+    if attention_kernel not in ATTENTION_KERNELS:
+        raise UserError(
+            f"unknown attention kernel {attention_kernel!r}: use one of "
+            + ", ".join(ATTENTION_KERNELS)
+        )
+    exportable = exportable_copy(model, scheme, max_seq_len, attention_kernel)
     if return_hidden:
         exportable = WithHidden(exportable)
     constants = metadata_methods(model, max_seq_len, max_chunk, bos_id, eos_ids)
@@ -259,7 +279,8 @@ def export_program(
             "forward": torch.export.export(exportable, example, dynamic_shapes=dynamic, strict=True)
         }
         if verify_width:
-            say(f"[export] verify, {verify_width} tokens, attention row by row")
+            rows = "one call" if attention_kernel == "mtp" else "row by row"
+            say(f"[export] verify, {verify_width} tokens, attention {rows}")
             for attention in exportable.modules():
                 if isinstance(attention, CustomOpAttention):
                     attention.rows_apart = True

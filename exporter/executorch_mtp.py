@@ -4,7 +4,7 @@
 shapes. A "self" (EAGLE) head carries its own KV cache as mutable buffers and takes a chunk:
 `forward(h [1, T, D], tokens [1, T], input_pos [1]) -> (draft_logits [1, Vd], next_h [1, D])` of
 the last row, T dynamic in 1..max_chunk, `input_pos` the position of tokens[0] (its K/V go to
-slot input_pos - 1, mtp.py); attention is ExecuTorch's update_cache and custom_sdpa, as in the
+slot input_pos - 1, mtp.py); attention is llama.update_cache and our mtp_edge::sdpa, as in the
 target. The program carries its own (quantized) copy of the target's embedding table, because an
 ExecuTorch program cannot read another program's weights; the per-step cost stays that of the
 head alone (the table is only indexed). `draft_ids` (draft index -> target id) is written next to

@@ -40,6 +40,10 @@ class ExportOptions:
     # on the default bundle (benchmarks/README.md, "Drafting policy").
     lookup: str = "2-3"
     draft_confidence: float = 0.5
+    # android: the attention kernel the programs call (exporter/executorch.py): "mtp", ours,
+    # row-exact, so that a verification is one call; "executorch", llama.custom_sdpa, which
+    # ExecuTorch's stock runners carry, with a verify method that calls it once per row.
+    attention_kernel: str = "mtp"
 
 
 def check_lookup(text: str) -> None:
@@ -196,6 +200,7 @@ def export_bundle(
             bos_id=tokenizer.bos_id,
             eos_ids=tokenizer.eos_ids,
             return_hidden=return_hidden,
+            attention_kernel=options.attention_kernel,
             progress=progress,
             **extra,
         )
@@ -207,6 +212,8 @@ def export_bundle(
             # onnx and coreml keep the embedding table in float (fp32 / fp16)
             "embedding": options.embedding_quant if options.target == "android" else "none",
         }
+        if options.target == "android":
+            quant["attention"] = options.attention_kernel
         hidden = drafter_kind == "mtp"
         drafter = {"kind": drafter_kind, "k": options.k}
         if drafter_kind in ("mtp", "draft-lm"):  # the runtime's defaults for this drafter

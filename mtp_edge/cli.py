@@ -483,6 +483,15 @@ def write_atomic(path: str | None, text: str) -> None:
     show_default=True,
     help="Runtime default for a model drafter: no draft below this first-token probability.",
 )
+@click.option(
+    "--attention-kernel",
+    type=click.Choice(["mtp", "executorch"]),
+    default="mtp",
+    show_default=True,
+    help="android: attention op of the programs. mtp: ours, row-exact, so a k+1-token "
+    "verification is one call (mtp-edge's runtimes carry it); executorch: llama.custom_sdpa, "
+    "which ExecuTorch's stock runners carry (verification then calls it once per row).",
+)
 @click.option("--max-seq-len", default=2048, show_default=True, help="Static KV cache length.")
 @click.option("--out", default=None, help="Bundle directory (default: bundles/<model>-<target>).")
 @click.option(
@@ -503,6 +512,7 @@ def export(
     draft_quant,
     lookup,
     draft_confidence,
+    attention_kernel,
     max_seq_len,
     out,
     quality_tokens,
@@ -528,6 +538,7 @@ def export(
         quality_tokens=quality_tokens,
         lookup=lookup,
         draft_confidence=draft_confidence,
+        attention_kernel=attention_kernel,
     )
 
     def open_program(path: Path, seq_len: int):

@@ -35,6 +35,9 @@ class ExecuTorchSession:
         import executorch.kernels.quantized  # noqa: F401
         from executorch.runtime import Runtime
 
+        from mtp_edge.runtime.executorch_ops import load_kernels
+
+        load_kernels()  # mtp_edge::sdpa, the attention mtp-export's programs call
         path = Path(pte_path)
         if not path.is_file():
             raise UserError(f"ExecuTorch program {path} does not exist")
@@ -111,6 +114,9 @@ class ExecuTorchStep:
         import executorch.kernels.quantized  # noqa: F401
         from executorch.runtime import Runtime
 
+        from mtp_edge.runtime.executorch_ops import load_kernels
+
+        load_kernels()
         _hand_cores_to_executorch()
         self.program = program or Runtime.get().load_program(Path(pte_path))
         if method not in self.program.method_names:

@@ -48,13 +48,14 @@ def model(tied: bool = False):
 
 
 @functools.cache
-def exported(name: str):
-    """(path, method metadata) of the tiny model exported with scheme `name`, once per run."""
+def exported(name: str, kernel: str = "mtp"):
+    """(path, method metadata) of the tiny model exported with scheme `name` and attention
+    kernel `kernel`, once per run."""
     import tempfile
     from pathlib import Path
 
     linear, group, embedding, tied = SCHEMES[name]
-    path = Path(tempfile.mkdtemp(prefix="mtp-et-")) / f"{name}.pte"
+    path = Path(tempfile.mkdtemp(prefix="mtp-et-")) / f"{name}-{kernel}.pte"
     methods = export_program(
         model(tied),
         path,
@@ -66,13 +67,14 @@ def exported(name: str):
         bos_id=BOS,
         eos_ids=EOS,
         verify_width=VERIFY_WIDTH,
+        attention_kernel=kernel,
     )
     return path, methods
 
 
-def session(name: str) -> ExecuTorchSession:
+def session(name: str, kernel: str = "mtp") -> ExecuTorchSession:
     """A fresh session (its own KV cache) on the program exported with scheme `name`."""
-    return ExecuTorchSession(exported(name)[0], MAX_SEQ_LEN, VOCAB, CHUNK)
+    return ExecuTorchSession(exported(name, kernel)[0], MAX_SEQ_LEN, VOCAB, CHUNK)
 
 
 @pytest.mark.parametrize("name", list(SCHEMES))
@@ -144,13 +146,16 @@ def one_token_steps(program, start: int, tokens: list[int]) -> torch.Tensor:
     return torch.cat([program.forward([t], start + i) for i, t in enumerate(tokens)])
 
 
-@pytest.mark.parametrize("name", list(SCHEMES))
-def test_verify_rows_are_bitwise_one_token_steps(name):
+@pytest.mark.parametrize(
+    "name,kernel", [(name, "mtp") for name in SCHEMES] + [("8da4w-g32", "executorch")]
+)
+def test_verify_rows_are_bitwise_one_token_steps(name, kernel):
     """What makes speculative decoding exact on a quantized program: every row of a k+1-token
     call equals, bit for bit, a one-token call at that position (widths below, at and above the
-    verify width, and at the very end of the cache, where the padding does not fit)."""
+    verify width, and at the very end of the cache, where the padding does not fit). Also with
+    ExecuTorch's attention kernel, through `verify`'s row-by-row calls."""
     tokens = [(11 * i + 3) % VOCAB for i in range(12)]
-    steps_session, wide_session = session(name), session(name)
+    steps_session, wide_session = session(name, kernel), session(name, kernel)
     prefill(steps_session, PROMPT * 2)
     steps = one_token_steps(steps_session, 2 * len(PROMPT), tokens)
     prefill(wide_session, PROMPT * 2)
@@ -159,25 +164,53 @@ def test_verify_rows_are_bitwise_one_token_steps(name):
         rows = wide_session.forward(tokens[done : done + width], 2 * len(PROMPT) + done)
         assert torch.equal(rows, steps[done : done + width])
         done += width
-    fresh_steps, fresh_wide = session(name), session(name)  # slots before `end` stay empty
+    fresh_steps, fresh_wide = session(name, kernel), session(name, kernel)  # earlier slots empty
     end = MAX_SEQ_LEN - 3
     assert torch.equal(
         fresh_wide.forward(tokens[:3], end), one_token_steps(fresh_steps, end, tokens[:3])
     )
 
 
-def test_a_batched_forward_is_not_row_exact():
-    """Why `verify` exists: the same 5 tokens through `forward` in one call round differently
-    from one-token calls (if ExecuTorch's SDPA ever becomes row-exact, this fails: then verify
-    could go)."""
+@pytest.mark.parametrize("kernel,row_exact", [("mtp", True), ("executorch", False)])
+def test_a_batched_forward_is_row_exact_only_with_our_kernel(kernel, row_exact):
+    """The same 5 tokens through `forward` in one call, against one-token calls: with our
+    attention kernel (mtp_edge::sdpa) the rows are bitwise equal, so a verification needs no
+    more than one call; ExecuTorch's llama.custom_sdpa rounds them differently (if it ever
+    becomes row-exact, this fails, and the choice of kernel is worth revisiting)."""
     tokens = [(11 * i + 3) % VOCAB for i in range(5)]
-    steps_session, batched_session = session("8da4w-g32"), session("8da4w-g32")
+    steps_session, batched_session = session("8da4w-g32", kernel), session("8da4w-g32", kernel)
     prefill(steps_session, PROMPT * 2)
     prefill(batched_session, PROMPT * 2)
     steps = one_token_steps(steps_session, 2 * len(PROMPT), tokens)
     start = torch.tensor([2 * len(PROMPT)])
     batched = batched_session.method.execute([torch.tensor([tokens]), start])[0][0]
-    assert not torch.equal(batched, steps)
+    assert torch.equal(batched, steps) == row_exact
+
+
+def test_our_kernel_computes_the_eager_attention():
+    """mtp_edge::sdpa's kernel (C++, as the runtimes run it) against the eager reference, for
+    grouped heads, head sizes with and without a compiled-in specialization, and a call that
+    ends at the last slot of the cache."""
+    from executorch.exir import to_edge
+    from executorch.runtime import Runtime
+
+    from mtp_edge.runtime import executorch_ops
+
+    class Attend(torch.nn.Module):
+        def forward(self, q, k, v, start):
+            return torch.ops.mtp_edge.sdpa(q, k, v, start.item())
+
+    torch.manual_seed(0)
+    for heads, kv_heads, dim, t, start in [(4, 2, 64, 5, 7), (3, 1, 32, 1, 40), (2, 2, 128, 3, 45)]:
+        q = torch.randn(1, t, heads, dim)
+        k, v = torch.randn(1, 48, kv_heads, dim), torch.randn(1, 48, kv_heads, dim)
+        position = torch.tensor([start])
+        program = to_edge(torch.export.export(Attend(), (q, k, v, position), strict=True))
+        executorch_ops.load_kernels()
+        method = Runtime.get().load_program(program.to_executorch().buffer).load_method("forward")
+        got = method.execute([q, k, v, position])[0]
+        want = executorch_ops.attention(q, k, v, start)
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["8da4w-g32", "8da4w-cw-tied", "8da8w-cw"])

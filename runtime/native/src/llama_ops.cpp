@@ -12,6 +12,7 @@
 #include <executorch/runtime/core/function_ref.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <vector>
 
@@ -104,29 +105,34 @@ void update_cache(KernelRuntimeContext& ctx, Span<EValue*> stack) {
               sizeof(float) * row * value.size(1));
 }
 
-void custom_sdpa(KernelRuntimeContext& ctx, Span<EValue*> stack) {
-  const Tensor& q = stack[0]->toTensor();
-  const Tensor& k = stack[1]->toTensor();
-  const Tensor& v = stack[2]->toTensor();
-  const int64_t start = stack[3]->toInt();
-  Tensor& out = stack[8]->toTensor();
-  if (!check(ctx, stack[4]->isNone(), "custom_sdpa: attn_mask is not supported") ||
-      !check(ctx, stack[6]->toBool(), "custom_sdpa: only is_causal=True is supported") ||
-      !check(ctx, q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "custom_sdpa: 4-D expected") ||
-      !check(ctx, q.scalar_type() == ScalarType::Float, "custom_sdpa: float32 only"))
-    return;
+// Causal attention of q [1, T, Hq, D] over the caches [1, S, Hkv, D] into out: row i (absolute
+// position start + i) sees slots 0..start + i. Each (row, head) is computed alone by attend_row,
+// so a row's result does not depend on how many rows share the call: a (k+1)-row verification
+// gives bitwise the rows of k+1 one-row steps.
+bool attend_causal(KernelRuntimeContext& ctx, const char* op, const Tensor& q, const Tensor& k,
+                   const Tensor& v, int64_t start, double scale_or_nan, Tensor& out) {
+  char what[96];
+  auto fail = [&](bool ok, const char* problem) {
+    if (!ok) std::snprintf(what, sizeof what, "%s: %s", op, problem);
+    return check(ctx, ok, what);
+  };
+  if (!fail(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "4-D tensors expected") ||
+      !fail(q.scalar_type() == ScalarType::Float && k.scalar_type() == ScalarType::Float &&
+                v.scalar_type() == ScalarType::Float,
+            "float32 only"))
+    return false;
   const int64_t T = q.size(1), Hq = q.size(2), D = q.size(3), S = k.size(1), Hkv = k.size(2);
-  if (!check(ctx, Hkv > 0 && Hq % Hkv == 0 && k.size(3) == D, "custom_sdpa: head mismatch") ||
-      !check(ctx, start >= 0 && start + T <= S, "custom_sdpa: positions beyond the cache") ||
-      !check(ctx, executorch::runtime::resize_tensor(out, q.sizes()) == Error::Ok,
-             "custom_sdpa: cannot resize the output"))
-    return;
+  if (!fail(Hkv > 0 && Hq % Hkv == 0 && k.size(3) == D && v.size(3) == D, "head mismatch") ||
+      !fail(start >= 0 && start + T <= S, "positions beyond the cache") ||
+      !fail(executorch::runtime::resize_tensor(out, q.sizes()) == Error::Ok,
+            "cannot resize the output"))
+    return false;
   const float scale =
-      stack[7]->isNone() ? float(1.0 / std::sqrt(double(D))) : float(stack[7]->toDouble());
+      std::isnan(scale_or_nan) ? float(1.0 / std::sqrt(double(D))) : float(scale_or_nan);
   const float* qp = q.const_data_ptr<float>();
   const float* kp = k.const_data_ptr<float>();
   const float* vp = v.const_data_ptr<float>();
-  float* op = out.mutable_data_ptr<float>();
+  float* op_ = out.mutable_data_ptr<float>();
   const int64_t group = Hq / Hkv;
   // One task per (query, head), spread over ExecuTorch's thread pool (XNNPACK's pool too).
   auto attend = [&](size_t task) {
@@ -136,9 +142,41 @@ void custom_sdpa(KernelRuntimeContext& ctx, Span<EValue*> stack) {
     scores.resize(visible);
     auto row = D == 64 ? attend_row<64> : D == 128 ? attend_row<128> : attend_row<0>;
     row(qp + (i * Hq + h) * D, kp + kvh * D, vp + kvh * D, Hkv * D, visible, D, scale,
-        scores.data(), op + (i * Hq + h) * D);
+        scores.data(), op_ + (i * Hq + h) * D);
   };
   executorch::extension::threadpool::get_threadpool()->run(attend, size_t(T * Hq));
+  return true;
+}
+
+// llama.custom_sdpa.out: see the schema at the top.
+void custom_sdpa(KernelRuntimeContext& ctx, Span<EValue*> stack) {
+  if (!check(ctx, stack[4]->isNone(), "custom_sdpa: attn_mask is not supported") ||
+      !check(ctx, stack[6]->toBool(), "custom_sdpa: only is_causal=True is supported"))
+    return;
+  attend_causal(ctx, "custom_sdpa", stack[0]->toTensor(), stack[1]->toTensor(),
+                stack[2]->toTensor(), stack[3]->toInt(),
+                stack[7]->isNone() ? NAN : stack[7]->toDouble(), stack[8]->toTensor());
+}
+
+// mtp_edge::sdpa.out(Tensor query, Tensor k_cache, Tensor v_cache, SymInt start_pos, *,
+//                    Tensor(a!) out) -> Tensor(a!)
+// Our own op (exporter/executorch_ops.py defines it for export), causal, scale 1/sqrt(D): the
+// programs mtp-export writes call it so that every runtime (Python, the native runner, the
+// phone) computes attention with this one kernel, row by row.
+void mtp_sdpa(KernelRuntimeContext& ctx, Span<EValue*> stack) {
+  attend_causal(ctx, "mtp_edge::sdpa", stack[0]->toTensor(), stack[1]->toTensor(),
+                stack[2]->toTensor(), stack[3]->toInt(), NAN, stack[4]->toTensor());
+}
+
+void register_missing(const executorch::runtime::Kernel* kernels, size_t n) {
+  // Looked up in the list rather than with registry_has_op_function, which logs every miss.
+  const auto registered = executorch::runtime::get_registered_kernels();
+  for (size_t i = 0; i < n; ++i) {
+    bool present = false;
+    for (const auto& other : registered)
+      present = present || std::strcmp(other.name_, kernels[i].name_) == 0;
+    if (!present) (void)executorch::runtime::register_kernel(kernels[i]);
+  }
 }
 
 }  // namespace
@@ -149,14 +187,15 @@ void register_llama_ops() {
       Kernel("llama::update_cache.out", update_cache),
       Kernel("llama::custom_sdpa.out", custom_sdpa),
   };
-  // Looked up in the list rather than with registry_has_op_function, which logs every miss.
-  const auto registered = executorch::runtime::get_registered_kernels();
-  for (const Kernel& kernel : kernels) {
-    bool present = false;
-    for (const Kernel& other : registered)
-      present = present || std::strcmp(other.name_, kernel.name_) == 0;
-    if (!present) (void)executorch::runtime::register_kernel(kernel);
-  }
+  register_missing(kernels, sizeof kernels / sizeof kernels[0]);
+  register_mtp_ops();
+}
+
+void register_mtp_ops() {
+  static const executorch::runtime::Kernel kernels[] = {
+      executorch::runtime::Kernel("mtp_edge::sdpa.out", mtp_sdpa),
+  };
+  register_missing(kernels, 1);
 }
 
 }  // namespace mtp
