@@ -551,6 +551,91 @@ def test_c_api_stop_strings_match_python(runner, mtp_bundle):
     assert result["text"] == full_text[: full_text.index(stop)]
 
 
+@pytest.fixture(scope="module")
+def policy_mtp_bundle(mtp_bundle, tmp_path_factory):
+    """mtp_bundle with a drafting policy (lookup 2-3): its own drafter is mtp+ngram, so that
+    the C API's drafters chosen by name all differ from the one it runs by default."""
+    import shutil
+
+    bundle = tmp_path_factory.mktemp("policy") / "bundle"
+    shutil.copytree(mtp_bundle, bundle)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest["drafter"]["lookup"] = "2-3"
+    (bundle / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    return str(bundle)
+
+
+def c_api(bundle_dir: str, text: str, options: dict) -> subprocess.CompletedProcess:
+    """tests/test_core.cpp's C API run: mtp_generate(text, options) on the bundle."""
+    return subprocess.run(
+        [str(native.UNIT_TESTS), bundle_dir, text, json.dumps(options)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.parametrize(
+    "named, drafter, sizes, confidence",
+    [
+        ({}, "mtp+ngram", (2, 3), 0.0),  # none named: the bundle's own, with its policy
+        ({"drafter": "ngram"}, "ngram", None, 0.0),
+        ({"drafter": "mtp"}, "mtp", None, 0.0),
+        (
+            {"drafter": "mtp+ngram", "ngram_sizes": "1-2", "draft_confidence": 0.3},
+            "mtp+ngram",
+            (1, 2),
+            0.3,
+        ),
+    ],
+)
+def test_c_api_drafter_by_name(runner, policy_mtp_bundle, named, drafter, sizes, confidence):
+    """The C API's options {"drafter": NAME, "ngram_sizes", "draft_confidence"}: the named
+    drafter drafts (the verify steps and drafts of Python's run with that drafter), the result
+    names it, and greedy decoding stays lossless (the tokens of plain decoding, which
+    "speculative": false still means whatever drafter is named)."""
+    bundle = open_bundle(policy_mtp_bundle)
+    text = "the cat sat on the mat. the cat sat on the"
+    ids = bundle.tokenizer.encode_prompt(text, chat=True)
+    base = {"max_new_tokens": MAX_NEW_TOKENS, "k": 4}
+    done = c_api(policy_mtp_bundle, text, {**base, **named, "speculative": False})
+    assert done.returncode == 0, done.stderr
+    plain = json.loads(done.stdout.split("\n", 1)[0])
+    assert plain["drafter"] == "none" and plain["stats"]["drafted_tokens"] == 0
+    done = c_api(policy_mtp_bundle, text, {**base, **named})
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.split("\n", 1)[0])
+    assert result["drafter"] == drafter
+    [(_, python_plain)] = python_runs(policy_mtp_bundle, [("p", "c", ids)], None)
+    j = first_divergence(plain["token_ids"], result["token_ids"])
+    assert j is None or python_plain.top2_gaps[j] < NEAR_TIE, (plain, result)
+    spec = NgramDrafter() if drafter == "ngram" else "bundle"
+    [(_, expected)] = python_runs(
+        policy_mtp_bundle, [("p", "c", ids)], spec, confidence=confidence, ngram_sizes=sizes
+    )
+    assert_same_tokens([("p", expected)], [result["token_ids"]], f"C API {drafter}")
+    assert result["stats"]["drafted_tokens"] > 0
+    if result["token_ids"] == expected.token_ids:
+        for key in ("verify_steps", "drafted_tokens", "accepted_tokens"):
+            assert result["stats"][key] == getattr(expected.stats, key), key
+
+
+def test_c_api_refuses_drafters_the_bundle_cannot_serve(runner, mtp_bundle):
+    """An unknown drafter, or one the bundle does not carry: mtp_generate fails with one line
+    that names the drafters the bundle takes."""
+    accepted = "takes none, ngram, bundle, mtp, bundle+ngram or mtp+ngram"
+    for name, why in [
+        ("warp", "unknown drafter 'warp'"),
+        ("draft-lm", "drafter 'draft-lm': this bundle carries a 'mtp' drafter"),
+        ("draft-lm+ngram", "drafter 'draft-lm': this bundle carries a 'mtp' drafter"),
+        ("none+ngram", "drafter 'none+ngram': name a model drafter before +ngram"),
+    ]:
+        done = c_api(mtp_bundle, "hello", {"max_new_tokens": 2, "drafter": name})
+        assert done.returncode == 1, done.stdout
+        [line] = [x for x in done.stderr.splitlines() if x.startswith("mtp_generate: ")]
+        assert why in line and line.endswith(accepted), line
+
+
 def test_same_seed_same_samples(runner, mtp_bundle, tmp_path):
     """Sampling draws from the native runtime's own seeded generator: the same seed repeats the
     samples exactly; they are not the Python runtime's samples (torch's generator)."""

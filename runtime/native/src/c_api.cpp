@@ -3,6 +3,7 @@
 
 #include <cstring>
 #include <string>
+#include <tuple>
 
 #include "engine.h"
 #include "errors.h"
@@ -74,6 +75,32 @@ extern "C" int mtp_generate(mtp_engine* handle, const char* prompt, const char* 
     if (!(config.sampling.top_p > 0 && config.sampling.top_p <= 1))
       throw mtp::UserError("top_p must be in (0, 1]");
     const bool speculative = options.value("speculative", true);
+    // No "drafter", "ngram_sizes" or "draft_confidence": the drafter the engine was opened
+    // with (the bundle's own, with its policy). "speculative": false: none, whatever they say.
+    mtp::DrafterOptions choice;
+    bool chosen = false;
+    if (options.contains("drafter")) {
+      if (!options["drafter"].is_string())
+        throw mtp::UserError("drafter must be a text such as \"mtp\" or \"ngram\"");
+      choice.drafter = options["drafter"].get<std::string>();
+      chosen = true;
+    }
+    if (options.contains("ngram_sizes")) {
+      if (!options["ngram_sizes"].is_string())
+        throw mtp::UserError("ngram_sizes must be a text MIN-MAX such as \"1-3\"");
+      std::tie(choice.ngram_min, choice.ngram_max) =
+          mtp::parse_ngram_sizes(options["ngram_sizes"].get<std::string>(), "ngram_sizes");
+      choice.ngram_sizes_given = chosen = true;
+    }
+    if (options.contains("draft_confidence")) {
+      const nlohmann::json& p = options["draft_confidence"];
+      if (!p.is_number() || !(p.get<double>() >= 0 && p.get<double>() < 1))
+        throw mtp::UserError("draft_confidence must be a number in [0, 1)");
+      choice.draft_confidence = p.get<double>();
+      choice.draft_confidence_given = chosen = true;
+    }
+    mtp::Drafter* drafter = nullptr;
+    if (speculative) drafter = chosen ? engine.drafter(choice) : engine.drafter();
     const auto ids = engine.encode_prompt(prompt, options.value("chat", true));
 
     std::vector<int64_t> streamed;
@@ -89,8 +116,7 @@ extern "C" int mtp_generate(mtp_engine* handle, const char* prompt, const char* 
     };
     auto detokenize = [&engine](const std::vector<int64_t>& t) { return engine.decode(t); };
     mtp::GenerationResult result =
-        mtp::generate(engine.target(), ids, speculative ? engine.drafter() : nullptr, config,
-                      detokenize, stream);
+        mtp::generate(engine.target(), ids, drafter, config, detokenize, stream);
     // As mtp-run: the text ends before the first stop string (the streamed pieces, sent as
     // tokens came, include it).
     std::string text = engine.decode(result.token_ids);
@@ -102,7 +128,7 @@ extern "C" int mtp_generate(mtp_engine* handle, const char* prompt, const char* 
                           {"stop_reason", result.stop_reason},
                           {"token_ids", result.token_ids},
                           {"prompt_tokens", ids.size()},
-                          {"drafter", speculative ? engine.drafter_name() : "none"},
+                          {"drafter", drafter != nullptr ? drafter->name() : "none"},
                           {"stats", mtp::stats_json(result.stats)}};
     const std::string dumped =
         out.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);

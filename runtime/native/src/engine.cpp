@@ -1,7 +1,12 @@
 #include "engine.h"
 
+#include <cctype>
 #include <cmath>
+#include <cstdio>
 #include <fstream>
+#include <functional>
+#include <sstream>
+#include <tuple>
 #include <sys/stat.h>
 
 #include "errors.h"
@@ -46,49 +51,86 @@ std::unique_ptr<Drafter> bundle_drafter(const Manifest& m, const std::string& ki
 
 const std::string kHybridSuffix = "+ngram";
 
+bool is_hybrid(const std::string& spec) {
+  return spec.size() > kHybridSuffix.size() &&
+         spec.compare(spec.size() - kHybridSuffix.size(), kHybridSuffix.size(), kHybridSuffix) == 0;
+}
+
+// The drafter names a bundle whose own drafter is `own` serves, for messages.
+std::string accepted_drafters(const std::string& own) {
+  if (own == "mtp" || own == "draft-lm")
+    return "none, ngram, bundle, " + own + ", bundle+ngram or " + own + "+ngram";
+  return "none, ngram or bundle";
+}
+
+// `spec` with the bundle's own drafter for "bundle" (bundle+ngram -> mtp+ngram, say).
+std::string resolve_bundle(const std::string& spec, const std::string& own) {
+  if (spec == "bundle") return own;
+  if (spec == "bundle" + kHybridSuffix) return own + kHybridSuffix;
+  return spec;
+}
+
+// Hands a model drafter that the engine keeps (and may hand out elsewhere too) to a
+// HybridDrafter, which wants to own one.
+class BorrowedDrafter : public Drafter {
+ public:
+  explicit BorrowedDrafter(Drafter* inner) : inner_(inner) {}
+  std::string name() const override { return inner_->name(); }
+  bool needs_hidden() const override { return inner_->needs_hidden(); }
+  Draft propose(const std::vector<int64_t>& context, const Hidden* hidden, int64_t k,
+                Sampler& sampler) override {
+    return inner_->propose(context, hidden, k, sampler);
+  }
+  void observe(const std::vector<int64_t>& context, const Hidden* hidden) override {
+    inner_->observe(context, hidden);
+  }
+
+ private:
+  Drafter* inner_;
+};
+
 // The drafter named by `spec` (mtp_edge/cli.py build_drafter): none | ngram | bundle (the
 // bundle's own) | mtp | draft-lm (the bundle's own, by name) | any of these + "+ngram" (prompt
-// lookup first, the model where it finds nothing: HybridDrafter). Null for none.
-std::unique_ptr<Drafter> make_drafter(const std::string& spec, const Manifest& m,
-                                      const EngineOptions& options, Model& target) {
-  const std::string own = m.drafter_kind();
-  if (spec.size() > kHybridSuffix.size() &&
-      spec.compare(spec.size() - kHybridSuffix.size(), kHybridSuffix.size(), kHybridSuffix) == 0) {
-    auto model = make_drafter(spec.substr(0, spec.size() - kHybridSuffix.size()), m, options,
-                              target);
-    if (model == nullptr)
-      throw UserError("--drafter " + spec + ": name a model drafter before +ngram, e.g. mtp+ngram");
-    return std::make_unique<HybridDrafter>(std::move(model), options.ngram_max, options.ngram_min);
+// lookup first, the model where it finds nothing: HybridDrafter). Null for none. `model(kind)`
+// gives the bundle's model drafter. Throws UserError naming what the bundle takes.
+std::unique_ptr<Drafter> make_drafter(
+    const std::string& spec, const std::string& own, const DrafterOptions& options,
+    const std::function<std::unique_ptr<Drafter>(const std::string&)>& model) {
+  auto refuse = [&](const std::string& name, const std::string& why) {
+    return UserError("drafter '" + name + "': " + why + "; it takes " + accepted_drafters(own));
+  };
+  if (is_hybrid(spec)) {
+    auto inner = make_drafter(spec.substr(0, spec.size() - kHybridSuffix.size()), own, options,
+                              model);
+    if (inner == nullptr) throw refuse(spec, "name a model drafter before +ngram");
+    return std::make_unique<HybridDrafter>(std::move(inner), options.ngram_max, options.ngram_min);
   }
   const std::string kind = spec == "bundle" ? own : spec;
   if (kind == "none") return nullptr;
   if (kind == "ngram") return std::make_unique<NgramDrafter>(options.ngram_max, options.ngram_min);
   if (kind == "mtp" || kind == "draft-lm") {
     if (kind != own)
-      throw UserError("--drafter " + kind + ": this bundle carries a '" + own +
-                      "' drafter; use it, none or ngram (or export another bundle)");
-    return bundle_drafter(m, kind, options.draft_confidence, target);
+      throw refuse(spec, own == "none" ? "this bundle carries no model drafter"
+                                       : "this bundle carries a '" + own +
+                                             "' drafter (export another bundle for " + kind + ")");
+    return model(kind);
   }
-  throw UserError("--drafter takes none, ngram or the bundle's own (" + own +
-                  "), optionally +ngram (e.g. " + (own == "draft-lm" ? own : "mtp") +
-                  "+ngram), got " + spec);
+  throw UserError("unknown drafter '" + spec + "': this bundle takes " + accepted_drafters(own));
 }
 
 // The bundle's drafting policy (set by mtp-export) where the options leave it open: its own
 // model drafter behind a prompt lookup of drafter.lookup = "MIN-MAX" sizes, and its
 // drafter.draft_confidence.
-EngineOptions with_bundle_policy(const EngineOptions& options, const Manifest& m) {
-  EngineOptions out = options;
+DrafterOptions with_bundle_policy(const DrafterOptions& options, const Manifest& m) {
+  DrafterOptions out = options;
   if (options.drafter == "bundle" && m.drafter.contains("lookup") &&
       m.drafter["lookup"].is_string()) {
     out.drafter = "bundle" + kHybridSuffix;
     if (!options.ngram_sizes_given) {
       const std::string sizes = m.drafter["lookup"].get<std::string>();
-      const size_t dash = sizes.find('-');
       try {
-        out.ngram_min = std::stoi(sizes.substr(0, dash));
-        out.ngram_max = dash == std::string::npos ? out.ngram_min : std::stoi(sizes.substr(dash + 1));
-      } catch (const std::exception&) {
+        std::tie(out.ngram_min, out.ngram_max) = parse_ngram_sizes(sizes, "drafter.lookup");
+      } catch (const UserError&) {
         throw UserError("manifest drafter.lookup must be MIN-MAX, got '" + sizes +
                         "': re-export the bundle");
       }
@@ -100,7 +142,27 @@ EngineOptions with_bundle_policy(const EngineOptions& options, const Manifest& m
   return out;
 }
 
+std::string exact(double x) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.17g", x);
+  return text;
+}
+
 }  // namespace
+
+std::pair<int, int> parse_ngram_sizes(const std::string& text, const std::string& what) {
+  const size_t dash = text.find('-');
+  auto number = [&](const std::string& part) {
+    std::istringstream in(part);
+    int n;
+    if (part.empty() || !std::isdigit(static_cast<unsigned char>(part[0])) || !(in >> n) ||
+        !in.eof())
+      throw UserError(what + " takes MIN-MAX such as 1-3, got '" + text + "'");
+    return n;
+  };
+  const int low = number(text.substr(0, dash));
+  return {low, dash == std::string::npos ? low : number(text.substr(dash + 1))};
+}
 
 Engine::Engine(const std::string& bundle_dir, const EngineOptions& options)
     : manifest_(Manifest::load(bundle_dir)) {
@@ -110,8 +172,7 @@ Engine::Engine(const std::string& bundle_dir, const EngineOptions& options)
                     "' is not supported by the native runtime: use an android bundle");
   set_executorch_threads(options.threads);
   target_ = open_executorch_model(m.path("target"), m.max_seq_len, m.max_chunk, m.vocab_size);
-  const EngineOptions chosen = with_bundle_policy(options, m);
-  drafter_ = make_drafter(chosen.drafter, m, chosen, *target_);
+  drafter_ = drafter(options);
 #ifdef MTP_HAVE_TOKENIZER
   const std::string tokenizer_json = m.dir + "/tokenizer.json";
   struct stat s;
@@ -126,6 +187,39 @@ Engine::Engine(const std::string& bundle_dir, const EngineOptions& options)
 }
 
 Engine::~Engine() = default;
+
+Drafter* Engine::drafter(const DrafterOptions& options) {
+  const DrafterOptions chosen = with_bundle_policy(options, manifest_);
+  const std::string own = manifest_.drafter_kind();
+  // The key tells apart what changes the drafter: its name ("bundle" resolved), the lookup's
+  // sizes if it has one, the model's confidence floor if it has one.
+  const std::string name = resolve_bundle(chosen.drafter, own);
+  const std::string base = is_hybrid(name) ? name.substr(0, name.size() - kHybridSuffix.size())
+                                           : name;
+  std::string key = name;
+  if (base == "ngram" || is_hybrid(name))
+    key += " n=" + std::to_string(chosen.ngram_min) + "-" + std::to_string(chosen.ngram_max);
+  const std::string confidence = exact(chosen.draft_confidence);
+  if (base == "mtp" || base == "draft-lm") key += " p=" + confidence;
+  const auto found = drafters_.find(key);
+  if (found != drafters_.end()) return found->second.get();
+  auto model = [&](const std::string& kind) -> std::unique_ptr<Drafter> {
+    std::unique_ptr<Drafter>& kept = models_[kind + " p=" + confidence];
+    if (kept == nullptr) {
+      try {
+        kept = bundle_drafter(manifest_, kind, chosen.draft_confidence, *target_);
+      } catch (...) {
+        models_.erase(kind + " p=" + confidence);
+        throw;
+      }
+    }
+    return std::make_unique<BorrowedDrafter>(kept.get());
+  };
+  auto made = make_drafter(chosen.drafter, own, chosen, model);
+  Drafter* out = made.get();
+  drafters_[key] = std::move(made);
+  return out;
+}
 
 void Engine::check_k(int64_t k) const {
   if (k < 0 || k + 1 > target_->max_chunk)

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "drafters.h"
+#include "engine.h"
 #include "mtp_edge.h"
 #include "errors.h"
 #include "loop.h"
@@ -373,6 +374,46 @@ void test_loop_stop_strings() {
   CHECK(refused);
 }
 
+// Engine::drafter(options) on a real bundle: drafters by name, built once and kept (the
+// engine's own under its options too); names the bundle cannot serve are refused with the
+// names it takes.
+void check_drafters_by_name(const char* bundle) {
+  mtp::Engine engine(bundle, mtp::EngineOptions{});
+  auto named = [](const std::string& name) {
+    mtp::DrafterOptions options;
+    options.drafter = name;
+    return options;
+  };
+  CHECK(engine.drafter(mtp::DrafterOptions{}) == engine.drafter());
+  CHECK(engine.drafter(named("none")) == nullptr);
+  mtp::Drafter* ngram = engine.drafter(named("ngram"));
+  CHECK(ngram != nullptr && ngram->name() == "ngram" && engine.drafter(named("ngram")) == ngram);
+  mtp::DrafterOptions sizes = named("ngram");
+  sizes.ngram_min = 2, sizes.ngram_sizes_given = true;
+  CHECK(engine.drafter(sizes) != ngram && engine.drafter(sizes) == engine.drafter(sizes));
+  const std::string own = engine.manifest().drafter_kind();
+  auto refused = [&](const std::string& name, const std::string& why) {
+    try {
+      engine.drafter(named(name));
+    } catch (const mtp::UserError& e) {
+      const std::string message = e.what();
+      return message.find(why) != std::string::npos &&
+             message.find("takes none, ngram") != std::string::npos &&
+             message.find('\n') == std::string::npos;
+    }
+    return false;
+  };
+  CHECK(refused("warp", "unknown drafter 'warp'"));
+  CHECK(refused("ngram-3", "unknown drafter 'ngram-3'"));
+  if (own != "mtp" && own != "draft-lm") return;
+  mtp::Drafter* model = engine.drafter(named(own));
+  CHECK(model != nullptr && model->name() == own && engine.drafter(named("bundle+ngram")) ==
+                                                        engine.drafter(named(own + "+ngram")));
+  CHECK(engine.drafter(named(own + "+ngram"))->name() == own + "+ngram");
+  CHECK(refused(own == "mtp" ? "draft-lm" : "mtp", "this bundle carries a '" + own + "'"));
+  CHECK(refused("none+ngram", "name a model drafter before +ngram"));
+}
+
 // The C API on a real bundle: streamed pieces add up to the final text; errors come back as
 // messages. Prints the result JSON for tests/test_native.py to compare with the Python runtime.
 int run_c_api(const char* bundle, const char* prompt, const char* options) {
@@ -399,7 +440,20 @@ int run_c_api(const char* bundle, const char* prompt, const char* options) {
   CHECK(mtp_generate(engine, prompt, R"({"stop_strings": [""]})", nullptr, nullptr,
                      result.data(), result.size(), err, sizeof err) != 0 &&
         std::strstr(err, "stop_strings") != nullptr);
+  // A drafter by a name no bundle serves: one line that lists the names this one takes.
+  CHECK(mtp_generate(engine, prompt, R"({"drafter": "warp"})", nullptr, nullptr, result.data(),
+                     result.size(), err, sizeof err) != 0 &&
+        std::strstr(err, "unknown drafter 'warp'") != nullptr &&
+        std::strstr(err, "none, ngram") != nullptr && std::strchr(err, '\n') == nullptr);
+  for (const char* bad : {R"({"drafter": 3})", R"({"ngram_sizes": "3-x"})",
+                          R"({"draft_confidence": 1.5})"}) {
+    err[0] = '\0';
+    CHECK(mtp_generate(engine, prompt, bad, nullptr, nullptr, result.data(), result.size(), err,
+                       sizeof err) != 0 &&
+          std::strlen(err) > 0);
+  }
   mtp_close(engine);
+  check_drafters_by_name(bundle);
   std::printf("%s\n%s\n", json.c_str(), streamed.c_str());
   return failures ? 1 : 0;
 }

@@ -7,6 +7,7 @@
 #include <iostream>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <executorch/runtime/platform/platform.h>
@@ -20,7 +21,7 @@ namespace {
 const char* kUsage =
     "usage: mtp-runner --bundle DIR (--prompts FILE.jsonl | --prompt TEXT | --prompt-ids 1,2,3)\n"
     "       [--max-new-tokens N] [--repeat R] [--json OUT] [--k K]\n"
-    "       [--drafter bundle|none|ngram|mtp|draft-lm|mtp+ngram|draft-lm+ngram]\n"
+    "       [--drafter bundle|none|ngram|mtp|draft-lm|bundle+ngram|mtp+ngram|draft-lm+ngram]\n"
     "       [--ngram-sizes MIN-MAX]\n"
     "       [--draft-confidence P] [--adaptive-k] [--no-chat] [--threads N] [--no-weight-cache]\n"
     "       [--temperature T] [--top-k K] [--top-p P] [--seed S] [--stop TEXT]...\n"
@@ -110,12 +111,8 @@ int run(int argc, char** argv) {
     } else if (flag == "--drafter") {
       engine_options.drafter = value();
     } else if (flag == "--ngram-sizes") {
-      const std::string sizes = value();
-      const size_t dash = sizes.find('-');
-      engine_options.ngram_min = number<int>(flag, sizes.substr(0, dash));
-      engine_options.ngram_max =
-          dash == std::string::npos ? engine_options.ngram_min
-                                    : number<int>(flag, sizes.substr(dash + 1));
+      std::tie(engine_options.ngram_min, engine_options.ngram_max) =
+          mtp::parse_ngram_sizes(value(), flag);
       engine_options.ngram_sizes_given = true;
     } else if (flag == "--draft-confidence") {
       engine_options.draft_confidence = number<double>(flag, value());
