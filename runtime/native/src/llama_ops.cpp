@@ -11,7 +11,9 @@
 
 #include <executorch/runtime/core/function_ref.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <vector>
@@ -51,40 +53,153 @@ bool check(KernelRuntimeContext& ctx, bool ok, const char* what) {
 #define MTP_VECTOR_CLONES
 #endif
 
+// The attention is written with GCC/Clang vector extensions: 16 floats per vector, which the
+// compiler maps to one AVX-512 register, two AVX2 ones, four SSE or NEON ones. Plain C++ loops
+// did not vectorize (the compiler may not reorder float reductions), and every per-key
+// reduction and exp ran one float at a time.
+// (GCC notes that passing such vectors between functions compiled for different ISAs changes
+// the ABI: these helpers are inlined into each clone, so no such call exists.)
+#pragma GCC diagnostic ignored "-Wpsabi"
+typedef float F16 __attribute__((vector_size(64)));
+typedef int32_t I16 __attribute__((vector_size(64)));
+typedef float F8 __attribute__((vector_size(32)));
+typedef float F4 __attribute__((vector_size(16)));
+constexpr int64_t kLanes = 16;
+
+inline F16 load16(const float* p) {
+  F16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store16(float* p, F16 v) { std::memcpy(p, &v, sizeof v); }
+
+inline F16 splat(float x) { return F16{} + x; }
+
+// Sum of the 16 lanes, halving: lanes l + 8, then + 4, + 2, + 1.
+inline float sum16(F16 v) {
+  F8 lo, hi;
+  std::memcpy(&lo, &v, sizeof lo);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
+  const F8 h8 = lo + hi;
+  F4 a, b;
+  std::memcpy(&a, &h8, sizeof a);
+  std::memcpy(&b, reinterpret_cast<const char*>(&h8) + sizeof a, sizeof b);
+  const F4 h4 = a + b;
+  return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+}
+
+// Lane-wise max of a vector, then across lanes (max is exact in any order).
+inline float max16(F16 v) {
+  float m = v[0];
+  for (int l = 1; l < kLanes; ++l) m = std::max(m, v[l]);
+  return m;
+}
+
+// exp(x) for x <= 0 (scores minus the row's maximum) in plain arithmetic, 16 lanes at once:
+// x * log2(e) = n + f with n an integer and |f| <= 1/2; 2^f by Cephes' exp2f polynomial
+// (relative error ~1e-7), 2^n by building the exponent bits. Arguments below -87 (weights
+// under 1e-38 next to the maximum's 1) are clamped there.
+inline F16 exp_nonpositive(F16 x) {
+  const F16 low = splat(-87.f);
+  const F16 t = (x < low ? low : x) * 1.44269504088896341f;
+  const I16 n = -__builtin_convertvector(0.5f - t, I16);  // round to nearest: t <= 0
+  const F16 f = t - __builtin_convertvector(n, F16);
+  F16 p = splat(1.535336188319500e-4f);
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  const I16 bits = (n + 127) << 23;
+  F16 two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return (1.f + f * p) * two_n;
+}
+
+// q . k over D floats (D a multiple of 16): 16 partial sums, then sum16.
+template <int kD>
+inline float dot(const float* q, const float* k, int64_t D) {
+  if (kD > 0) D = kD;
+  F16 part = load16(q) * load16(k);
+  for (int64_t d = kLanes; d < D; d += kLanes) part += load16(q + d) * load16(k + d);
+  return sum16(part);
+}
+
 // One query row against `visible` cache rows (stride `stride` floats apart): softmax(q.k * scale)
-// weighted sum of v into `out`. The dot product keeps eight partial sums so that it vectorizes
-// (one running sum is a dependency chain the compiler may not reorder). kD > 0 fixes the head
-// size at compile time (64 and 128 cover our models), which keeps the output accumulator in
-// registers; kD = 0 reads it from D.
+// weighted sum of v into `out`. Every step is a fixed function of the row, its keys and
+// `visible`, never of the other rows in the call: that is what makes a verification row-exact.
+// `scores` has room for `visible` rounded up to 16. Heads whose size is not a multiple of 16 (or
+// above 256) take attend_row_any. kD > 0 fixes the head size at compile time (64 and 128 cover our models), which
+// keeps the accumulators in registers.
 template <int kD>
 MTP_VECTOR_CLONES void attend_row(const float* q, const float* k, const float* v, int64_t stride,
                                   int64_t visible, int64_t D, float scale, float* scores,
                                   float* out) {
   if (kD > 0) D = kD;
+  int64_t j = 0;
+  for (; j + 4 <= visible; j += 4) {  // four independent dot products overlap
+    const float* kj = k + j * stride;
+    const float s0 = dot<kD>(q, kj, D), s1 = dot<kD>(q, kj + stride, D);
+    const float s2 = dot<kD>(q, kj + 2 * stride, D), s3 = dot<kD>(q, kj + 3 * stride, D);
+    scores[j] = s0 * scale;
+    scores[j + 1] = s1 * scale;
+    scores[j + 2] = s2 * scale;
+    scores[j + 3] = s3 * scale;
+  }
+  for (; j < visible; ++j) scores[j] = dot<kD>(q, k + j * stride, D) * scale;
+  const int64_t padded = (visible + kLanes - 1) / kLanes * kLanes;
+  for (; j < padded; ++j) scores[j] = -INFINITY;
+  F16 m = splat(-INFINITY);
+  for (j = 0; j < padded; j += kLanes) {
+    const F16 x = load16(scores + j);
+    m = x > m ? x : m;
+  }
+  const float best = max16(m);
+  F16 totals = {};
+  for (j = 0; j < padded; j += kLanes) {
+    F16 e = exp_nonpositive(load16(scores + j) - best);
+    if (j + kLanes > visible)  // the padding lanes weigh nothing
+      for (int l = int(visible - j); l < kLanes; ++l) e[l] = 0.f;
+    store16(scores + j, e);
+    totals += e;
+  }
+  const float total = sum16(totals);
+  constexpr int kVecs = kD > 0 ? kD / kLanes : 256 / kLanes;  // kD = 0: D up to 256
+  F16 even[kVecs], odd[kVecs];
+  const int64_t vecs = D / kLanes;
+  for (int64_t c = 0; c < vecs; ++c) even[c] = odd[c] = F16{};
+  for (j = 0; j + 2 <= visible; j += 2) {  // two independent chains of sums
+    const float* vj = v + j * stride;
+    const F16 w0 = splat(scores[j]), w1 = splat(scores[j + 1]);
+    for (int64_t c = 0; c < vecs; ++c) {
+      even[c] += w0 * load16(vj + c * kLanes);
+      odd[c] += w1 * load16(vj + stride + c * kLanes);
+    }
+  }
+  if (j < visible) {
+    const F16 w = splat(scores[j]);
+    for (int64_t c = 0; c < vecs; ++c) even[c] += w * load16(v + j * stride + c * kLanes);
+  }
+  for (int64_t c = 0; c < vecs; ++c) store16(out + c * kLanes, (even[c] + odd[c]) / total);
+}
+
+// Any head size, one float at a time (no model of ours needs it; kept for generality).
+void attend_row_any(const float* q, const float* k, const float* v, int64_t stride,
+                    int64_t visible, int64_t D, float scale, float* scores, float* out) {
   float best = -INFINITY;
   for (int64_t j = 0; j < visible; ++j) {
-    const float* kj = k + j * stride;
-    float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int64_t d = 0;
-    for (; d + 8 <= D; d += 8)
-      for (int l = 0; l < 8; ++l) part[l] += q[d + l] * kj[d + l];
-    float rest = 0.f;
-    for (; d < D; ++d) rest += q[d] * kj[d];
-    scores[j] = (((part[0] + part[1]) + (part[2] + part[3])) +
-                 ((part[4] + part[5]) + (part[6] + part[7])) + rest) *
-                scale;
+    float s = 0.f;
+    for (int64_t d = 0; d < D; ++d) s += q[d] * k[j * stride + d];
+    scores[j] = s * scale;
     best = std::max(best, scores[j]);
   }
-  float acc[kD > 0 ? kD : 256];
-  float* a = kD > 0 || D <= 256 ? acc : out;  // a larger head accumulates in place
-  for (int64_t d = 0; d < D; ++d) a[d] = 0.f;
   float total = 0.f;
   for (int64_t j = 0; j < visible; ++j) total += (scores[j] = std::exp(scores[j] - best));
-  for (int64_t j = 0; j < visible; ++j) {  // no call in this loop: a stays in registers
-    const float* vj = v + j * stride;
-    for (int64_t d = 0; d < D; ++d) a[d] += scores[j] * vj[d];
-  }
-  for (int64_t d = 0; d < D; ++d) out[d] = a[d] / total;
+  for (int64_t d = 0; d < D; ++d) out[d] = 0.f;
+  for (int64_t j = 0; j < visible; ++j)
+    for (int64_t d = 0; d < D; ++d) out[d] += scores[j] * v[j * stride + d];
+  for (int64_t d = 0; d < D; ++d) out[d] /= total;
 }
 
 void update_cache(KernelRuntimeContext& ctx, Span<EValue*> stack) {
@@ -139,8 +254,11 @@ bool attend_causal(KernelRuntimeContext& ctx, const char* op, const Tensor& q, c
     const int64_t i = int64_t(task) / Hq, h = int64_t(task) % Hq, kvh = h / group;
     const int64_t visible = start + i + 1;
     thread_local std::vector<float> scores;
-    scores.resize(visible);
-    auto row = D == 64 ? attend_row<64> : D == 128 ? attend_row<128> : attend_row<0>;
+    scores.resize(visible + kLanes);
+    auto row = D == 64    ? attend_row<64>
+               : D == 128 ? attend_row<128>
+               : D % kLanes == 0 && D <= 256 ? attend_row<0>
+                                 : attend_row_any;
     row(qp + (i * Hq + h) * D, kp + kvh * D, vp + kvh * D, Hkv * D, visible, D, scale,
         scores.data(), op_ + (i * Hq + h) * D);
   };
