@@ -41,7 +41,8 @@ def _open_target(bundle: Bundle) -> Session:
     if m.backend == "executorch":
         from mtp_edge.runtime.executorch_session import ExecuTorchSession
 
-        return ExecuTorchSession(file, m.max_seq_len, m.vocab_size, m.max_chunk)
+        row_exact = m.models["target"].quant.get("attention") == "mtp"
+        return ExecuTorchSession(file, m.max_seq_len, m.vocab_size, m.max_chunk, row_exact)
     if m.backend == "onnxruntime":
         from mtp_edge.runtime.onnx_session import OnnxSession
 

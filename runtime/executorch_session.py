@@ -20,15 +20,24 @@ EXACT_ROWS_MAX = 16
 
 
 class ExecuTorchSession:
-    """A session on an mtp-export program. A call of 2..EXACT_ROWS_MAX tokens on a program with
-    a `verify` method runs through verify (in windows of its width W, padded with copies of the
-    last token, whose rows are discarded and whose cache slots the next call overwrites), so that
-    each row equals bitwise the one-token forward at its position: speculative decoding then
-    reproduces plain decoding exactly, also on a quantized program."""
+    """A session on an mtp-export program. Each row of a call must equal bitwise the one-token
+    forward at its position, so that speculative decoding reproduces plain decoding exactly,
+    also on a quantized program. On our attention op (`row_exact_forward`) every call is a
+    `forward` call of its own width. On ExecuTorch's, a call of 2..EXACT_ROWS_MAX tokens on a
+    program with a `verify` method runs through verify (in windows of its width W, padded with
+    copies of the last token, whose rows are discarded and whose cache slots the next call
+    overwrites), which computes attention row by row."""
 
     name = "executorch"
 
-    def __init__(self, pte_path: str | Path, max_seq_len: int, vocab_size: int, max_chunk: int):
+    def __init__(
+        self,
+        pte_path: str | Path,
+        max_seq_len: int,
+        vocab_size: int,
+        max_chunk: int,
+        row_exact_forward: bool = False,
+    ):
         # Register the kernels of the custom ops (llama.custom_sdpa / update_cache) and the
         # quantized ops (embedding_byte...) before the program is loaded.
         import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401
@@ -53,6 +62,10 @@ class ExecuTorchSession:
         self.vocab_size = vocab_size
         self.max_seq_len = max_seq_len
         self.max_chunk = max_chunk
+        # A program on our row-exact attention op (manifest quant "attention": "mtp") gives the
+        # same rows from `forward` at any width, so every call goes there at its own width:
+        # a 2-token verification costs less than one padded to `verify`'s static k+1.
+        self.row_exact_forward = row_exact_forward
 
     def forward(self, tokens: list[int], start: int, return_hidden: bool = False):
         if not 1 <= len(tokens) <= self.max_chunk:
@@ -61,7 +74,11 @@ class ExecuTorchSession:
             raise ValueError(
                 f"positions up to {start + len(tokens)} exceed the cache of {self.max_seq_len}"
             )
-        if self.verify is not None and 2 <= len(tokens) <= EXACT_ROWS_MAX:
+        if (
+            self.verify is not None
+            and not self.row_exact_forward
+            and 2 <= len(tokens) <= EXACT_ROWS_MAX
+        ):
             pieces = [
                 self._call(tokens[i : i + self.verify_width], start + i, return_hidden)
                 for i in range(0, len(tokens), self.verify_width)
@@ -73,7 +90,7 @@ class ExecuTorchSession:
 
     def _call(self, tokens: list[int], start: int, return_hidden: bool):
         n, w = len(tokens), self.verify_width
-        if n == 1 or not 0 < n <= w:
+        if n == 1 or self.row_exact_forward or not 0 < n <= w:
             outputs = self.method.execute([torch.tensor([tokens]), torch.tensor([start])])
         elif start + w <= self.max_seq_len:
             padded = tokens + tokens[-1:] * (w - n)

@@ -73,8 +73,11 @@ def exported(name: str, kernel: str = "mtp"):
 
 
 def session(name: str, kernel: str = "mtp") -> ExecuTorchSession:
-    """A fresh session (its own KV cache) on the program exported with scheme `name`."""
-    return ExecuTorchSession(exported(name, kernel)[0], MAX_SEQ_LEN, VOCAB, CHUNK)
+    """A fresh session (its own KV cache) on the program exported with scheme `name`, routing
+    calls as a bundle's session does: every width through `forward` on our attention kernel,
+    2..16-token calls through `verify` on ExecuTorch's."""
+    path = exported(name, kernel)[0]
+    return ExecuTorchSession(path, MAX_SEQ_LEN, VOCAB, CHUNK, row_exact_forward=kernel == "mtp")
 
 
 @pytest.mark.parametrize("name", list(SCHEMES))
@@ -152,8 +155,9 @@ def one_token_steps(program, start: int, tokens: list[int]) -> torch.Tensor:
 def test_verify_rows_are_bitwise_one_token_steps(name, kernel):
     """What makes speculative decoding exact on a quantized program: every row of a k+1-token
     call equals, bit for bit, a one-token call at that position (widths below, at and above the
-    verify width, and at the very end of the cache, where the padding does not fit). Also with
-    ExecuTorch's attention kernel, through `verify`'s row-by-row calls."""
+    verify width, and at the very end of the cache, where the padding does not fit): with our
+    kernel through `forward` at each width, with ExecuTorch's through `verify`'s row-by-row
+    calls."""
     tokens = [(11 * i + 3) % VOCAB for i in range(12)]
     steps_session, wide_session = session(name, kernel), session(name, kernel)
     prefill(steps_session, PROMPT * 2)

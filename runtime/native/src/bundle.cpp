@@ -66,7 +66,10 @@ Manifest Manifest::load(const std::string& dir, bool verify) {
     m.eos_ids = data.at("eos_ids").get<std::vector<int64_t>>();
     m.drafter = data.at("drafter");
     for (auto& [name, entry] : data.at("models").items())
-      m.models[name] = {entry.at("file").get<std::string>(), entry.at("sha256").get<std::string>()};
+      m.models[name] = {entry.at("file").get<std::string>(), entry.at("sha256").get<std::string>(),
+                        entry.contains("quant") && entry["quant"].is_object()
+                            ? entry["quant"].value("attention", std::string())
+                            : std::string()};
     m.has_chat_template = data.contains("chat_template") && !data["chat_template"].is_null();
     if (data.contains("chat_format") && !data["chat_format"].is_null())
       m.chat_format = ChatFormat{data["chat_format"].at("prefix").get<std::string>(),

@@ -16,6 +16,9 @@ constexpr int kFormatVersion = 1;
 struct ModelFile {
   std::string file;  // relative to the bundle directory
   std::string sha256;
+  // quant.attention: "mtp" when the program's attention is our row-exact op (every width of
+  // forward gives the rows of one-token calls), "executorch" or empty otherwise.
+  std::string attention;
 };
 
 // The chat template rendered around one user message at export time (C++ runs no jinja).

@@ -171,7 +171,8 @@ Engine::Engine(const std::string& bundle_dir, const EngineOptions& options)
     throw UserError("bundle backend '" + m.backend +
                     "' is not supported by the native runtime: use an android bundle");
   set_executorch_threads(options.threads);
-  target_ = open_executorch_model(m.path("target"), m.max_seq_len, m.max_chunk, m.vocab_size);
+  target_ = open_executorch_model(m.path("target"), m.max_seq_len, m.max_chunk, m.vocab_size,
+                                  m.models.at("target").attention == "mtp");
   drafter_ = drafter(options);
 #ifdef MTP_HAVE_TOKENIZER
   const std::string tokenizer_json = m.dir + "/tokenizer.json";

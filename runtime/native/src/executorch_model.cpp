@@ -89,8 +89,10 @@ std::shared_ptr<Module> load(const std::string& pte) {
 // Calls of 2..kExactRowsMax tokens (the loop's verifications) go through the program's `verify`
 // method when it has one, in windows of its static width padded with copies of the last token
 // (their rows are dropped and their cache slots overwritten by the next call): each row then
-// equals bitwise the one-token forward at its position, whatever the kernels. The same rule as
-// runtime/executorch_session.py, so both runtimes make the same calls.
+// equals bitwise the one-token forward at its position, whatever the kernels. A program on our
+// row-exact attention op (row_exact_forward) takes every call through `forward` at its own
+// width instead. The same rules as runtime/executorch_session.py, so both runtimes make the
+// same calls.
 constexpr int64_t kExactRowsMax = 16;
 
 void append(Output& out, Output&& piece) {
@@ -112,6 +114,7 @@ class ExecuTorchModel : public Model {
 
   const std::string& pte() const { return pte_; }
   const std::shared_ptr<Module>& module() const { return module_; }
+  bool row_exact_forward = false;  // see open_executorch_model
 
   Output forward(const std::vector<int64_t>& tokens, int64_t start, bool want_hidden,
                  bool last_only) override {
@@ -119,7 +122,7 @@ class ExecuTorchModel : public Model {
     if (T < 1 || T > max_chunk)
       throw std::runtime_error("a call takes 1.." + std::to_string(max_chunk) + " tokens");
     if (start + T > max_seq_len) throw std::runtime_error("positions beyond the cache");
-    if (verify_width_ == 0 || T < 2 || T > kExactRowsMax)
+    if (row_exact_forward || verify_width_ == 0 || T < 2 || T > kExactRowsMax)
       return call(tokens, start, want_hidden, last_only);
     Output out;
     for (int64_t i = 0; i < T; i += verify_width_) {
@@ -137,7 +140,8 @@ class ExecuTorchModel : public Model {
   Output call(const std::vector<int64_t>& tokens, int64_t start, bool want_hidden,
               bool last_only) {
     const int64_t n = int64_t(tokens.size()), w = verify_width_;
-    if (n == 1 || !(0 < n && n <= w)) return run("forward", tokens, start, n, want_hidden, last_only);
+    if (n == 1 || row_exact_forward || !(0 < n && n <= w))
+      return run("forward", tokens, start, n, want_hidden, last_only);
     if (start + w <= max_seq_len) {
       std::vector<int64_t> padded = tokens;
       padded.resize(w, tokens.back());
@@ -278,8 +282,10 @@ void set_xnnpack_weight_cache(bool enabled) { weight_cache_setting.store(enabled
 bool xnnpack_weight_cache() { return weight_cache_enabled(); }
 
 std::unique_ptr<Model> open_executorch_model(const std::string& pte, int64_t max_seq_len,
-                                             int64_t max_chunk, int64_t vocab_size) {
+                                             int64_t max_chunk, int64_t vocab_size,
+                                             bool row_exact_forward) {
   auto model = std::make_unique<ExecuTorchModel>(pte);
+  model->row_exact_forward = row_exact_forward;
   model->max_seq_len = max_seq_len;
   model->max_chunk = max_chunk;
   model->vocab_size = vocab_size;

@@ -57,8 +57,11 @@ void set_executorch_threads(unsigned threads);
 void set_xnnpack_weight_cache(bool enabled);
 bool xnnpack_weight_cache();
 
+// row_exact_forward: the program's attention is our row-exact op, so calls of every width go
+// through `forward` (no padding to `verify`'s width), as runtime/executorch_session.py does.
 std::unique_ptr<Model> open_executorch_model(const std::string& pte, int64_t max_seq_len,
-                                             int64_t max_chunk, int64_t vocab_size);
+                                             int64_t max_chunk, int64_t vocab_size,
+                                             bool row_exact_forward = false);
 // A drafter program of its own: forward(h [1, D], token [1]) for MLP heads (max_chunk 0); for a
 // self head (max_chunk > 0), forward(h [1, T, D], tokens [1, T], input_pos [1]) with its KV
 // cache in the program, fed in chunks of at most max_chunk rows (the last chunk's outputs).
