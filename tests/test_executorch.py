@@ -192,9 +192,9 @@ def test_a_batched_forward_is_row_exact_only_with_our_kernel(kernel, row_exact):
 
 
 def test_our_kernel_computes_the_eager_attention():
-    """mtp_edge::sdpa's kernel (C++, as the runtimes run it) against the eager reference, for
-    grouped heads, head sizes with and without a compiled-in specialization, and a call that
-    ends at the last slot of the cache."""
+    """mtp_edge::sdpa's kernel (C++, as the runtimes run it) against the eager reference, over
+    its paths: grouped heads taken together, one head at a time, head sizes with and without a
+    compiled-in specialization, a call that ends at the last slot of the cache."""
     from executorch.exir import to_edge
     from executorch.runtime import Runtime
 
@@ -205,7 +205,15 @@ def test_our_kernel_computes_the_eager_attention():
             return torch.ops.mtp_edge.sdpa(q, k, v, start.item())
 
     torch.manual_seed(0)
-    for heads, kv_heads, dim, t, start in [(4, 2, 64, 5, 7), (3, 1, 32, 1, 40), (2, 2, 128, 3, 45)]:
+    cases = [  # (query heads, KV heads, head size, rows, start): the kernel's paths
+        (9, 3, 64, 5, 7),  # three heads per KV head, taken together (SmolLM2's layout)
+        (14, 2, 64, 2, 30),  # seven per KV head: a chunk of four and one of three
+        (4, 2, 128, 3, 45),  # two per KV head at head size 128
+        (2, 2, 128, 1, 40),  # one query head per KV head
+        (3, 1, 32, 1, 40),  # a head size without a compiled-in specialization
+        (2, 1, 24, 2, 20),  # not a multiple of 16: the one-float-at-a-time path
+    ]
+    for heads, kv_heads, dim, t, start in cases:
         q = torch.randn(1, t, heads, dim)
         k, v = torch.randn(1, 48, kv_heads, dim), torch.randn(1, 48, kv_heads, dim)
         position = torch.tensor([start])

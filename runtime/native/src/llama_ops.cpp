@@ -184,6 +184,81 @@ MTP_VECTOR_CLONES void attend_row(const float* q, const float* k, const float* v
   for (int64_t c = 0; c < vecs; ++c) store16(out + c * kLanes, (even[c] + odd[c]) / total);
 }
 
+// kG query heads that share one KV head (grouped-query attention), one query row: as kG calls
+// of attend_row, but each key and value row is loaded once for all of them (the cache is read
+// from L2 or memory; the arithmetic was waiting on those loads). Each head's scores, softmax and
+// weighted sum are computed exactly as attend_row's steps, with its own chains of sums; the
+// heads a call groups depend only on the model's head counts, never on the number of rows.
+// q and out hold the kG heads' rows one after another (D floats apart), as in [T, H, D].
+template <int kD, int kG>
+MTP_VECTOR_CLONES void attend_heads(const float* q, const float* k, const float* v, int64_t stride,
+                                    int64_t visible, float scale, float* scores, float* out) {
+  constexpr int64_t D = kD, kVecs = kD / kLanes;
+  const int64_t padded = (visible + kLanes - 1) / kLanes * kLanes;
+  for (int64_t j = 0; j < visible; ++j) {
+    const float* kj = k + j * stride;
+    F16 part[kG];
+    for (int g = 0; g < kG; ++g) part[g] = load16(q + g * D) * load16(kj);
+    for (int64_t c = 1; c < kVecs; ++c) {
+      const F16 kc = load16(kj + c * kLanes);
+      for (int g = 0; g < kG; ++g) part[g] += load16(q + g * D + c * kLanes) * kc;
+    }
+    for (int g = 0; g < kG; ++g) scores[g * padded + j] = sum16(part[g]) * scale;
+  }
+  float totals[kG];
+  for (int g = 0; g < kG; ++g) {
+    float* sg = scores + g * padded;
+    for (int64_t j = visible; j < padded; ++j) sg[j] = -INFINITY;
+    F16 m = splat(-INFINITY);
+    for (int64_t j = 0; j < padded; j += kLanes) {
+      const F16 x = load16(sg + j);
+      m = x > m ? x : m;
+    }
+    const float best = max16(m);
+    F16 sum = {};
+    for (int64_t j = 0; j < padded; j += kLanes) {
+      F16 e = exp_nonpositive(load16(sg + j) - best);
+      if (j + kLanes > visible)  // the padding lanes weigh nothing
+        for (int l = int(visible - j); l < kLanes; ++l) e[l] = 0.f;
+      store16(sg + j, e);
+      sum += e;
+    }
+    totals[g] = sum16(sum);
+  }
+  F16 acc[kG][kVecs];
+  for (int g = 0; g < kG; ++g)
+    for (int64_t c = 0; c < kVecs; ++c) acc[g][c] = F16{};
+  for (int64_t j = 0; j < visible; ++j) {
+    const float* vj = v + j * stride;
+    for (int64_t c = 0; c < kVecs; ++c) {
+      const F16 vc = load16(vj + c * kLanes);
+      for (int g = 0; g < kG; ++g) acc[g][c] += splat(scores[g * padded + j]) * vc;
+    }
+  }
+  for (int g = 0; g < kG; ++g)
+    for (int64_t c = 0; c < kVecs; ++c)
+      store16(out + g * D + c * kLanes, acc[g][c] / totals[g]);
+}
+
+// How many query heads of a group attend_heads takes at once for head size D (its accumulators
+// are kG * D floats: up to 256 of them, 16 AVX-512 registers). 1: attend_row, head by head.
+int64_t heads_at_once(int64_t D, int64_t group) {
+  const int64_t cap = D == 64 ? 4 : D == 128 ? 2 : 1;
+  return std::min(cap, group);
+}
+
+using GroupFn = void (*)(const float*, const float*, const float*, int64_t, int64_t, float, float*,
+                         float*);
+
+GroupFn group_kernel(int64_t D, int64_t heads) {
+  if (D == 64) {
+    static const GroupFn by_heads[] = {nullptr, nullptr, attend_heads<64, 2>,
+                                       attend_heads<64, 3>, attend_heads<64, 4>};
+    return by_heads[heads];
+  }
+  return heads == 2 && D == 128 ? attend_heads<128, 2> : nullptr;
+}
+
 // Any head size, one float at a time (no model of ours needs it; kept for generality).
 void attend_row_any(const float* q, const float* k, const float* v, int64_t stride,
                     int64_t visible, int64_t D, float scale, float* scores, float* out) {
@@ -249,20 +324,32 @@ bool attend_causal(KernelRuntimeContext& ctx, const char* op, const Tensor& q, c
   const float* vp = v.const_data_ptr<float>();
   float* op_ = out.mutable_data_ptr<float>();
   const int64_t group = Hq / Hkv;
-  // One task per (query, head), spread over ExecuTorch's thread pool (XNNPACK's pool too).
+  // Tasks: (query row, KV head, chunk of the heads that share it), spread over ExecuTorch's
+  // thread pool (XNNPACK's pool too). The chunks depend on the head counts only.
+  const int64_t at_once = heads_at_once(D, group);
+  const int64_t chunks = (group + at_once - 1) / at_once;
   auto attend = [&](size_t task) {
-    const int64_t i = int64_t(task) / Hq, h = int64_t(task) % Hq, kvh = h / group;
+    const int64_t i = int64_t(task) / (Hkv * chunks);
+    const int64_t kvh = int64_t(task) / chunks % Hkv, c = int64_t(task) % chunks;
+    const int64_t h0 = kvh * group + c * at_once, heads = std::min(at_once, group - c * at_once);
     const int64_t visible = start + i + 1;
     thread_local std::vector<float> scores;
-    scores.resize(visible + kLanes);
+    scores.resize(heads * (visible + kLanes));
+    const float* qi = qp + (i * Hq + h0) * D;
+    float* oi = op_ + (i * Hq + h0) * D;
+    if (GroupFn many = heads > 1 ? group_kernel(D, heads) : nullptr) {
+      many(qi, kp + kvh * D, vp + kvh * D, Hkv * D, visible, scale, scores.data(), oi);
+      return;
+    }
     auto row = D == 64    ? attend_row<64>
                : D == 128 ? attend_row<128>
                : D % kLanes == 0 && D <= 256 ? attend_row<0>
                                  : attend_row_any;
-    row(qp + (i * Hq + h) * D, kp + kvh * D, vp + kvh * D, Hkv * D, visible, D, scale,
-        scores.data(), op_ + (i * Hq + h) * D);
+    for (int64_t g = 0; g < heads; ++g)
+      row(qi + g * D, kp + kvh * D, vp + kvh * D, Hkv * D, visible, D, scale, scores.data(),
+          oi + g * D);
   };
-  executorch::extension::threadpool::get_threadpool()->run(attend, size_t(T * Hq));
+  executorch::extension::threadpool::get_threadpool()->run(attend, size_t(T * Hkv * chunks));
   return true;
 }
 
