@@ -294,3 +294,26 @@ def test_bad_scheme_is_a_user_error(tmp_path, quant, group, embedding, message):
             eos_ids=EOS,
         )
     assert not path.exists()
+
+
+def test_kernel_build_without_a_compiler_is_a_user_error(tmp_path, monkeypatch):
+    """No g++: one clear line saying what to install, and nothing left at the target path."""
+    from mtp_edge.runtime import executorch_ops
+
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(executorch_ops.shutil, "which", lambda name: None)
+    target = tmp_path / "libmtp_ops.so"
+    with pytest.raises(UserError, match="no C\\+\\+ compiler found.*install g\\+\\+"):
+        executorch_ops.build(target)
+    assert not target.exists()
+
+
+def test_kernel_build_failure_leaves_nothing_behind(tmp_path, monkeypatch):
+    """A compiler that fails: the error carries its output, and no library is half-written."""
+    from mtp_edge.runtime import executorch_ops
+
+    monkeypatch.setenv("CXX", "false")  # /bin/false: exits 1, writes nothing
+    target = tmp_path / "libmtp_ops.so"
+    with pytest.raises(UserError, match="building mtp-edge's attention kernel failed"):
+        executorch_ops.build(target)
+    assert list(tmp_path.iterdir()) == []
