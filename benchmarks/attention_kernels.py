@@ -45,8 +45,8 @@ def program(kernel: str, rows: int):
     exported = to_edge(torch.export.export(Attend(kernel), (q, torch.tensor([100])), strict=True))
     planning = MemoryPlanningPass(alloc_graph_input=False)
     config = ExecutorchBackendConfig(memory_planning_pass=planning)
-    buffer = exported.to_executorch(config).buffer
-    return Runtime.get().load_program(buffer).load_method("forward"), q
+    loaded = Runtime.get().load_program(exported.to_executorch(config).buffer)
+    return loaded, loaded.load_method("forward"), q  # the method needs its program alive
 
 
 def main() -> None:
@@ -55,7 +55,7 @@ def main() -> None:
     parser.add_argument("--positions", default="64,250,550")
     parser.add_argument("--repeats", type=int, default=300)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)  # ExecuTorch takes this count (below)
     executorch_ops.define()
     executorch_ops.load_kernels()
     _hand_cores_to_executorch()
@@ -63,7 +63,7 @@ def main() -> None:
     rows = []
     for kernel in ("mtp_edge::sdpa", "llama.custom_sdpa"):
         for width in (1, 5):
-            method, q = program(kernel, width)
+            loaded, method, q = program(kernel, width)
             for position in (int(p) for p in args.positions.split(",")):
                 at = torch.tensor([position])
                 for _ in range(20):
@@ -82,6 +82,7 @@ def main() -> None:
                     }
                 )
                 print(json.dumps(rows[-1]), flush=True)
+            del method, loaded  # a method must go before its program
     command = (
         f"python benchmarks/attention_kernels.py --threads {args.threads} "
         f"--positions {args.positions} --repeats {args.repeats}"

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import torch
 
+from mtp_edge.cli import setup
 from mtp_edge.devices.harness import NEAR_TIE, load_prompts, run_suite
 from mtp_edge.runtime import native
-from mtp_edge.runtime.bundle import bundle_drafter, open_bundle, target_session
+from mtp_edge.runtime.bundle import open_bundle
 from mtp_edge.runtime.loop import GenerationConfig, first_divergence
 
 
@@ -97,9 +98,18 @@ def main() -> None:
     native_report = json.loads(native_json.read_text())
 
     print("[python] run", file=sys.stderr)
-    session = target_session(bundle)
-    drafter = bundle_drafter(bundle)
-    config = GenerationConfig(k=m.drafter.get("k", 4), eos_ids=tuple(m.eos_ids))
+    # The bundle's drafter with its drafting policy, as mtp-run / mtp-bench (and the native
+    # runner) apply it by default.
+    python = setup(
+        dict(
+            model_spec="default", bundle=args.bundle, drafter=None, k=None, heads=None,
+            adaptive_k=False, ngram_sizes=None, draft_confidence=None,
+            max_seq_len=m.max_seq_len, no_chat_template=False, threads=0,
+        ),  # fmt: skip
+        max_new_tokens=args.max_new_tokens,
+    )
+    session, drafter = python.session, python.drafter
+    config = GenerationConfig(k=python.config.k, eos_ids=tuple(m.eos_ids))
     # run_suite keeps no token ids: wrap generate's results through the harness's own rows.
     from mtp_edge.devices import harness
 

@@ -219,8 +219,8 @@ def test_our_kernel_computes_the_eager_attention():
         position = torch.tensor([start])
         program = to_edge(torch.export.export(Attend(), (q, k, v, position), strict=True))
         executorch_ops.load_kernels()
-        method = Runtime.get().load_program(program.to_executorch().buffer).load_method("forward")
-        got = method.execute([q, k, v, position])[0]
+        loaded = Runtime.get().load_program(program.to_executorch().buffer)
+        got = loaded.load_method("forward").execute([q, k, v, position])[0]  # program kept alive
         want = executorch_ops.attention(q, k, v, start)
         torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
