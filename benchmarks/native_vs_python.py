@@ -102,9 +102,17 @@ def main() -> None:
     # runner) apply it by default.
     python = setup(
         dict(
-            model_spec="default", bundle=args.bundle, drafter=None, k=None, heads=None,
-            adaptive_k=False, ngram_sizes=None, draft_confidence=None,
-            max_seq_len=m.max_seq_len, no_chat_template=False, threads=0,
+            model_spec="default",
+            bundle=args.bundle,
+            drafter=None,
+            k=None,
+            heads=None,
+            adaptive_k=False,
+            ngram_sizes=None,
+            draft_confidence=None,
+            max_seq_len=m.max_seq_len,
+            no_chat_template=False,
+            threads=0,
         ),  # fmt: skip
         max_new_tokens=args.max_new_tokens,
     )
