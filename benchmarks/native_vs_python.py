@@ -49,6 +49,12 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="benchmarks/results/native_vs_python")
+    parser.add_argument(
+        "--drafter",
+        default=None,
+        help="a drafter name both runtimes take (ngram, mtp, mtp+ngram...; default: the "
+        "bundle's own, with its drafting policy)",
+    )
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -92,6 +98,7 @@ def main() -> None:
             str(args.repeat),
             "--threads",
             str(args.threads),
+            *(["--drafter", args.drafter] if args.drafter else []),
         ],
         check=False,
     )
@@ -104,7 +111,7 @@ def main() -> None:
         dict(
             model_spec="default",
             bundle=args.bundle,
-            drafter=None,
+            drafter=args.drafter,
             k=None,
             heads=None,
             adaptive_k=False,
