@@ -83,8 +83,8 @@ def program_shape(path: Path, vocab_size: int) -> ProgramShape:
         return n * elem.get(t.scalar_type.name, 4)
 
     # The static caches are what ExecuTorch's llama::update_cache writes (its second argument),
-    # one K and one V per layer, [1, S, H, D]; llama::custom_sdpa's first argument is the query
-    # [1, T, Hq, D].
+    # one K and one V per layer, [1, S, H, D]; the attention op's first argument is the query
+    # [1, T, Hq, D] (our mtp_edge::sdpa, or ExecuTorch's llama::custom_sdpa).
     caches, queries = {}, []
     for chain in plan.chains:
         for instruction in chain.instructions:
@@ -94,7 +94,7 @@ def program_shape(path: Path, vocab_size: int) -> ProgramShape:
             op = plan.operators[call.op_index].name
             if op == "llama::update_cache":
                 caches[call.args[1]] = plan.values[call.args[1]].val
-            elif op == "llama::custom_sdpa":
+            elif op in ("mtp_edge::sdpa", "llama::custom_sdpa"):
                 queries.append(plan.values[call.args[0]].val)
     kv = list(caches.values())
     kv_heads = kv[0].sizes[2] if kv else 0
