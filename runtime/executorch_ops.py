@@ -34,7 +34,6 @@ import torch.nn.functional as F
 
 from mtp_edge.errors import UserError
 
-OP = "mtp_edge::sdpa.out"
 _SRC = Path(__file__).parent / "native" / "src"
 SOURCES = [_SRC / "llama_ops.cpp", _SRC / "python_ops.cpp"]
 HEADERS = [_SRC / "llama_ops.h"]
