@@ -1,0 +1,148 @@
+"""Does the MTP head need more than the target's last hidden state? A probe (issue 4).
+
+EAGLE-3 feeds its drafter a fusion of low, middle and high layer states instead of the last
+one. This probe asks whether that would lift our first draft position on SmolLM2-135M before
+anyone builds it through every exporter: it trains the first draft step only (predict the
+target's argmax at t+1 from features at t and the embedding of the token at t+1) with the
+shipped head's shape (proj -> one SwiGLU block -> final norm -> 8192-token draft vocabulary,
+started from the target's LM head rows), once on the final hidden state and once on residual
+outputs of several layers, and prints held-out and training accuracy as it goes.
+
+    python benchmarks/head_features.py LAYERS SEQUENCES STEPS [GEN_JSONL]
+
+LAYERS: comma-separated layer counts whose outputs are the features (the last layer's count
+means the final-normed state the LM head reads, what the shipped head gets). SEQUENCES:
+how many sequences of the generated-text cache `mtp-train` writes (`<out>.gen.jsonl`: prompts
+and the target's own greedy answers) to use, a twelfth of them held out; origins are the
+answer positions. Labelling runs the eager fp32 target (~7 minutes for 230k tokens here).
+
+Recorded (`results/training/head_features_*.log`): 900 sequences, 1000 steps of 1024 origins.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtp_edge.checkpoints import load_model
+
+DRAFT_VOCAB = 8192
+
+
+class Head(nn.Module):
+    def __init__(self, parts: int, dim: int, lm_rows: torch.Tensor, final_norm: torch.Tensor):
+        super().__init__()
+        self.dim = dim
+        self.feature_norms = nn.ModuleList(nn.RMSNorm(dim, eps=1e-5) for _ in range(parts))
+        self.embedding_norm = nn.RMSNorm(dim, eps=1e-5)
+        self.proj = nn.Linear((parts + 1) * dim, dim, bias=False)
+        self.norm = nn.RMSNorm(dim, eps=1e-5)
+        self.gate = nn.Linear(dim, 1536, bias=False)
+        self.up = nn.Linear(dim, 1536, bias=False)
+        self.down = nn.Linear(1536, dim, bias=False)
+        self.final_norm = nn.RMSNorm(dim, eps=1e-5)
+        self.lm_head = nn.Linear(dim, len(lm_rows), bias=False)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(lm_rows)
+            self.final_norm.weight.copy_(final_norm)
+
+    def forward(self, features, embeddings):
+        parts = features.float().split(self.dim, -1)
+        normed = [n(p) for n, p in zip(self.feature_norms, parts, strict=True)]
+        x = self.proj(torch.cat(normed + [self.embedding_norm(embeddings)], -1))
+        y = self.norm(x)
+        x = x + self.down(F.silu(self.gate(y)) * self.up(y))
+        return self.lm_head(self.final_norm(x))
+
+
+def main(argv: list[str]) -> None:
+    layers = [int(x) for x in argv[0].split(",")]
+    n_sequences, steps = int(argv[1]), int(argv[2])
+    gen = argv[3] if len(argv) > 3 else "SmolLM2-135M-Instruct.gen.jsonl"
+    torch.manual_seed(0)
+    random.seed(0)
+    torch.set_num_threads(2)
+    model = load_model("default").model
+    rows = [json.loads(line) for line in open(gen)]
+    random.shuffle(rows)
+    rows = rows[:n_sequences]
+    model.setup_cache(1024)
+    kept: dict[int, torch.Tensor] = {}
+    for i in layers:
+        if i < len(model.layers):
+            model.layers[i - 1].register_forward_hook(
+                lambda m, a, out, i=i: kept.__setitem__(i, out)
+            )
+    feats, argmax, tokens, starts, lengths = [], [], [], [], []
+    began = time.time()
+    with torch.inference_mode():
+        for r in rows:
+            ids = (r["prompt_ids"] + r["response_ids"])[:1024]
+            n = len(ids)
+            logits, h = model(torch.tensor([ids]), torch.tensor([0]), return_hidden=True, kv_len=n)
+            parts = [kept[i][0] if i < len(model.layers) else h[0] for i in layers]
+            feats.append(torch.cat(parts, -1).half())
+            argmax.append(logits[0].argmax(-1))
+            tokens.append(torch.tensor(ids))
+            starts.append(len(r["prompt_ids"]))
+            lengths.append(n)
+    print("labelled", sum(lengths), "tokens in", round(time.time() - began), "s", flush=True)
+    # Origin t (an answer position) reads features at t and the token at t+1, and is right when
+    # it names the target's argmax at t+1.
+    offset, origins = 0, []
+    for n, s in zip(lengths, starts, strict=True):
+        origins.append(torch.arange(offset + max(s - 1, 0), offset + n - 2))
+        offset += n
+    features, argmax, tokens = torch.cat(feats), torch.cat(argmax), torch.cat(tokens)
+    n_held = max(1, len(rows) // 12)
+    held, train = torch.cat(origins[:n_held]), torch.cat(origins[n_held:])
+    print("train origins", len(train), "held", len(held), flush=True)
+    vocab = model.embed_tokens.weight.shape[0]
+    counts = torch.bincount(argmax[train + 1], minlength=vocab)
+    ids = torch.sort(torch.sort(-counts, stable=True).indices[:DRAFT_VOCAB]).values
+    to_draft = torch.full((vocab,), -100, dtype=torch.long)
+    to_draft[ids] = torch.arange(DRAFT_VOCAB)
+    embedding = model.embed_tokens.weight.detach()
+    head = Head(len(layers), embedding.shape[1], embedding[ids], model.norm.weight.detach())
+    optimizer = torch.optim.AdamW(head.parameters(), lr=1e-3, weight_decay=0.0)
+
+    @torch.no_grad()
+    def accuracy(idx: torch.Tensor) -> float:
+        hits = 0
+        for chunk in idx.split(4096):
+            guess = head(features[chunk], embedding[tokens[chunk + 1]]).argmax(-1)
+            hits += int((ids[guess] == argmax[chunk + 1]).sum())
+        return hits / len(idx)
+
+    began = time.time()
+    for step in range(steps + 1):
+        if step % 250 == 0 or step == steps:
+            sample = train[torch.randperm(len(train))[:8000]]
+            print(
+                f"step {step} held acc {accuracy(held):.3f} train-sample acc "
+                f"{accuracy(sample):.3f} {time.time() - began:.0f}s",
+                flush=True,
+            )
+        if step == steps:
+            break
+        warm = min(1, (step + 1) / 50)
+        lr = 1e-3 * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(3.14159 * step / steps)))
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        batch = train[torch.randint(len(train), (1024,))]
+        logits = head(features[batch], embedding[tokens[batch + 1]])
+        loss = F.cross_entropy(logits, to_draft[argmax[batch + 1]], ignore_index=-100)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
