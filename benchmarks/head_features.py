@@ -8,13 +8,15 @@ shipped head's shape (proj -> one SwiGLU block -> final norm -> 8192-token draft
 started from the target's LM head rows), once on the final hidden state and once on residual
 outputs of several layers, and prints held-out and training accuracy as it goes.
 
-    python benchmarks/head_features.py LAYERS SEQUENCES STEPS [GEN_JSONL]
+    python benchmarks/head_features.py LAYERS SEQUENCES STEPS [GEN_JSONL [TRAIN_SEQUENCES]]
 
 LAYERS: comma-separated layer counts whose outputs are the features (the last layer's count
 means the final-normed state the LM head reads, what the shipped head gets). SEQUENCES:
 how many sequences of the generated-text cache `mtp-train` writes (`<out>.gen.jsonl`: prompts
 and the target's own greedy answers) to use, a twelfth of them held out; origins are the
-answer positions. Labelling runs the eager fp32 target (~7 minutes for 230k tokens here).
+answer positions. TRAIN_SEQUENCES trains on only that many of the rest (same held-out set), to
+see how accuracy grows with text. Labelling runs the eager fp32 target (~7 minutes for 230k
+tokens here).
 
 Recorded (`results/training/head_features_*.log`): 900 sequences, 1000 steps of 1024 origins.
 """
@@ -66,6 +68,7 @@ def main(argv: list[str]) -> None:
     layers = [int(x) for x in argv[0].split(",")]
     n_sequences, steps = int(argv[1]), int(argv[2])
     gen = argv[3] if len(argv) > 3 else "SmolLM2-135M-Instruct.gen.jsonl"
+    train_sequences = int(argv[4]) if len(argv) > 4 else None
     torch.manual_seed(0)
     random.seed(0)
     torch.set_num_threads(2)
@@ -102,7 +105,8 @@ def main(argv: list[str]) -> None:
         offset += n
     features, argmax, tokens = torch.cat(feats), torch.cat(argmax), torch.cat(tokens)
     n_held = max(1, len(rows) // 12)
-    held, train = torch.cat(origins[:n_held]), torch.cat(origins[n_held:])
+    rest = origins[n_held:] if train_sequences is None else origins[n_held:][:train_sequences]
+    held, train = torch.cat(origins[:n_held]), torch.cat(rest)
     print("train origins", len(train), "held", len(held), flush=True)
     vocab = model.embed_tokens.weight.shape[0]
     counts = torch.bincount(argmax[train + 1], minlength=vocab)
