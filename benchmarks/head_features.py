@@ -34,6 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtp_edge.checkpoints import load_model
+from mtp_edge.mtp import SwiGLU
+from mtp_edge.train import draft_vocabulary
 
 DRAFT_VOCAB = 8192
 
@@ -46,9 +48,7 @@ class Head(nn.Module):
         self.embedding_norm = nn.RMSNorm(dim, eps=1e-5)
         self.proj = nn.Linear((parts + 1) * dim, dim, bias=False)
         self.norm = nn.RMSNorm(dim, eps=1e-5)
-        self.gate = nn.Linear(dim, 1536, bias=False)
-        self.up = nn.Linear(dim, 1536, bias=False)
-        self.down = nn.Linear(1536, dim, bias=False)
+        self.mlp = SwiGLU(dim, 1536)
         self.final_norm = nn.RMSNorm(dim, eps=1e-5)
         self.lm_head = nn.Linear(dim, len(lm_rows), bias=False)
         with torch.no_grad():
@@ -59,8 +59,7 @@ class Head(nn.Module):
         parts = features.float().split(self.dim, -1)
         normed = [n(p) for n, p in zip(self.feature_norms, parts, strict=True)]
         x = self.proj(torch.cat(normed + [self.embedding_norm(embeddings)], -1))
-        y = self.norm(x)
-        x = x + self.down(F.silu(self.gate(y)) * self.up(y))
+        x = x + self.mlp(self.norm(x))
         return self.lm_head(self.final_norm(x))
 
 
@@ -110,7 +109,7 @@ def main(argv: list[str]) -> None:
     print("train origins", len(train), "held", len(held), flush=True)
     vocab = model.embed_tokens.weight.shape[0]
     counts = torch.bincount(argmax[train + 1], minlength=vocab)
-    ids = torch.sort(torch.sort(-counts, stable=True).indices[:DRAFT_VOCAB]).values
+    ids, _ = draft_vocabulary(counts, DRAFT_VOCAB)
     to_draft = torch.full((vocab,), -100, dtype=torch.long)
     to_draft[ids] = torch.arange(DRAFT_VOCAB)
     embedding = model.embed_tokens.weight.detach()
