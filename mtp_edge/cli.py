@@ -626,7 +626,11 @@ def measure_drafter_acceptance(directory, target, draft) -> dict:
 @click.option("--k", default=4, show_default=True, help="Draft steps unrolled in training.")
 @click.option("--steps", default=3000, show_default=True)
 @click.option(
-    "--batch-size", default=512, show_default=True, help="Draft origins per step (whole sequences)."
+    "--batch-size",
+    default=512,
+    show_default=True,
+    help="Draft origins per step (per process): drawn at random from the whole text, or in "
+    "whole sequences for heads with attention.",
 )
 @click.option("--lr", default=1e-3, show_default=True)
 @click.option("--seed", default=0, show_default=True)

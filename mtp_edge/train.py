@@ -68,7 +68,9 @@ class TrainOptions:
     data: tuple[str, ...] = ()  # text files; empty: offline text + the target's own responses
     k: int = 4  # unrolled draft steps
     steps: int = 3000
-    batch_size: int = 512  # draft origins per step (per rank), in whole sequences
+    # Draft origins per step (per rank): drawn from anywhere in the text for heads without
+    # attention, in whole sequences for heads with attention.
+    batch_size: int = 512
     lr: float = 1e-3
     seed: int = 0
     resume: bool = False
@@ -921,6 +923,28 @@ def sequence_batch(labels: Labels, seqs, embedding, k: int, rope, cache: bool) -
     return Batch(h, F.embedding(labels.tokens[reads], embedding), reads, valid, context)
 
 
+def origin_batch(labels: Labels, origins: torch.Tensor, embedding, k: int) -> Batch:
+    """Draft origins from anywhere in the text, as one row [1, N]: for heads without attention,
+    which read only the hidden state and the tokens, so that no prompt position or padding is
+    computed (a sequence batch spends about half its work on those)."""
+    steps = torch.arange(1, k + 1)
+    left = labels.remaining[origins, None]
+    valid = (steps <= left)[None]
+    reads = (origins[:, None] + torch.minimum(steps, left))[None]
+    h = labels.hidden[origins].to(embedding.dtype)[None]
+    return Batch(h, F.embedding(labels.tokens[reads], embedding), reads, valid, None)
+
+
+def labelled_batches(labels: Labels, embedding, k: int, rope, context: bool, budget: int):
+    """Every draft origin of `labels` once, in batches of about `budget` origins."""
+    if not context:
+        for chunk in labels.starts.split(budget):
+            yield origin_batch(labels, chunk, embedding, k)
+        return
+    for group in batches_of(labels, list(range(len(labels.bounds))), budget):
+        yield sequence_batch(labels, group, embedding, k, rope, context)
+
+
 def draft_losses(logits, batch: Batch, labels: Labels, to_draft, teacher_head, soft: bool):
     """Summed loss [k] and counted steps [k] per draft step. Soft: KL divergence from the
     target's distribution restricted to the draft vocabulary (what the target would say at the
@@ -1002,9 +1026,7 @@ def evaluate(
     sums, counts, feature, feature_counts, hits, scored = (
         torch.zeros(k, dtype=torch.float64) for _ in range(6)
     )
-    cache = head.needs_context
-    for group in batches_of(labels, list(range(len(labels.bounds))), budget):
-        batch = sequence_batch(labels, group, embedding, k, rope, cache)
+    for batch in labelled_batches(labels, embedding, k, rope, head.needs_context, budget):
         logits, hidden = head(batch.h, batch.embs, batch.context, return_hidden=True)
         s, c = draft_losses(logits, batch, labels, to_draft, teacher_head, soft)
         f, fc = feature_losses(hidden, batch, labels)
@@ -1251,10 +1273,15 @@ def _train(options, rank, world, progress, began) -> dict:
             options.batch_size,
         )
 
-    def pick_sequences(generator) -> list[int]:
-        """Random training sequences until they hold about --batch-size draft origins."""
+    def training_batch(generator) -> Batch:
+        """--batch-size draft origins drawn at random from the whole text; for heads with
+        attention, random whole sequences holding about that many (they need the context)."""
+        if not context:
+            draw = torch.randint(len(train.starts), (options.batch_size,), generator=generator)
+            return origin_batch(train, train.starts[draw], embedding, options.k)
         order = torch.randperm(len(train.bounds), generator=generator).tolist()
-        return batches_of(train, order, options.batch_size)[0]
+        group = batches_of(train, order, options.batch_size)[0]
+        return sequence_batch(train, group, embedding, options.k, rope, context)
 
     if step == 0:
         history.append({"step": 0, **held_out()})
@@ -1263,9 +1290,7 @@ def _train(options, rank, world, progress, began) -> dict:
     while step < options.steps:
         # Batches depend only on (seed, rank, step), so a resumed run draws the same ones.
         generator = torch.Generator().manual_seed(options.seed * 1_000_003 + rank * 7919 + step)
-        batch = sequence_batch(
-            train, pick_sequences(generator), embedding, options.k, rope, context
-        )
+        batch = training_batch(generator)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, options)
         logits, hidden = model(batch.h, batch.embs, batch.context, return_hidden=True)
