@@ -45,6 +45,25 @@ class Drafter {
   }
 };
 
+// Passes every call through to a drafter it does not own: lends a drafter kept elsewhere to one
+// that wants to own it (HybridDrafter), and is the base of drafters that wrap another.
+class ForwardingDrafter : public Drafter {
+ public:
+  explicit ForwardingDrafter(Drafter* inner) : inner_(inner) {}
+  std::string name() const override { return inner_->name(); }
+  bool needs_hidden() const override { return inner_->needs_hidden(); }
+  Draft propose(const std::vector<int64_t>& context, const Hidden* hidden, int64_t k,
+                Sampler& sampler) override {
+    return inner_->propose(context, hidden, k, sampler);
+  }
+  void observe(const std::vector<int64_t>& context, const Hidden* hidden) override {
+    inner_->observe(context, hidden);
+  }
+
+ private:
+  Drafter* inner_;
+};
+
 // Prompt lookup: the latest earlier occurrence of the context's last n tokens (n from max_n
 // down to min_n) and what followed it.
 class NgramDrafter : public Drafter {

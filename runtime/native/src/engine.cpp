@@ -70,25 +70,6 @@ std::string resolve_bundle(const std::string& spec, const std::string& own) {
   return spec;
 }
 
-// Hands a model drafter that the engine keeps (and may hand out elsewhere too) to a
-// HybridDrafter, which wants to own one.
-class BorrowedDrafter : public Drafter {
- public:
-  explicit BorrowedDrafter(Drafter* inner) : inner_(inner) {}
-  std::string name() const override { return inner_->name(); }
-  bool needs_hidden() const override { return inner_->needs_hidden(); }
-  Draft propose(const std::vector<int64_t>& context, const Hidden* hidden, int64_t k,
-                Sampler& sampler) override {
-    return inner_->propose(context, hidden, k, sampler);
-  }
-  void observe(const std::vector<int64_t>& context, const Hidden* hidden) override {
-    inner_->observe(context, hidden);
-  }
-
- private:
-  Drafter* inner_;
-};
-
 // The drafter named by `spec` (mtp_edge/cli.py build_drafter): none | ngram | bundle (the
 // bundle's own) | mtp | draft-lm (the bundle's own, by name) | any of these + "+ngram" (prompt
 // lookup first, the model where it finds nothing: HybridDrafter). Null for none. `model(kind)`
@@ -214,7 +195,7 @@ Drafter* Engine::drafter(const DrafterOptions& options) {
         throw;
       }
     }
-    return std::make_unique<BorrowedDrafter>(kept.get());
+    return std::make_unique<ForwardingDrafter>(kept.get());
   };
   auto made = make_drafter(chosen.drafter, own, chosen, model);
   Drafter* out = made.get();

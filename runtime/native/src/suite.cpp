@@ -43,25 +43,17 @@ nlohmann::json compare_runs(const GenerationResult& plain, const GenerationResul
 
 // Passes everything through to `inner` and keeps the tokens of each draft it proposed, cut to k
 // as the loop cuts them.
-class RecordingDrafter : public Drafter {
+class RecordingDrafter : public ForwardingDrafter {
  public:
-  explicit RecordingDrafter(Drafter* inner) : inner_(inner) {}
-  std::string name() const override { return inner_->name(); }
-  bool needs_hidden() const override { return inner_->needs_hidden(); }
+  using ForwardingDrafter::ForwardingDrafter;
   Draft propose(const std::vector<int64_t>& context, const Hidden* hidden, int64_t k,
                 Sampler& sampler) override {
-    Draft draft = inner_->propose(context, hidden, k, sampler);
+    Draft draft = ForwardingDrafter::propose(context, hidden, k, sampler);
     const size_t n = std::min(draft.tokens.size(), size_t(std::max<int64_t>(k, 0)));
     drafts.emplace_back(draft.tokens.begin(), draft.tokens.begin() + n);
     return draft;
   }
-  void observe(const std::vector<int64_t>& context, const Hidden* hidden) override {
-    inner_->observe(context, hidden);
-  }
   std::vector<std::vector<int64_t>> drafts;
-
- private:
-  Drafter* inner_;
 };
 
 }  // namespace
