@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from mtp_edge.errors import UserError
+from mtp_edge.runtime.session import claim_cores
 
 # Calls of up to this many tokens go row-exact through `verify` when the program has it: the
 # loop's verifications (k + 1 <= 16 tokens). Longer calls are prefill chunks and take `forward`.
@@ -183,10 +184,9 @@ def _hand_cores_to_executorch() -> None:
         return
     from executorch.extension.pybindings import portable_lib
 
-    _executorch_threads = torch.get_num_threads()
+    _executorch_threads = claim_cores()
     if portable_lib._threadpool_get_thread_count() != _executorch_threads:
         portable_lib._unsafe_reset_threadpool(_executorch_threads)
-    torch.set_num_threads(1)
     try:
         mkl = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
         mkl.mkl_serv_set_num_threads(1)

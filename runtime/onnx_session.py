@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from mtp_edge.errors import UserError
+from mtp_edge.runtime.session import claim_cores
 
 _ORT_DTYPES = {"tensor(float)": "float32", "tensor(int64)": "int64", "tensor(float16)": "float16"}
 
@@ -23,7 +24,7 @@ def _session_options():
     import onnxruntime as ort
 
     options = ort.SessionOptions()
-    options.intra_op_num_threads = _hand_cores_to_ort()
+    options.intra_op_num_threads = claim_cores()
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -211,17 +212,3 @@ class OnnxStep:
             torch.from_numpy(outputs["draft_logits"].numpy()),
             torch.from_numpy(outputs["next_h"].numpy()),
         )
-
-
-_ort_threads: int | None = None
-
-
-def _hand_cores_to_ort() -> int:
-    """ONNX Runtime's threads get torch's thread count and torch keeps one thread, once per
-    process: the loop's small torch ops would otherwise wake torch's OpenMP team, whose spinning
-    threads take the cores from ONNX Runtime's pool (the same contention as with ExecuTorch)."""
-    global _ort_threads
-    if _ort_threads is None:
-        _ort_threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-    return _ort_threads

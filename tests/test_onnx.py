@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import onnx
 import pytest
@@ -335,3 +337,22 @@ def test_qwen_style_attention_and_tied_head_export(tmp_path):
     session = OnnxSession(path, methods["forward"], MAX_SEQ_LEN, VOCAB, CHUNK)
     eager = EagerSession(model, MAX_SEQ_LEN, CHUNK)
     torch.testing.assert_close(prefill(session, PROMPT), prefill(eager, PROMPT), atol=1e-4, rtol=0)
+
+
+def test_backends_in_one_process_share_the_cores():
+    """`mtp-bench --compare` runs an ONNX and an ExecuTorch bundle in one process: each backend's
+    pool gets the threads the process asked for, whichever opens first (each used to read
+    torch's count and leave torch one thread, so the second got one thread and ran at half
+    speed)."""
+    code = (
+        "import torch; torch.set_num_threads(2)\n"
+        "from mtp_edge.runtime import onnx_session, executorch_session\n"
+        "from executorch.extension.pybindings import portable_lib\n"
+        "ort_threads = onnx_session._session_options().intra_op_num_threads\n"
+        "executorch_session._hand_cores_to_executorch()\n"
+        "print(ort_threads, portable_lib._threadpool_get_thread_count(), torch.get_num_threads())\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
+    )
+    assert out.stdout.split()[-3:] == ["2", "2", "1"], out.stdout + out.stderr
