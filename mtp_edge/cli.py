@@ -698,6 +698,26 @@ def measure_drafter_acceptance(directory, target, draft) -> dict:
     help="An ExecuTorch bundle of the target (exported with --drafter mtp): it writes and labels "
     "the text, so the heads learn the exported, quantized target they will draft for.",
 )
+@click.option(
+    "--writer",
+    type=click.Choice(["int8", "fp32", "bundle"]),
+    default="int8",
+    show_default=True,
+    help="Who writes the training text: the target with int8 linears, batched (fastest on a "
+    "CPU), the target as loaded, batched, or --bundle's exported target one sequence at a time. "
+    "Labels always come from the target (--bundle's when given).",
+)
+@click.option(
+    "--gen-batch",
+    default=64,
+    show_default=True,
+    help="Responses (and requests) written together by an eager writer.",
+)
+@click.option(
+    "--write-only",
+    is_flag=True,
+    help="Write (or extend) the cached training text next to --out, then stop.",
+)
 @click.option("--out", required=True, help="Output heads file (.safetensors).")
 def train(
     model,
@@ -720,6 +740,9 @@ def train(
     weight_decay,
     threads,
     bundle,
+    writer,
+    gen_batch,
+    write_only,
     out,
 ):
     """Train MTP draft heads for a target by self-distillation (runs under torchrun too)."""
@@ -747,6 +770,9 @@ def train(
         weight_decay=weight_decay,
         threads=threads,
         bundle=bundle,
+        writer=writer,
+        gen_batch=gen_batch,
+        write_only=write_only,
     )
     summary = train_heads(options, progress=lambda line: click.echo(line, err=True))
     if summary:

@@ -278,12 +278,43 @@ def test_draft_step_cost_is_measured():
 
 
 def test_batched_generation_equals_the_loop():
+    """Rows padded together, prefilled one by one, dropped from the batch as they end: each
+    row's text is what the one-sequence loop writes."""
     model = tiny_model(seed=3, vocab=48)
     prompts = [[5, 9, 2], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [7], [4, 4, 4, 4, 20]]
-    outs = generate_batch(model, prompts, 25, eos_ids=[3])
+    prompts += [[p + 1 for p in prompt] for prompt in prompts]
+    eos = [3, 17, 30]
+    outs = generate_batch(model, prompts, 25, eos_ids=eos)
+    assert min(map(len, outs)) < 12 and max(map(len, outs)) == 25  # rows did end early
     for prompt, out in zip(prompts, outs, strict=True):
-        config = GenerationConfig(max_new_tokens=25, eos_ids=(3,))
-        assert out == generate(EagerSession(model, 256), prompt, None, config).token_ids
+        config = GenerationConfig(max_new_tokens=25, eos_ids=tuple(eos))
+        assert out == [
+            t
+            for t in generate(EagerSession(model, 256), prompt, None, config).token_ids
+            if t not in eos
+        ]
+
+
+def test_int8_writer():
+    """The int8 writer: each linear within int8 rounding of the fp32 one, and text mostly the
+    target's (a tiny random model has many near-ties, so not all of it)."""
+    from mtp_edge.train import Int8Linear, int8_writer
+
+    torch.manual_seed(0)
+    weight, x = torch.randn(40, 24), torch.randn(5, 3, 24)
+    exact = torch.nn.functional.linear(x, weight)
+    approx = Int8Linear(weight)(x)
+    assert approx.shape == exact.shape
+    assert (approx - exact).abs().max() < 0.03 * exact.abs().max()
+    model = tiny_model(seed=3, vocab=48)
+    writer = int8_writer(model)
+    assert writer.embed_tokens.weight is model.embed_tokens.weight  # shared, not copied
+    assert isinstance(writer.layers[0].mlp.down_proj, Int8Linear)
+    assert isinstance(model.layers[0].mlp.down_proj, torch.nn.Linear)  # the target untouched
+    prompts = [[5, 9, 2], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [7], [4, 4, 4, 4, 20]]
+    fp32, int8 = generate_batch(model, prompts, 16, []), generate_batch(writer, prompts, 16, [])
+    first = [a[:1] == b[:1] for a, b in zip(fp32, int8, strict=True)]
+    assert sum(first) >= 3, (fp32, int8)
 
 
 def test_default_corpus_is_written_by_the_target_and_cached(tiny_dir, monkeypatch):
@@ -293,7 +324,9 @@ def test_default_corpus_is_written_by_the_target_and_cached(tiny_dir, monkeypatc
     assert not set(quality.HELDOUT_TOPICS) & set(train.doc_topics())
     loaded = load_model(str(tiny_dir / "model"))
     settings = dict(data=(), gen_tokens=100, gen_max_new=12, gen_batch=3, raw_tokens=300)
-    opts = options(tiny_dir, out=str(tiny_dir / "corpus" / "heads.safetensors"), **settings)
+    opts = options(
+        tiny_dir, out=str(tiny_dir / "corpus" / "heads.safetensors"), writer="fp32", **settings
+    )
     (tiny_dir / "corpus").mkdir()
     sequences = train.build_corpus(loaded, opts, "hash", 0, 1, print)
     raw = [s for s in sequences if s.start == 0]
@@ -334,11 +367,15 @@ def test_self_written_requests(tiny_dir, monkeypatch):
     )
     real = train.generate_batch
 
+    word = loaded.tokenizer.encode(" a")[-1]  # a token that starts a word
+
     def ending(model, prompts, max_new, eos_ids, temperature=0.0, generator=None, ended=None):
-        # Tiny random weights rarely say eos: end each sampled turn after 6 tokens.
-        outs = real(model, prompts, 6, [], temperature, generator, None)
+        # Tiny random weights rarely say eos, nor start words: end each sampled turn after 8
+        # tokens, every other one starting a word (the requests must have 4 words or more).
+        outs = real(model, prompts, 8, [], temperature, generator, None)
         if ended is not None:
             ended[:] = [temperature > 0] * len(outs)
+            outs = [[word if i % 2 == 0 else t for i, t in enumerate(o)] for o in outs]
         return outs
 
     monkeypatch.setattr(train, "generate_batch", ending)
