@@ -621,7 +621,8 @@ def measure_drafter_acceptance(directory, target, draft) -> dict:
 @click.option(
     "--data",
     multiple=True,
-    help="Text files to train on (repeatable; default: offline text + the target's own responses).",
+    help='Text files to train on, or .jsonl[.gz] files of {"prompt", "response"} chat pairs '
+    "(repeatable; default: offline text + the target's own responses).",
 )
 @click.option("--k", default=4, show_default=True, help="Draft steps unrolled in training.")
 @click.option("--steps", default=3000, show_default=True)

@@ -24,6 +24,7 @@ writes files.
 from __future__ import annotations
 
 import copy
+import gzip
 import hashlib
 import importlib
 import inspect
@@ -265,6 +266,38 @@ def text_sequences(
         if len(ids) >= 2:
             sequences.append(Sequence(ids, 0))
             total += len(ids)
+    return sequences
+
+
+def chat_sequences(path: str, tokenizer, seq_len: int, max_new: int) -> list[Sequence]:
+    """Prompt/response pairs from a JSON-lines file (optionally gzipped), one object per line
+    with "prompt" and "response" strings: the prompt through the target's chat template (up
+    to seq_len tokens; longer ones are skipped), the response after it (up to max_new tokens),
+    drafted from where the response starts. `mtp-train --write-only` leaves such a file's
+    content in <out>.gen.jsonl; data/ holds one the default target wrote."""
+    opener = gzip.open if path.endswith(".gz") else open
+    sequences = []
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    entry = json.loads(line)
+                    prompt, response = entry["prompt"], entry["response"]
+                    if not isinstance(prompt, str) or not isinstance(response, str):
+                        raise TypeError
+                except (ValueError, KeyError, TypeError):
+                    raise UserError(
+                        f'--data {path}, line {number}: expected a JSON object with "prompt" '
+                        'and "response" strings'
+                    ) from None
+                ids = tokenizer.encode_prompt(prompt)
+                answer = tokenizer.encode(response)[:max_new]
+                if len(ids) <= seq_len and answer:
+                    sequences.append(Sequence(ids + answer, len(ids) - 1))
+    except (OSError, EOFError) as e:
+        raise UserError(f"cannot read --data {path}: {getattr(e, 'strerror', None) or e}") from None
     return sequences
 
 
@@ -846,13 +879,17 @@ def build_corpus(
     eager target as --writer says (int8 or fp32)."""
     rng = random.Random(options.seed)
     if options.data:
-        texts = []
+        texts, chats = [], []
         for name in options.data:
+            if name.endswith((".jsonl", ".jsonl.gz")):
+                tokenizer, longest = loaded.tokenizer, options.gen_max_new
+                chats += chat_sequences(name, tokenizer, options.seq_len, longest)
+                continue
             try:
                 texts.append(Path(name).read_text(errors="replace"))
             except OSError as e:
                 raise UserError(f"cannot read --data {name}: {e.strerror}") from None
-        sequences = text_sequences(texts, loaded.tokenizer, options.seq_len, None, rng)
+        sequences = text_sequences(texts, loaded.tokenizer, options.seq_len, None, rng) + chats
     else:
         sequences = text_sequences(
             offline_texts(), loaded.tokenizer, options.seq_len, options.raw_tokens, rng

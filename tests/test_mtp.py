@@ -731,3 +731,36 @@ def test_training_attention_is_what_drafting_computes(tiny_dir, attention):
             torch.testing.assert_close(logits[0], trained[origin, j], atol=1e-6, rtol=1e-5)
             position += len(feed)
             feed = [tokens[origin + 2 + j]]
+
+
+def test_chat_pairs_as_data(tiny_dir):
+    """--data FILE.jsonl[.gz]: prompt/response pairs, drafted from where the response starts;
+    a malformed line is refused with its number."""
+    import gzip
+
+    from mtp_edge import train
+
+    loaded = load_model(str(tiny_dir / "model"))
+    root = tiny_dir / "chat-data"
+    root.mkdir()
+    pairs = [
+        {"prompt": "the cat sat", "response": "on the mat, then the dog"},
+        {"prompt": "a" * 500, "response": "too long a prompt"},
+        {"prompt": "hi", "response": "the end"},
+    ]
+    path = root / "pairs.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.writelines(json.dumps(p) + "\n" for p in pairs)
+    opts = options(tiny_dir, out=str(root / "heads.safetensors"), data=(str(path),), seq_len=64)
+    sequences = train.build_corpus(loaded, opts, "hash", 0, 1, print)
+    assert len(sequences) == 2  # the 500-character prompt is longer than seq_len
+    tokenizer = loaded.tokenizer
+    for s, pair in zip(sequences, [pairs[0], pairs[2]], strict=True):
+        prompt = tokenizer.encode_prompt(pair["prompt"])
+        assert s.tokens == prompt + tokenizer.encode(pair["response"])
+        assert s.start == len(prompt) - 1
+    bad = root / "bad.jsonl"
+    bad.write_text(json.dumps(pairs[0]) + "\n" + json.dumps({"prompt": "x"}) + "\n")
+    opts.data = (str(bad),)
+    with pytest.raises(UserError, match="bad.jsonl, line 2: expected a JSON object"):
+        train.build_corpus(loaded, opts, "hash", 0, 1, print)
