@@ -702,11 +702,11 @@ def measure_drafter_acceptance(directory, target, draft) -> dict:
 @click.option(
     "--writer",
     type=click.Choice(["int8", "fp32", "bundle"]),
-    default="int8",
-    show_default=True,
+    default=None,
     help="Who writes the training text: the target with int8 linears, batched (fastest on a "
-    "CPU), the target as loaded, batched, or --bundle's exported target one sequence at a time. "
-    "Labels always come from the target (--bundle's when given).",
+    "CPU), the target as loaded, batched, or --bundle's exported target one sequence at a time "
+    "(default: the bundle when given, else int8). Labels always come from the target "
+    "(--bundle's when given).",
 )
 @click.option(
     "--gen-batch",
@@ -771,7 +771,7 @@ def train(
         weight_decay=weight_decay,
         threads=threads,
         bundle=bundle,
-        writer=writer,
+        writer=writer or "",
         gen_batch=gen_batch,
         write_only=write_only,
     )

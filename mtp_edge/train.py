@@ -101,9 +101,11 @@ class TrainOptions:
     write_only: bool = False  # write the text (cached next to --out), then stop
     # Who writes the text: "int8" (the target with int8 linears, batched: the fastest on a
     # CPU), "fp32" (the target as loaded, batched), "bundle" (the exported target of --bundle,
-    # one sequence at a time: exactly what will run, ~4x slower). Labels always come from the
-    # real target (the bundle's when given).
-    writer: str = "int8"
+    # one sequence at a time: exactly what will run, ~1.4x slower than int8). Default: the
+    # bundle when one is given, else int8. Labels always come from the real target (the
+    # bundle's when given). Measured agreement with the bundle's own greedy choices:
+    # benchmarks/README.md, "Writing the text".
+    writer: str = ""
     raw_tokens: int = 50_000  # tokens of offline text (default corpus only)
     seq_len: int = 512  # longest text sequence
     heldout: float = 0.05  # fraction of sequences held out for evaluation
@@ -121,6 +123,7 @@ class TrainOptions:
 
     def __post_init__(self):
         self.data = tuple(self.data)
+        self.writer = self.writer or ("bundle" if self.bundle else "int8")
         checks = [
             (self.k >= 1, f"--k must be >= 1, got {self.k}"),
             (self.steps >= 1, f"--steps must be >= 1, got {self.steps}"),
