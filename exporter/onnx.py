@@ -64,8 +64,8 @@ def gqa(
     t, d = q.shape[1], k_cache.shape[-1]
     start = int(seqlens_k[0]) + 1 - t
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
-    k_cache[:, :, start : start + t] = k.view(1, t, kv_heads, d).transpose(1, 2)
-    v_cache[:, :, start : start + t] = v.view(1, t, kv_heads, d).transpose(1, 2)
+    k_cache[:, :, start : start + t] = k.reshape(1, t, kv_heads, d).transpose(1, 2)
+    v_cache[:, :, start : start + t] = v.reshape(1, t, kv_heads, d).transpose(1, 2)
     total = int(total_len)
     positions = torch.arange(start, start + t)
     mask = torch.arange(total)[None, :] <= positions[:, None]
@@ -84,39 +84,50 @@ def _(q, k, v, k_cache, v_cache, seqlens_k, total_len, num_heads, kv_heads):
     return torch.empty_like(q), torch.empty_like(k_cache), torch.empty_like(v_cache)
 
 
-def _gqa_schema():
+def _gqa_schema(rotary: bool = False):
     """The part of onnxruntime's GroupQueryAttention schema we use. onnx ships no schemas for
-    onnxruntime's contrib ops, and the exporter's tracer needs one to emit a node."""
+    onnxruntime's contrib ops, and the exporter's tracer needs one to emit a node. With `rotary`,
+    key and value may be left out (query then packs q, k and v) and the op takes the rotary
+    tables and rotates q and k itself."""
     from onnx.defs import OpSchema
 
-    def param(name: str, type_str: str) -> OpSchema.FormalParameter:
+    optional = OpSchema.FormalParameterOption.Optional
+
+    def param(name: str, type_str: str, maybe: bool = False) -> OpSchema.FormalParameter:
+        if maybe:
+            return OpSchema.FormalParameter(name, type_str, "", param_option=optional)
         return OpSchema.FormalParameter(name, type_str)
 
+    inputs = [
+        param("query", "T"),
+        param("key", "T", rotary),
+        param("value", "T", rotary),
+        param("past_key", "T"),
+        param("past_value", "T"),
+        param("seqlens_k", "M"),
+        param("total_sequence_length", "M"),
+    ]
+    attributes = [
+        OpSchema.Attribute("num_heads", OpSchema.AttrType.INT, ""),
+        OpSchema.Attribute("kv_num_heads", OpSchema.AttrType.INT, ""),
+    ]
+    if rotary:
+        inputs += [param("cos_cache", "T"), param("sin_cache", "T")]
+        attributes += [
+            OpSchema.Attribute("do_rotary", OpSchema.AttrType.INT, ""),
+            OpSchema.Attribute("rotary_interleaved", OpSchema.AttrType.INT, ""),
+        ]
     return OpSchema(
         "GroupQueryAttention",
         "com.microsoft",
         1,
-        inputs=[
-            param(name, t)
-            for name, t in [
-                ("query", "T"),
-                ("key", "T"),
-                ("value", "T"),
-                ("past_key", "T"),
-                ("past_value", "T"),
-                ("seqlens_k", "M"),
-                ("total_sequence_length", "M"),
-            ]
-        ],
+        inputs=inputs,
         outputs=[param("output", "T"), param("present_key", "T"), param("present_value", "T")],
         type_constraints=[
             ("T", ["tensor(float)", "tensor(float16)"], ""),
             ("M", ["tensor(int32)"], ""),
         ],
-        attributes=[
-            OpSchema.Attribute("num_heads", OpSchema.AttrType.INT, ""),
-            OpSchema.Attribute("kv_num_heads", OpSchema.AttrType.INT, ""),
-        ],
+        attributes=attributes,
     )
 
 
@@ -134,6 +145,67 @@ def _gqa_onnx(q, k, v, k_cache, v_cache, seqlens_k, total_len, num_heads: int, k
         total_len,
         num_heads=num_heads,
         kv_num_heads=kv_heads,
+    )
+
+
+@torch.library.custom_op("mtp_edge::gqa_rope", mutates_args=())
+def gqa_rope(
+    qkv: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    total_len: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GroupQueryAttention that also applies the rotary embedding (do_rotary, half rotation):
+    one op per layer instead of gqa plus ~13 small rotary nodes. `qkv` packs q, k, v along the
+    last dim when k and v are None; cos/sin are [positions, head_dim / 2] tables, read at
+    seqlens_k + 1 - T ..; the rest as gqa."""
+    t, d = qkv.shape[1], k_cache.shape[-1]
+    if k is None:
+        q, k, v = qkv.split([num_heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    else:
+        q = qkv
+    start = int(seqlens_k[0]) + 1 - t
+    c = torch.cat([cos[start : start + t]] * 2, -1)[None, :, None]
+    s = torch.cat([sin[start : start + t]] * 2, -1)[None, :, None]
+    q, k = q.reshape(1, t, num_heads, d), k.reshape(1, t, kv_heads, d)
+    q = (q * c + rotate_half(q) * s).reshape(1, t, -1)
+    k = (k * c + rotate_half(k) * s).reshape(1, t, -1)
+    return gqa(q, k, v, k_cache, v_cache, seqlens_k, total_len, num_heads, kv_heads)
+
+
+@gqa_rope.register_fake
+def _(qkv, k, v, k_cache, v_cache, seqlens_k, total_len, cos, sin, num_heads, kv_heads):
+    out = qkv.new_empty((*qkv.shape[:-1], num_heads * k_cache.shape[-1]))
+    return out, torch.empty_like(k_cache), torch.empty_like(v_cache)
+
+
+def _gqa_rope_onnx(
+    qkv, k, v, k_cache, v_cache, seqlens_k, total_len, cos, sin, num_heads: int, kv_heads: int
+):
+    from onnxscript.values import Op, Opset
+
+    op = Op(Opset("com.microsoft", 1), "GroupQueryAttention", _gqa_schema(rotary=True))
+    return op(
+        qkv,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        seqlens_k,
+        total_len,
+        cos,
+        sin,
+        num_heads=num_heads,
+        kv_num_heads=kv_heads,
+        do_rotary=1,
+        rotary_interleaved=0,
     )
 
 
@@ -157,15 +229,50 @@ def _transpose_linears(module: nn.Module) -> None:
                 setattr(parent, name, MatMulLinear(child.weight, child.bias))
 
 
+def _fused(*linears: nn.Linear) -> MatMulLinear:
+    """One MatMul for linears that read the same input (outputs side by side): fewer, larger
+    MatMulNBits calls. The quantizer's blocks run along the input dim, so each output column
+    is quantized exactly as it would be alone."""
+    biases = [lin.bias for lin in linears]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat(
+            [
+                torch.zeros(lin.out_features) if b is None else b
+                for lin, b in zip(linears, biases, strict=True)
+            ]
+        )
+    return MatMulLinear(torch.cat([lin.weight for lin in linears]), bias)
+
+
 class OnnxTarget(nn.Module):
-    """The Transformer's forward with the caches as inputs/outputs and GQA as attention."""
+    """The Transformer's forward with the caches as inputs/outputs and GQA as attention.
+
+    Shaped for onnxruntime's per-node cost (a decode step is a few ms): q, k, v are one MatMul
+    and gate/up another, and GroupQueryAttention applies the rotary embedding itself
+    (do_rotary) and takes q, k, v packed (unless the model normalises q and k first)."""
 
     def __init__(self, model: Transformer, max_seq_len: int, return_hidden: bool):
         super().__init__()
         model = copy.deepcopy(model).float().eval()
         model.setup_cache(max_seq_len)  # rotary tables for max_seq_len positions
+        half = model.config.head_dim // 2
+        # onnxruntime rotates inside GroupQueryAttention only for head sizes that are multiples
+        # of 16 (every real model's); others get the rotation as graph nodes.
+        self.fused_rotary = model.config.head_dim % 16 == 0
+        if self.fused_rotary:
+            self.register_buffer("cos_cache", model.rope_cos[:, :half].contiguous())
+            self.register_buffer("sin_cache", model.rope_sin[:, :half].contiguous())
+        else:
+            self.register_buffer("cos_table", model.rope_cos)
+            self.register_buffer("sin_table", model.rope_sin)
+        self.qkv, self.gate_up = nn.ModuleList(), nn.ModuleList()
         for layer in model.layers:
-            layer.self_attn.cache = None  # the caches are graph inputs here
+            a, mlp = layer.self_attn, layer.mlp
+            a.cache = None  # the caches are graph inputs here
+            self.qkv.append(_fused(a.q_proj, a.k_proj, a.v_proj))
+            self.gate_up.append(_fused(mlp.gate_proj, mlp.up_proj))
+            a.q_proj = a.k_proj = a.v_proj = mlp.gate_proj = mlp.up_proj = None
         head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
         self.lm_head = MatMulLinear(head)
         model.lm_head = None
@@ -175,29 +282,42 @@ class OnnxTarget(nn.Module):
     def forward(self, tokens, input_pos, caches: list[torch.Tensor]):
         m = self.model
         t = tokens.shape[1]
-        positions = input_pos + torch.arange(t)
-        cos, sin = m.rope_cos[positions][None, :, None], m.rope_sin[positions][None, :, None]
         seqlens_k = (input_pos + (t - 1)).to(torch.int32)
         total_len = (input_pos[0] + t).to(torch.int32)
+        if not self.fused_rotary:
+            positions = input_pos + torch.arange(t)
+            cos = self.cos_table[positions][None, :, None]
+            sin = self.sin_table[positions][None, :, None]
         x = m.embed_tokens(tokens)
         present = []
         for i, layer in enumerate(m.layers):
             a = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = a.q_proj(h).view(1, t, a.num_heads, a.head_dim)
-            k = a.k_proj(h).view(1, t, a.num_kv_heads, a.head_dim)
-            v = a.v_proj(h)
-            if a.q_norm is not None:
-                q, k = a.q_norm(q), a.k_norm(k)
-            q = (q * cos + rotate_half(q) * sin).reshape(1, t, -1)
-            k = (k * cos + rotate_half(k) * sin).reshape(1, t, -1)
-            out, k_cache, v_cache = gqa(
-                q, k, v, caches[2 * i], caches[2 * i + 1], seqlens_k, total_len,
-                a.num_heads, a.num_kv_heads,
-            )  # fmt: skip
+            d, width = a.head_dim, a.num_kv_heads * a.head_dim
+            qkv = self.qkv[i](layer.input_layernorm(x))
+            q, k, v = qkv, None, None  # packed
+            if a.q_norm is not None or not self.fused_rotary:
+                q, k, v = qkv.split([a.num_heads * d, width, width], -1)
+            if a.q_norm is not None:  # Qwen3: RMSNorm per head on q and k before the rotation
+                q = a.q_norm(q.view(1, t, a.num_heads, d)).reshape(1, t, -1)
+                k = a.k_norm(k.view(1, t, a.num_kv_heads, d)).reshape(1, t, -1)
+            cache = caches[2 * i], caches[2 * i + 1]
+            if self.fused_rotary:
+                out, k_cache, v_cache = gqa_rope(
+                    q, k, v, *cache, seqlens_k, total_len, self.cos_cache, self.sin_cache,
+                    a.num_heads, a.num_kv_heads,
+                )  # fmt: skip
+            else:
+                q, k = q.view(1, t, a.num_heads, d), k.view(1, t, a.num_kv_heads, d)
+                q = (q * cos + rotate_half(q) * sin).reshape(1, t, -1)
+                k = (k * cos + rotate_half(k) * sin).reshape(1, t, -1)
+                out, k_cache, v_cache = gqa(
+                    q, k, v, *cache, seqlens_k, total_len, a.num_heads, a.num_kv_heads
+                )
             present += [k_cache, v_cache]
             x = x + a.o_proj(out)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            h = self.gate_up[i](layer.post_attention_layernorm(x))
+            gate, up = h.chunk(2, dim=-1)
+            x = x + layer.mlp.down_proj(F.silu(gate) * up)
         hidden = m.norm(x)
         logits = self.lm_head(hidden)
         return (logits, hidden, *present) if self.return_hidden else (logits, *present)
@@ -251,7 +371,10 @@ def export_program(
             dynamic_shapes=dynamic,
             input_names=["tokens", "input_pos", *past],
             output_names=[*outputs, *present],
-            custom_translation_table={torch.ops.mtp_edge.gqa.default: _gqa_onnx},
+            custom_translation_table={
+                torch.ops.mtp_edge.gqa.default: _gqa_onnx,
+                torch.ops.mtp_edge.gqa_rope.default: _gqa_rope_onnx,
+            },
             opset_version=OPSET,
             optimize=True,
             verbose=False,

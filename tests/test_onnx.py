@@ -270,13 +270,20 @@ def test_kv_buffers_are_written_in_place_never_reallocated(mtp_bundle):
 
 @pytest.mark.parametrize("quant, bits", [("int4", 4), ("int8", 8)])
 def test_quantized_graphs_run_and_stay_lossless(tmp_path, quant, bits):
-    model = tiny_model(seed=3, vocab=VOCAB, dtype=torch.float32)
+    # head size 16: onnxruntime's GroupQueryAttention rotates q and k itself from there
+    model = tiny_model(seed=3, vocab=VOCAB, dtype=torch.float32, hidden_size=64, head_dim=16)
     path = tmp_path / f"{quant}.onnx"
     methods = export_program(
         model, path, quant=quant, group_size=32, max_seq_len=MAX_SEQ_LEN, max_chunk=CHUNK
     )
-    nodes = [n for n in onnx.load(path).graph.node if n.op_type == "MatMulNBits"]
-    assert len(nodes) == 2 * 7 + 1  # every linear layer and the LM head
+    graph = onnx.load(path).graph
+    nodes = [n for n in graph.node if n.op_type == "MatMulNBits"]
+    # Per layer q/k/v as one, o, gate/up as one, down; and the LM head
+    assert len(nodes) == 2 * 4 + 1
+    # GroupQueryAttention rotates q and k itself: no elementwise rotary nodes are left
+    gqa = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
+    assert len(gqa) == 2 and all({a.name: a.i for a in n.attribute}["do_rotary"] for n in gqa)
+    assert not [n for n in graph.node if n.op_type in ("Neg", "Concat")]
     attributes = {a.name: a.i for a in nodes[0].attribute}
     assert attributes["bits"] == bits and attributes["block_size"] == 32
     session = OnnxSession(path, methods["forward"], MAX_SEQ_LEN, VOCAB, CHUNK)
@@ -323,11 +330,16 @@ def test_onnx_quant_scheme_is_checked(model_dir, tmp_path):
     assert not (tmp_path / "b").exists()
 
 
-def test_qwen_style_attention_and_tied_head_export(tmp_path):
-    """Biased q/k/v projections, per-head q/k norms (qwen2 / qwen3) and a tied LM head."""
+@pytest.mark.parametrize(
+    "qk_norm, head_dim", [(False, 16), (True, 16), (True, 8)], ids=["qwen2", "qwen3", "head8"]
+)
+def test_qwen_style_attention_and_tied_head_export(tmp_path, qk_norm, head_dim):
+    """Biased q/k/v projections (packed into GroupQueryAttention), per-head q/k norms (then q, k
+    and v go separately), head sizes GroupQueryAttention cannot rotate (the rotation then stays
+    in the graph) and a tied LM head: prefill and later calls match the eager model."""
     model = tiny_model(
-        seed=5, vocab=VOCAB, dtype=torch.float32, attention_bias=True, qk_norm=True,
-        tie_word_embeddings=True,
+        seed=5, vocab=VOCAB, dtype=torch.float32, attention_bias=True, qk_norm=qk_norm,
+        tie_word_embeddings=True, hidden_size=4 * head_dim, head_dim=head_dim,
     )  # fmt: skip
     assert model.lm_head is None
     path = tmp_path / "qwen.onnx"
@@ -337,6 +349,10 @@ def test_qwen_style_attention_and_tied_head_export(tmp_path):
     session = OnnxSession(path, methods["forward"], MAX_SEQ_LEN, VOCAB, CHUNK)
     eager = EagerSession(model, MAX_SEQ_LEN, CHUNK)
     torch.testing.assert_close(prefill(session, PROMPT), prefill(eager, PROMPT), atol=1e-4, rtol=0)
+    for tokens, at in (([3, 30, 41], len(PROMPT)), ([7], len(PROMPT) + 3)):
+        torch.testing.assert_close(
+            session.forward(tokens, at), eager.forward(tokens, at), atol=1e-4, rtol=0
+        )
 
 
 def test_backends_in_one_process_share_the_cores():
