@@ -656,7 +656,8 @@ def measure_drafter_acceptance(directory, target, draft) -> dict:
     "--init",
     "init_heads",
     default=None,
-    help="Continue training these heads (their design and draft vocabulary carry over).",
+    help="Continue training these heads (their design carries over; the draft vocabulary "
+    "is chosen on the new text, shared tokens keep their trained rows).",
 )
 @click.option(
     "--raw-tokens",

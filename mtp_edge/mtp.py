@@ -303,6 +303,22 @@ def target_lm_head(target: Transformer) -> torch.Tensor:
     return target.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
 
 
+def carry_vocabulary(
+    head: MTPHead, start: MTPHead, target: Transformer, draft_ids: torch.Tensor
+) -> MTPHead:
+    """Give `head` (a copy of the trained `start`) the draft vocabulary `draft_ids`: tokens the
+    two vocabularies share keep their trained LM-head rows, new tokens start from the target's."""
+    with torch.no_grad():
+        rows = target_lm_head(target)[draft_ids].clone().to(head.lm_head.weight.dtype)
+        old = {int(t): i for i, t in enumerate(start.draft_ids)}
+        for i, token in enumerate(draft_ids.tolist()):
+            if token in old:
+                rows[i] = start.lm_head.weight[old[token]]
+        head.draft_ids.copy_(draft_ids)
+        head.lm_head.weight.copy_(rows)
+    return head
+
+
 def init_from_target(head: MTPHead, target: Transformer, draft_ids: torch.Tensor) -> MTPHead:
     """Start the draft LM head and final norm from the target's, so that the head begins in the
     target's output space instead of learning it from scratch."""

@@ -22,6 +22,7 @@ from mtp_edge.model import Block
 from mtp_edge.mtp import (
     MTPConfig,
     MTPHead,
+    carry_vocabulary,
     init_from_target,
     is_native_mtp_key,
     load_heads,
@@ -414,6 +415,23 @@ def test_init_continues_from_heads(tiny_dir, trained):
     second = load_heads(out, target.model, target.name)
     assert torch.equal(first.draft_ids, second.draft_ids)
     assert second.config.attention == first.config.attention
+
+
+def test_further_training_takes_the_new_texts_vocabulary():
+    """--init on other text: the draft vocabulary is chosen anew; shared tokens keep their
+    trained LM-head rows (wherever they now sit), new ones start from the target's rows."""
+    target = tiny_model(seed=2, dtype=torch.float32)
+    start = random_head(target, [3, 5, 7, 9])
+    with torch.no_grad():
+        start.lm_head.weight.add_(1.0)  # "trained": no longer the target's rows
+    head = MTPHead(MTPConfig.from_dict(start.config.to_dict()))
+    head.load_state_dict(start.state_dict())
+    carry_vocabulary(head, start, target, torch.tensor([9, 4, 3, 11]))
+    assert head.draft_ids.tolist() == [9, 4, 3, 11]
+    rows, trained = head.lm_head.weight, start.lm_head.weight
+    assert torch.equal(rows[0], trained[3]) and torch.equal(rows[2], trained[0])
+    assert torch.equal(rows[1], target.lm_head.weight[4])
+    assert torch.equal(rows[3], target.lm_head.weight[11])
 
 
 def test_resume_continues_exactly(tiny_dir):
