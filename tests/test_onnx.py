@@ -7,6 +7,7 @@ target session's own cache buffers."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -364,7 +365,8 @@ def test_backends_in_one_process_share_the_cores():
         "import torch; torch.set_num_threads(2)\n"
         "from mtp_edge.runtime import onnx_session, executorch_session\n"
         "from executorch.extension.pybindings import portable_lib\n"
-        "ort_threads = onnx_session._session_options().intra_op_num_threads\n"
+        "options = onnx_session._session_options()\n"
+        "ort_threads = options.intra_op_num_threads or onnx_session._shared_pool()\n"
         "executorch_session._hand_cores_to_executorch()\n"
         "print(ort_threads, portable_lib._threadpool_get_thread_count(), torch.get_num_threads())\n"
     )
@@ -372,3 +374,26 @@ def test_backends_in_one_process_share_the_cores():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
     )
     assert out.stdout.split()[-3:] == ["2", "2", "1"], out.stdout + out.stderr
+
+
+def test_onnx_sessions_share_one_thread_pool(mtp_bundle):
+    """The target's and the drafter's sessions run on the process's one onnxruntime pool (two
+    pools of spinning workers fight over the cores whenever the loop alternates them), and
+    MTP_EDGE_ORT_POOL=session gives each its own pool, workers sleeping between calls."""
+    code = (
+        "import torch; torch.set_num_threads(2)\n"
+        "from mtp_edge.runtime import onnx_session\n"
+        "from mtp_edge.runtime.bundle import open_bundle, target_session, bundle_drafter\n"
+        f"bundle = open_bundle({str(mtp_bundle)!r})\n"
+        "target_session(bundle); bundle_drafter(bundle)\n"
+        "o = onnx_session._session_options()\n"
+        "pool = onnx_session._SHARED_POOL\n"
+        "print(pool[0] if pool else None, o.use_per_session_threads, o.intra_op_num_threads)\n"
+    )
+    for pool, expected in (("shared", ["2", "False", "0"]), ("session", ["None", "True", "2"])):
+        env = {**os.environ, "MTP_EDGE_ORT_POOL": pool}
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+        )
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split()[-3:] == expected, out.stdout
