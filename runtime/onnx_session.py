@@ -50,9 +50,12 @@ def _session_options():
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3
-    if os.environ.get("MTP_EDGE_ORT_POOL", "shared") == "shared" and _shared_pool():
-        # Workers spin between calls (onnxruntime's default): on a quiet 2-core machine decode
-        # runs at ~120 tok/s spinning against ~88 sleeping (benchmarks/README.md).
+    pool = os.environ.get("MTP_EDGE_ORT_POOL", "shared")
+    if pool not in ("shared", "session"):
+        raise UserError(f"MTP_EDGE_ORT_POOL must be 'shared' or 'session', not {pool!r}")
+    if pool == "shared" and _shared_pool():
+        # Workers spin between calls (onnxruntime's default): on a quiet 2-core machine plain
+        # decoding ran at ~112 tok/s against ~88 sleeping (benchmarks/README.md).
         options.use_per_session_threads = False
     else:
         options.intra_op_num_threads = claim_cores()

@@ -397,3 +397,12 @@ def test_onnx_sessions_share_one_thread_pool(mtp_bundle):
         )
         assert out.returncode == 0, out.stderr
         assert out.stdout.split()[-3:] == expected, out.stdout
+
+
+def test_an_unknown_pool_setting_is_refused(monkeypatch):
+    from mtp_edge.errors import UserError
+    from mtp_edge.runtime import onnx_session
+
+    monkeypatch.setenv("MTP_EDGE_ORT_POOL", "sesion")
+    with pytest.raises(UserError, match="MTP_EDGE_ORT_POOL must be 'shared' or 'session'"):
+        onnx_session._session_options()
