@@ -179,6 +179,13 @@ class Setup:
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer.encode_prompt(prompt, chat=self.chat)
 
+    @property
+    def label(self) -> str:
+        """How progress lines name this setup when several are compared."""
+        from pathlib import Path
+
+        return f"{Path(self.bundle or self.name).name} k={self.config.k}"
+
     def render(self, prompt: str) -> str:
         """The prompt as text, as a runner that tokenizes by itself must receive it."""
         if self.chat and self.tokenizer.chat_template is not None:
@@ -334,7 +341,6 @@ def bench(
     prompts_path, repeat, max_new_tokens, json_out, markdown_out, report_dir, compare, **opts
 ):
     """Plain vs speculative greedy decoding on the same backend, over a prompt suite."""
-    from pathlib import Path
 
     from mtp_edge.devices.harness import Suite, load_prompts, progress_line, to_markdown
 
@@ -351,43 +357,35 @@ def bench(
 
         click.echo("[machine] measuring memory bandwidth and matmul throughput", err=True)
         machine = machine_description()  # before ExecuTorch takes the cores
-    setups = [setup(opts)] + [setup({**opts, **compare_spec(b)}) for b in compare]
-    suites = [Suite(ctx.config.k, repeat) for ctx in setups]
-    for i, p in enumerate(prompts):
-        # Every bundle in turn on the same prompt, so that machine drift affects all alike.
-        for ctx, suite in zip(setups, suites, strict=True):
+    command = " ".join(["mtp-bench", *sys.argv[1:]])
+    if compare:
+        from mtp_edge.devices.isolated import IsolatedSetup
+
+        # One process per setup: runtimes in one process slow each other down (isolated.py).
+        runs = []
+        try:
+            for o in [opts] + [{**opts, **compare_spec(b)} for b in compare]:
+                runs.append(IsolatedSetup(o, repeat, max_new_tokens))
+            for i, p in enumerate(prompts):
+                # Every setup in turn on the same prompt, so that machine drift affects all alike.
+                for run in runs:
+                    row = run.run_prompt(p)
+                    click.echo(
+                        f"[{i + 1}/{len(prompts)}] {run.label}: {progress_line(row)}", err=True
+                    )
+            reports = [run.report(command, prompts) for run in runs]
+        finally:
+            for run in runs:
+                run.close()
+    else:
+        ctx = setup(opts)
+        suite = Suite(ctx.config.k, repeat)
+        for i, p in enumerate(prompts):
             row = suite.run_prompt(
                 ctx.session, ctx.encode, ctx.drafter, p, ctx.config, max_new_tokens
             )
-            tag = f" {Path(ctx.bundle).name} k={ctx.config.k}:" if compare else ""
-            click.echo(f"[{i + 1}/{len(prompts)}]{tag} {progress_line(row)}", err=True)
-    command = " ".join(["mtp-bench", *sys.argv[1:]])
-    reports = [
-        {
-            "bundle": ctx.bundle,
-            "model": ctx.name,
-            "backend": ctx.session.name,
-            "drafter": "none" if ctx.drafter is None else ctx.drafter.name,
-            "k": ctx.config.k,
-            "threads": torch.get_num_threads(),
-            "command": command,
-            **suite.body(),
-        }
-        for ctx, suite in zip(setups, suites, strict=True)
-    ]
-    for ctx, report in zip(setups, reports, strict=True):
-        if ctx.bundle is None or ctx.session.name != "executorch":
-            continue
-        from mtp_edge.devices.peer import textllmrunner_baseline
-
-        click.echo(
-            "[peer] ExecuTorch TextLLMRunner, plain decoding of the same target .pte", err=True
-        )
-        bundle_dir = Path(ctx.bundle)
-        runs = [(ctx.render(p.prompt), max_new_tokens or p.max_new_tokens) for p in prompts]
-        report["peer_textllmrunner"] = textllmrunner_baseline(
-            bundle_dir / "target.pte", bundle_dir / "tokenizer.json", runs
-        )
+            click.echo(f"[{i + 1}/{len(prompts)}] {progress_line(row)}", err=True)
+        reports = [setup_report(ctx, suite, command, prompts, max_new_tokens)]
     markdown = "\n".join(to_markdown(r) for r in reports)
     body = reports[0] if len(reports) == 1 else {"command": command, "runs": reports}
     write_atomic(json_out, json.dumps(body, indent=2) + "\n")
@@ -400,6 +398,35 @@ def bench(
     click.echo(markdown)
     if not all(r["summary"]["lossless"] for r in reports):
         raise UserError("speculative output diverged from plain output beyond a near-tie: a bug")
+
+
+def setup_report(ctx: Setup, suite, command: str, prompts, max_new_tokens) -> dict:
+    """One setup's mtp-bench report; for an ExecuTorch bundle with ExecuTorch's TextLLMRunner
+    decoding the same .pte as the peer baseline."""
+    from pathlib import Path
+
+    report = {
+        "bundle": ctx.bundle,
+        "model": ctx.name,
+        "backend": ctx.session.name,
+        "drafter": "none" if ctx.drafter is None else ctx.drafter.name,
+        "k": ctx.config.k,
+        "threads": torch.get_num_threads(),
+        "command": command,
+        **suite.body(),
+    }
+    if ctx.bundle is not None and ctx.session.name == "executorch":
+        from mtp_edge.devices.peer import textllmrunner_baseline
+
+        click.echo(
+            "[peer] ExecuTorch TextLLMRunner, plain decoding of the same target .pte", err=True
+        )
+        bundle_dir = Path(ctx.bundle)
+        runs = [(ctx.render(p.prompt), max_new_tokens or p.max_new_tokens) for p in prompts]
+        report["peer_textllmrunner"] = textllmrunner_baseline(
+            bundle_dir / "target.pte", bundle_dir / "tokenizer.json", runs
+        )
+    return report
 
 
 def compare_spec(spec: str) -> dict:

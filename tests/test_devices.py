@@ -278,6 +278,16 @@ def test_compare_k_values_of_one_bundle(bundle, prompts, tmp_path):
     assert "expected DIR[,k=N][,drafter=NAME]" in error_line(bad)
 
 
+def test_compare_reports_a_bad_bundle_in_one_line(bundle, prompts, tmp_path):
+    """Compared setups load in worker processes; a user error there still ends in one line."""
+    missing = tmp_path / "no-such-bundle"
+    args = ["--bundle", str(bundle), "--compare", str(missing), "--prompts", str(prompts)]
+    result = CliRunner().invoke(bench, args)
+    assert result.exit_code == 2
+    assert str(missing) in error_line(result)
+    assert "Traceback" not in result.output
+
+
 def test_compare_needs_a_first_bundle(prompts):
     result = CliRunner().invoke(bench, ["--compare", "x", "--prompts", str(prompts)])
     assert "--compare" in error_line(result)

@@ -1,0 +1,101 @@
+"""`mtp-bench --compare`: each setup (bundle, k, drafter) measured in a process of its own.
+
+Runtimes keep state between calls that a neighbour in the same process pays for: onnxruntime's
+shared thread pool keeps its workers spinning after a call, ExecuTorch's threadpool and torch's
+OpenMP threads have their own habits, and all of them were sized for the whole machine. Measured
+side by side in one process, the ONNX bundle's speculative decoding fell to 0.82x of its own
+plain decoding (1.29x alone). So every setup gets a worker process; the parent hands the same
+prompt to each in turn (machine drift still affects all alike) and only one works at a time.
+
+Parent and workers talk JSON over a pipe: prompts out, result rows and the final report back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing
+import traceback
+
+from mtp_edge.devices.harness import Prompt
+from mtp_edge.errors import UserError
+
+
+class IsolatedSetup:
+    """A worker process that loads one setup and measures prompts on request."""
+
+    def __init__(self, opts: dict, repeat: int, max_new_tokens: int | None):
+        context = multiprocessing.get_context("spawn")
+        self.conn, child = context.Pipe()
+        self.process = context.Process(
+            target=_serve, args=(child, json.dumps(opts), repeat, max_new_tokens), daemon=True
+        )
+        self.process.start()
+        child.close()
+        self.label = self._receive()["label"]
+
+    def run_prompt(self, prompt: Prompt) -> dict:
+        self.conn.send_bytes(json.dumps({"prompt": dataclasses.asdict(prompt)}).encode())
+        return self._receive()
+
+    def report(self, command: str, prompts: list[Prompt]) -> dict:
+        message = {"report": command, "prompts": [dataclasses.asdict(p) for p in prompts]}
+        self.conn.send_bytes(json.dumps(message).encode())
+        report = self._receive()
+        self.close()
+        return report
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join()
+        self.conn.close()
+
+    def _receive(self) -> dict:
+        try:
+            message = json.loads(self.conn.recv_bytes())
+        except EOFError:
+            self.process.join()
+            raise RuntimeError(
+                f"a benchmark worker died (exit code {self.process.exitcode})"
+            ) from None
+        if "user_error" in message:
+            self.close()
+            raise UserError(message["user_error"])
+        if "crash" in message:
+            self.close()
+            raise RuntimeError(f"a benchmark worker failed:\n{message['crash']}")
+        return message
+
+
+def _serve(conn, opts_json: str, repeat: int, max_new_tokens: int | None) -> None:
+    """The worker: load the setup, then answer prompt and report requests until told to stop."""
+    from mtp_edge.cli import quiet_library_noise, setup, setup_report
+    from mtp_edge.devices.harness import Suite
+
+    quiet_library_noise()
+
+    def send(message: dict) -> None:
+        conn.send_bytes(json.dumps(message).encode())
+
+    try:
+        ctx = setup(json.loads(opts_json))
+        suite = Suite(ctx.config.k, repeat)
+        send({"label": ctx.label})
+        while True:
+            message = json.loads(conn.recv_bytes())
+            if "prompt" in message:
+                p = Prompt(**message["prompt"])
+                send(
+                    suite.run_prompt(
+                        ctx.session, ctx.encode, ctx.drafter, p, ctx.config, max_new_tokens
+                    )
+                )
+            else:
+                prompts = [Prompt(**p) for p in message["prompts"]]
+                send(setup_report(ctx, suite, message["report"], prompts, max_new_tokens))
+                return
+    except UserError as e:
+        send({"user_error": str(e)})
+    except Exception:
+        send({"crash": traceback.format_exc()})
