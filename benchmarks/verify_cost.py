@@ -2,10 +2,10 @@
 speculative decoding where verifications follow each other (scheme_table.py instead alternates
 widths and methods every call, which costs more: see benchmarks/README.md), at each of several
 cache positions (attention reads every earlier slot, and the row-exact verify reads them once
-per row). Writes results/verify_cost.{json,md,png}.
+per row). Writes results/verify_cost.{json,md,png} (or --out).
 
     python benchmarks/verify_cost.py [--bundle DIR] [--threads 2] [--repeats 60]
-        [--positions 32,64,150,250,400,550]
+        [--positions 32,64,150,250,400,550] [--widths 1,2,...] [--out PATH]
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ def main() -> None:
     parser.add_argument("--positions", default="32,64,150,250,400,550")
     parser.add_argument("--widths", default="1,2,3,4,5,6,7,8,9", help="forward(T) sweep")
     parser.add_argument("--width-position", type=int, default=100)
+    parser.add_argument("--out", default=RESULTS, help="results path without extension")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     positions = [int(p) for p in args.positions.split(",")]
@@ -103,11 +104,12 @@ def main() -> None:
         f"python benchmarks/verify_cost.py --bundle {args.bundle} --threads {args.threads} "
         f"--repeats {args.repeats} --positions {args.positions} --widths {args.widths} "
         f"--width-position {args.width_position}"
+        + ("" if args.out == RESULTS else f" --out {args.out}")
     )
     report = {"bundle": args.bundle, "threads": args.threads, "width": width, "rows": rows}
     report["forward_by_width"] = {"position": args.width_position, "rows": widths}
     report["command"] = command
-    with open(RESULTS + ".json", "w") as f:
+    with open(args.out + ".json", "w") as f:
         f.write(json.dumps(report, indent=2) + "\n")
     lines = [
         f"# verify({width}) / decode(1) by cache position: {args.bundle}",
@@ -132,9 +134,9 @@ def main() -> None:
         "| cost | " + " | ".join(str(w["over_one"]) for w in widths) + " |",
     ]
     lines += ["", f"Command: `{command}`", ""]
-    with open(RESULTS + ".md", "w") as f:
+    with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines))
-    plot(rows, width, RESULTS + ".png")
+    plot(rows, width, args.out + ".png")
 
 
 def plot(rows: list[dict], width: int, path: str) -> None:

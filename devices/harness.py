@@ -273,7 +273,8 @@ def to_markdown(report: dict) -> str:
         f"# mtp-bench: {report.get('bundle') or report.get('model')}",
         "",
         f"backend **{report.get('backend')}**, drafter **{report.get('drafter')}**, "
-        f"k={report.get('k')}, {s['prompts']} prompts, greedy",
+        f"k={report.get('k')}, draft confidence floor {report.get('draft_confidence', 0)}, "
+        f"{s['prompts']} prompts, greedy",
         "",
         "| plain tok/s | speculative tok/s | speedup | tau | acceptance | verify/decode "
         "| draft/decode | lossless |",

@@ -175,6 +175,7 @@ class Setup:
     config: object  # GenerationConfig
     chat: bool
     bundle: str | None
+    draft_confidence: float = 0.0
 
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer.encode_prompt(prompt, chat=self.chat)
@@ -184,7 +185,10 @@ class Setup:
         """How progress lines name this setup when several are compared."""
         from pathlib import Path
 
-        return f"{Path(self.bundle or self.name).name} k={self.config.k}"
+        label = f"{Path(self.bundle or self.name).name} k={self.config.k}"
+        if self.drafter is not None and self.draft_confidence:
+            label += f" confidence={self.draft_confidence:g}"
+        return label
 
     def render(self, prompt: str) -> str:
         """The prompt as text, as a runner that tokenizes by itself must receive it."""
@@ -248,7 +252,8 @@ def setup(opts: dict, sampling=None, max_new_tokens: int = 128, stop_strings=())
     )
     draft = build_drafter(drafter, target, bundle, session.max_seq_len, opts)
     chat = not opts["no_chat_template"]
-    return Setup(name, tokenizer, session, draft, config, chat, opts["bundle"])
+    confidence = opts["draft_confidence"]
+    return Setup(name, tokenizer, session, draft, config, chat, opts["bundle"], confidence)
 
 
 @click.command(cls=OneLineErrors)
@@ -335,7 +340,8 @@ def run(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_strings, a
     "--compare",
     multiple=True,
     help="Another bundle to measure side by side with --bundle (repeatable; prompts "
-    "interleaved). DIR[,k=N][,drafter=NAME] also compares k values or drafters of one bundle.",
+    "interleaved). DIR[,k=N][,drafter=NAME][,confidence=P] also compares k values, drafters "
+    "or --draft-confidence floors of one bundle.",
 )
 def bench(
     prompts_path, repeat, max_new_tokens, json_out, markdown_out, report_dir, compare, **opts
@@ -411,6 +417,7 @@ def setup_report(ctx: Setup, suite, command: str, prompts, max_new_tokens) -> di
         "backend": ctx.session.name,
         "drafter": "none" if ctx.drafter is None else ctx.drafter.name,
         "k": ctx.config.k,
+        "draft_confidence": ctx.draft_confidence,
         "threads": torch.get_num_threads(),
         "command": command,
         **suite.body(),
@@ -430,18 +437,30 @@ def setup_report(ctx: Setup, suite, command: str, prompts, max_new_tokens) -> di
 
 
 def compare_spec(spec: str) -> dict:
-    """`DIR[,k=N][,drafter=NAME]` -> the bench options it overrides."""
+    """`DIR[,k=N][,drafter=NAME][,confidence=P]` -> the bench options it overrides."""
     path, *settings = spec.split(",")
-    out = {"bundle": path}
+    out: dict = {"bundle": path}
     for setting in settings:
         key, _, value = setting.partition("=")
         if key == "k" and value.isdigit():
             out["k"] = int(value)
         elif key == "drafter" and value:
             out["drafter"] = value
+        elif key == "confidence" and _is_probability(value):
+            out["draft_confidence"] = float(value)
         else:
-            raise UserError(f"--compare {spec}: expected DIR[,k=N][,drafter=NAME], not {setting!r}")
+            raise UserError(
+                f"--compare {spec}: expected DIR[,k=N][,drafter=NAME][,confidence=P], "
+                f"not {setting!r}"
+            )
     return out
+
+
+def _is_probability(text: str) -> bool:
+    try:
+        return 0.0 <= float(text) <= 1.0
+    except ValueError:
+        return False
 
 
 def write_atomic(path: str | None, text: str) -> None:

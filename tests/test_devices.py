@@ -275,7 +275,11 @@ def test_compare_k_values_of_one_bundle(bundle, prompts, tmp_path):
     assert result.exit_code == 0, result.output
     assert [r["k"] for r in json.loads(out.read_text())["runs"]] == [4, 2]
     bad = CliRunner().invoke(bench, ["--bundle", str(bundle), "--compare", f"{bundle},q=1"])
-    assert "expected DIR[,k=N][,drafter=NAME]" in error_line(bad)
+    assert "expected DIR[,k=N][,drafter=NAME][,confidence=P]" in error_line(bad)
+    bad = CliRunner().invoke(
+        bench, ["--bundle", str(bundle), "--compare", f"{bundle},confidence=2"]
+    )
+    assert "not 'confidence=2'" in error_line(bad)
 
 
 def test_compare_reports_a_bad_bundle_in_one_line(bundle, prompts, tmp_path):
