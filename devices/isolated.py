@@ -95,6 +95,8 @@ def _serve(conn, opts_json: str, repeat: int, max_new_tokens: int | None) -> Non
                 prompts = [Prompt(**p) for p in message["prompts"]]
                 send(setup_report(ctx, suite, message["report"], prompts, max_new_tokens))
                 return
+    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group: the parent reports it
+        return
     except UserError as e:
         send({"user_error": str(e)})
     except Exception:
