@@ -26,13 +26,13 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from mtp_edge.checkpoints import load_model
 from mtp_edge.devices.harness import load_prompts
 from mtp_edge.mtp import load_heads
 from mtp_edge.runtime.bundle import open_bundle, target_session
+from mtp_edge.runtime.drafters import NgramDrafter
 from mtp_edge.runtime.loop import GenerationConfig, generate
 from mtp_edge.runtime.mtp_drafter import eager_step_fn
 from mtp_edge.runtime.session import EagerSession, prefill
@@ -40,16 +40,12 @@ from mtp_edge.runtime.session import EagerSession, prefill
 ORDER = 4
 
 
-def lookup(context: list[int], k: int, max_n: int = 3, min_n: int = 2) -> list[int]:
-    """Prompt lookup as the runtime's NgramDrafter does it (latest earlier occurrence)."""
-    t = np.asarray(context)
-    for n in range(min(max_n, len(t) - 1), min_n - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(t[:-1], n)
-        hits = np.flatnonzero((windows == t[-n:]).all(axis=1))
-        if len(hits):
-            start = hits[-1] + n
-            return t[start : start + k].tolist()
-    return []
+LOOKUP = NgramDrafter(max_n=3, min_n=2)  # the bundle's lookup sizes
+
+
+def lookup(context: list[int], k: int) -> list[int]:
+    """Prompt lookup: the runtime's own NgramDrafter."""
+    return LOOKUP.propose(context, None, k, None).tokens
 
 
 class Datastore:
