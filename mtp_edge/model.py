@@ -198,10 +198,20 @@ class Transformer(nn.Module):
         sin = self.rope_sin[positions][None, None]
         span = kv_len if kv_len is not None else self.max_seq_len
         mask = torch.arange(span, device=tokens.device)[None, :] <= positions[:, None]
+        hidden = self.hidden_states(tokens, positions, cos, sin, mask, kv_len)
+        logits = self.logits(hidden)
+        return (logits, hidden) if return_hidden else logits
+
+    def hidden_states(self, tokens, positions, cos, sin, mask, kv_len=None) -> torch.Tensor:
+        """embed -> layers -> final norm: the one trunk that every variant runs (eager, the
+        exporters with their attention and MLP modules swapped in, batched training). The
+        arguments after `tokens` go to each layer's attention as they are."""
         x = self.embed_tokens(tokens)
         for layer in self.layers:
             x = layer(x, positions, cos, sin, mask, kv_len)
-        hidden = self.norm(x)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head (the embedding table when the model ties them)."""
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, head)
-        return (logits, hidden) if return_hidden else logits
+        return F.linear(hidden, head)
