@@ -19,8 +19,9 @@ from executorch.exir import ExecutorchBackendConfig, to_edge
 from executorch.exir.passes import MemoryPlanningPass
 from executorch.runtime import Runtime
 
+from mtp_edge import ops
 from mtp_edge.runtime import executorch_ops
-from mtp_edge.runtime.executorch_session import _hand_cores_to_executorch
+from mtp_edge.runtime.executorch_session import hand_cores_to_executorch
 
 RESULTS = "benchmarks/results/attention_kernels"
 HEADS, KV_HEADS, DIM, SLOTS, LAYERS = 9, 3, 64, 2048, 30
@@ -56,9 +57,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=300)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)  # ExecuTorch takes this count (below)
-    executorch_ops.define()
+    ops.define()
     executorch_ops.load_kernels()
-    _hand_cores_to_executorch()
+    hand_cores_to_executorch()
     torch.manual_seed(0)
     rows = []
     for kernel in ("mtp_edge::sdpa", "llama.custom_sdpa"):

@@ -18,7 +18,7 @@ so that ExecuTorch's own runner (TextLLMRunner) can run it too:
   different tiles, so rows move by a few ulps, and in a quantized model an ulp that crosses an
   int8 rounding step grows, layer by layer, into logits that differ by whole units (measured on
   SmolLM2-135M 8da4w: the argmax differed at 10% of positions). So the programs call our own op,
-  `mtp_edge::sdpa` (runtime/executorch_ops.py, kernel in runtime/native/src/llama_ops.cpp),
+  `mtp_edge::sdpa` (mtp_edge/ops.py, kernel in runtime/native/src/llama_ops.cpp),
   which computes each row alone: a W-row call is row-exact and `verify` is one call. With
   `attention_kernel="executorch"` (for ExecuTorch's stock runners, which carry only its own ops)
   the programs call `llama.custom_sdpa`, and `verify` calls it once per row, as the one-token
@@ -52,13 +52,13 @@ from executorch.exir.passes import MemoryPlanningPass
 from executorch.exir.passes.sym_shape_eval_pass import ConstraintBasedSymShapeEvalPass
 from torch import nn
 
+from mtp_edge import ops
 from mtp_edge.errors import UserError
 from mtp_edge.model import Attention, RMSNorm, Transformer
 from mtp_edge.mtp import MTPHead
 from mtp_edge.quantize.schemes import QuantScheme, check_scheme, quantize_model, quantize_modules
-from mtp_edge.runtime import executorch_ops
 
-executorch_ops.define()  # torch.ops.mtp_edge.sdpa
+ops.define()  # torch.ops.mtp_edge.sdpa
 
 # Which attention kernel the programs call: "mtp" (ours, mtp_edge::sdpa: row-exact, so a
 # verification is one call) or "executorch" (llama.custom_sdpa, which ExecuTorch's stock

@@ -1,21 +1,10 @@
-"""Our own attention op for ExecuTorch programs, `mtp_edge::sdpa`: causal SDPA over a static
-KV cache, computed one (row, head) at a time so that a row's result does not depend on how many
-rows share the call.
+"""The compiled kernel of our attention op (`mtp_edge::sdpa`, defined in mtp_edge/ops.py) for
+the Python runtime.
 
-Why not ExecuTorch's `llama.custom_sdpa`: its rows move by a few ulps with the number of rows in
-a call (and with the row's place in it), and in a model with 8-bit dynamically quantized
-activations those ulps grow into different tokens. Speculative decoding must give the tokens
-plain decoding gives, so with ExecuTorch's op every row of a verification had to be its own
-one-row call (reading the whole cache once per row). With this op a (k+1)-token verification is
-one call whose rows are bitwise the single steps', and every runtime runs the same kernel: the
-Python runtime loads it from here, the native runner and the phone link it
-(runtime/native/src/llama_ops.cpp).
-
-- `define()` registers the op with torch (functional and out variants, an eager implementation
-  and a shape function) so that models using it can be traced, exported and lowered;
-- `load_kernels()` compiles runtime/native/src/{llama_ops,python_ops}.cpp against the installed
-  ExecuTorch wheel once (a second or two with g++; cached by content in the user's cache
-  directory) and loads the library, which registers the kernel with ExecuTorch's runtime.
+`load_kernels()` compiles runtime/native/src/{llama_ops,python_ops}.cpp against the installed
+ExecuTorch wheel once (a second or two with g++; cached by content in the user's cache
+directory) and loads the library, which registers the kernel with ExecuTorch's runtime. The
+native runner and the phone link the same source.
 """
 
 from __future__ import annotations
@@ -29,57 +18,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-
 from mtp_edge.errors import UserError
 
 _SRC = Path(__file__).parent / "native" / "src"
 SOURCES = [_SRC / "llama_ops.cpp", _SRC / "python_ops.cpp"]
 HEADERS = [_SRC / "llama_ops.h"]
 
-_library: torch.library.Library | None = None
 _loaded: ctypes.CDLL | None = None
-
-
-def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int):
-    """Eager reference: q [1, T, H, D], caches [1, S, KVH, D]; row i sees slots 0..start + i."""
-    t, heads = q.shape[1], q.shape[2]
-    n = start + t
-    k = k_cache[:, :n].transpose(1, 2)
-    v = v_cache[:, :n].transpose(1, 2)
-    group = heads // k.shape[1]
-    if group > 1:
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    visible = torch.arange(n)[None] <= (start + torch.arange(t))[:, None]
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=visible)
-    return out.transpose(1, 2).contiguous()
-
-
-def define() -> None:
-    """Register torch.ops.mtp_edge.sdpa (and .out) with torch; idempotent."""
-    global _library
-    if _library is not None:
-        return
-    lib = torch.library.Library("mtp_edge", "DEF")
-    lib.define("sdpa(Tensor query, Tensor k_cache, Tensor v_cache, SymInt start_pos) -> Tensor")
-    lib.define(
-        "sdpa.out(Tensor query, Tensor k_cache, Tensor v_cache, SymInt start_pos, *, "
-        "Tensor(a!) out) -> Tensor(a!)"
-    )
-
-    def functional(q, k_cache, v_cache, start_pos):
-        return attention(q, k_cache, v_cache, int(start_pos))
-
-    def out_variant(q, k_cache, v_cache, start_pos, *, out):
-        out.resize_(q.shape).copy_(attention(q, k_cache, v_cache, int(start_pos)))
-        return out
-
-    lib.impl("sdpa", functional, "CPU")
-    lib.impl("sdpa.out", out_variant, "CPU")
-    lib.impl("sdpa", lambda q, k, v, s: torch.empty_like(q), "Meta")
-    lib.impl("sdpa.out", lambda q, k, v, s, *, out: out, "Meta")
-    _library = lib
 
 
 def _executorch_root() -> Path:

@@ -51,7 +51,7 @@ class ExecuTorchSession:
         path = Path(pte_path)
         if not path.is_file():
             raise UserError(f"ExecuTorch program {path} does not exist")
-        _hand_cores_to_executorch()
+        hand_cores_to_executorch()
         self.program = Runtime.get().load_program(path)
         if "forward" not in self.program.method_names:
             raise UserError(f"{path} has no forward method: it is not an mtp-export program")
@@ -135,7 +135,7 @@ class ExecuTorchStep:
         from mtp_edge.runtime.executorch_ops import load_kernels
 
         load_kernels()
-        _hand_cores_to_executorch()
+        hand_cores_to_executorch()
         self.program = program or Runtime.get().load_program(Path(pte_path))
         if method not in self.program.method_names:
             raise UserError(f"the program has no '{method}' method: re-export the bundle")
@@ -165,7 +165,7 @@ class ExecuTorchStep:
 _executorch_threads: int | None = None
 
 
-def _hand_cores_to_executorch() -> None:
+def hand_cores_to_executorch() -> None:
     """Give ExecuTorch's thread pool torch's thread count, and leave torch one thread.
 
     Done once, before the first program loads: resizing the pool under a loaded program
