@@ -367,7 +367,7 @@ def test_backends_in_one_process_share_the_cores():
         "from executorch.extension.pybindings import portable_lib\n"
         "options = onnx_session._session_options()\n"
         "ort_threads = options.intra_op_num_threads or onnx_session._shared_pool()\n"
-        "executorch_session._hand_cores_to_executorch()\n"
+        "executorch_session.hand_cores_to_executorch()\n"
         "print(ort_threads, portable_lib._threadpool_get_thread_count(), torch.get_num_threads())\n"
     )
     out = subprocess.run(
