@@ -36,13 +36,22 @@ class RMSNorm(nn.Module):
 
 
 class KVCache(nn.Module):
-    """Preallocated K/V for one layer: [1, kv_heads, max_seq_len, head_dim]."""
+    """Preallocated K/V for one layer: [1, kv_heads, max_seq_len, head_dim] (or, from `over`,
+    a batch's own [B, kv_heads, S, head_dim])."""
 
     def __init__(self, kv_heads: int, max_seq_len: int, head_dim: int, dtype: torch.dtype):
         super().__init__()
         shape = (1, kv_heads, max_seq_len, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype), persistent=False)
+
+    @classmethod
+    def over(cls, k: torch.Tensor, v: torch.Tensor) -> KVCache:
+        """A cache whose K/V are the given tensors [B, kv_heads, S, head_dim] (not copies):
+        `update` writes into them, as batched generation keeps one cache per row."""
+        cache = cls(k.shape[1], 0, k.shape[3], k.dtype)
+        cache.k, cache.v = k, v
+        return cache
 
     def update(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         self.k.index_copy_(2, positions, k)
@@ -96,10 +105,10 @@ class Attention(nn.Module):
         self.cache: KVCache | None = None
 
     def forward(self, x, positions, cos, sin, mask, kv_len: int | None):
-        _, t, _ = x.shape
-        q = self.q_proj(x).view(1, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(1, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(1, t, self.num_kv_heads, self.head_dim)
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -109,7 +118,7 @@ class Attention(nn.Module):
         if kv_len is not None:  # eager only: skip the never-written tail of the cache
             keys, values = keys[:, :, :kv_len], values[:, :, :kv_len]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(1, t, -1))
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
 class MLP(nn.Module):

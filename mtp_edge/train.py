@@ -35,6 +35,7 @@ import random
 import re
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -47,7 +48,7 @@ from torch import nn
 
 from mtp_edge.checkpoints import LoadedModel, load_model
 from mtp_edge.errors import UserError
-from mtp_edge.model import Transformer, rope_frequencies, rotate_half
+from mtp_edge.model import KVCache, Transformer, rope_frequencies
 from mtp_edge.mtp import (
     MTPConfig,
     MTPHead,
@@ -480,7 +481,6 @@ def _batched_forward(model: Transformer, tokens, cols, offsets, key_ok, caches) 
     itself, so that no row of the attention is empty (an empty row would be NaN, and NaN values
     poison even masked-out keys).
     """
-    b, t = tokens.shape
     end = int(cols[-1]) + 1
     positions = (cols[None, :] - offsets[:, None]).clamp(min=0)
     cos, sin = model.rope_cos[positions][:, None], model.rope_sin[positions][:, None]
@@ -488,27 +488,23 @@ def _batched_forward(model: Transformer, tokens, cols, offsets, key_ok, caches) 
     causal = keys[None, None, :] <= cols[None, :, None]
     itself = keys[None, None, :] == cols[None, :, None]
     mask = (causal & (key_ok[:, None, :end] | itself))[:, None]
-    x = model.embed_tokens(tokens)
-    for layer, (k_cache, v_cache) in zip(model.layers, caches, strict=True):
-        a = layer.self_attn
-        h = layer.input_layernorm(x)
-        q = a.q_proj(h).view(b, t, a.num_heads, a.head_dim)
-        k = a.k_proj(h).view(b, t, a.num_kv_heads, a.head_dim)
-        v = a.v_proj(h).view(b, t, a.num_kv_heads, a.head_dim)
-        if a.q_norm is not None:
-            q, k = a.q_norm(q), a.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        k_cache[:, :, cols] = k
-        v_cache[:, :, cols] = v
-        out = F.scaled_dot_product_attention(
-            q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask, enable_gqa=True
-        )
-        x = x + a.o_proj(out.transpose(1, 2).reshape(b, t, -1))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    h = model.norm(x[:, -1])
-    return F.linear(h, model.embed_tokens.weight) if model.lm_head is None else model.lm_head(h)
+    with _batch_caches(model, caches):
+        hidden = model.hidden_states(tokens, cols, cos, sin, mask, end)
+    return model.logits(hidden[:, -1])
+
+
+@contextmanager
+def _batch_caches(model: Transformer, caches):
+    """Each layer attends through the batch's (K, V) in `caches` [B, KVH, S, hd] instead of the
+    model's own cache, for the duration of the `with` block."""
+    own = [layer.self_attn.cache for layer in model.layers]
+    try:
+        for layer, (k, v) in zip(model.layers, caches, strict=True):
+            layer.self_attn.cache = KVCache.over(k, v)
+        yield
+    finally:
+        for layer, cache in zip(model.layers, own, strict=True):
+            layer.self_attn.cache = cache
 
 
 class Int8Linear(nn.Module):
@@ -534,6 +530,14 @@ class Int8Linear(nn.Module):
         return y.reshape(*x.shape[:-1], -1).to(x.dtype)
 
 
+class Int8Transformer(Transformer):
+    """What int8_writer returns: its LM head is an Int8Linear, which has no float weight for
+    Transformer.logits to multiply by."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+
 def int8_writer(model: Transformer) -> Transformer:
     """A copy of `model` whose linear layers and LM head are Int8Linear: batched greedy
     writing ~3x faster than fp32 on a 2-core x86 CPU (benchmarks/README.md, "Writing the
@@ -548,6 +552,7 @@ def int8_writer(model: Transformer) -> Transformer:
                 setattr(module, name, Int8Linear(child.weight, child.bias))
     if writer.lm_head is None:
         writer.lm_head = Int8Linear(model.embed_tokens.weight)
+    writer.__class__ = Int8Transformer  # the same modules; only `logits` differs
     return writer
 
 
