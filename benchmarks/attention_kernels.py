@@ -2,7 +2,7 @@
 with SmolLM2-135M's layout (9 query heads, 3 KV heads, head size 64, a 2048-slot cache), for
 1 query row (a decode step) and 5 (a k=4 verification) at several cache positions. Each is a
 one-op ExecuTorch program (the cache as mutable buffers, as in the bundles) run under
-executorch.runtime with ExecuTorch's thread pool. Writes results/attention_kernels.{json,md}.
+executorch.runtime with ExecuTorch's thread pool. Writes results/verification/attention_kernels.{json,md}.
 
     python benchmarks/attention_kernels.py [--threads 2] [--positions 64,250,550] [--repeats 300]
 """
@@ -23,7 +23,7 @@ from mtp_edge import ops
 from mtp_edge.runtime import executorch_ops
 from mtp_edge.runtime.executorch_session import hand_cores_to_executorch
 
-RESULTS = "benchmarks/results/attention_kernels"
+RESULTS = "benchmarks/results/verification/attention_kernels"
 HEADS, KV_HEADS, DIM, SLOTS, LAYERS = 9, 3, 64, 2048, 30
 
 

@@ -5,7 +5,7 @@ template, so both get the same ids) plain and speculatively, with the same Execu
 count. Writes both mtp-bench reports and a comparison JSON; prints a Markdown table.
 
     python benchmarks/native_vs_python.py --bundle bundles/SmolLM2-135M-Instruct-android \
-        --max-new-tokens 96 --threads 2 --out benchmarks/results/native_vs_python
+        --max-new-tokens 96 --threads 2 --out benchmarks/results/runtimes/native_vs_python
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default="benchmarks/results/native_vs_python")
+    parser.add_argument("--out", default="benchmarks/results/runtimes/native_vs_python")
     parser.add_argument(
         "--drafter",
         default=None,

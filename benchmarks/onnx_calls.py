@@ -2,7 +2,7 @@
 
 After a 200-token prefill, calls of T tokens at position 200 (with the hidden-state output the
 MTP drafter reads), T round-robin so that load from other processes hits every T alike; best
-and median per T, written to results/onnx_calls.{json,md}.
+and median per T, written to results/formats/onnx_calls.{json,md}.
 
     python benchmarks/onnx_calls.py [--bundle bundles/SmolLM2-135M-Instruct-onnx] [--threads 2]
 """
@@ -19,7 +19,7 @@ import torch
 
 from mtp_edge.runtime.bundle import open_bundle, target_session
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).parent / "results/formats"
 WIDTHS = (1, 2, 5, 8)
 
 

@@ -23,7 +23,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).parent / "results/formats"
 COPIES = 40
 
 

@@ -1,6 +1,6 @@
 """Predicted vs measured tokens/s on this machine, for several bundles: runs `mtp-profile --device
 host` on each (measurement and roofline calibration interleaved prompt by prompt) and writes
-benchmarks/results/predict_host.md and .json.
+benchmarks/results/devices/roofline_vs_host.md and .json.
 
     python benchmarks/predict_host.py BUNDLE [BUNDLE ...] [--max-new-tokens 64] [--note TEXT]
 """
@@ -15,8 +15,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results"
-PROMPTS = RESULTS / "predict_prompts.jsonl"
+RESULTS = Path(__file__).parent / "results/devices"
+PROMPTS = RESULTS / "prompts_two_per_category.jsonl"
 
 
 def main() -> None:
@@ -64,7 +64,7 @@ def main() -> None:
         f"--max-new-tokens {args.max_new_tokens}`",
         "",
         "Tokens/s are decode tokens per second over the 16 prompts of "
-        "`results/predict_prompts.jsonl` (two per category); predicted from the bundle's files, "
+        "`results/devices/prompts_two_per_category.jsonl` (two per category); predicted from the bundle's files, "
         "the host's calibration (taken before every prompt and after the last, then averaged) "
         "and the tau measured in the same run.",
         "",
@@ -85,10 +85,10 @@ def main() -> None:
         )
     lines += ["", "Per run:", ""] + [f"- `{r['command']}`" for r in runs]
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "predict_host.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / "roofline_vs_host.md").write_text("\n".join(lines) + "\n")
     summary = [{k: r[k] for k in ("bundle", "command", "summary", "prediction", "calibration",
                                   "host_validation")} for r in runs]  # fmt: skip
-    (RESULTS / "predict_host.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (RESULTS / "roofline_vs_host.json").write_text(json.dumps(summary, indent=2) + "\n")
     print("\n".join(lines))
 
 

@@ -39,7 +39,7 @@ WIDTHS = (1, 2, 5, 8, 16)
 PREFILL = 64  # tokens in the cache when the widths are timed
 HELDOUT_TOKENS = 1024
 MAX_SEQ_LEN, MAX_CHUNK = 2048, 128
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).parent / "results/verification"
 QUIET = 0.1  # most cores' worth of CPU other processes may use during a kept measurement
 
 
@@ -234,7 +234,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--work", type=Path, help="keep and reuse the .pte files here")
     parser.add_argument("--schemes", help="comma-separated scheme names (default: all)")
-    parser.add_argument("--out", default="scheme_x_T", help="results/<OUT>.json and .md")
+    parser.add_argument("--out", default="scheme_x_T", help="results/verification/<OUT>.json and .md")
     args = parser.parse_args()
     schemes = SCHEMES
     if args.schemes:

@@ -2,7 +2,7 @@
 speculative decoding where verifications follow each other (scheme_table.py instead alternates
 widths and methods every call, which costs more: see benchmarks/README.md), at each of several
 cache positions (attention reads every earlier slot, and the row-exact verify reads them once
-per row). Writes results/verify_cost.{json,md,png} (or --out).
+per row). Writes results/verification/verify_cost_by_position.{json,md,png} (or --out).
 
     python benchmarks/verify_cost.py [--bundle DIR] [--threads 2] [--repeats 60]
         [--positions 32,64,150,250,400,550] [--widths 1,2,...] [--out PATH]
@@ -19,7 +19,7 @@ import torch
 from mtp_edge.runtime.bundle import open_bundle, target_session
 from mtp_edge.runtime.session import prefill
 
-RESULTS = "benchmarks/results/verify_cost"
+RESULTS = "benchmarks/results/verification/verify_cost_by_position"
 
 
 def timed(fn, repeats: int) -> float:
