@@ -41,7 +41,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -52,7 +51,6 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from mtp_edge.config import ModelConfig
 from mtp_edge.errors import UserError
 from mtp_edge.model import RMSNorm, Transformer
 
@@ -420,126 +418,6 @@ def load_heads(path: str | Path, target: Transformer, target_name: str) -> MTPHe
         first = str(e).splitlines()[1:2] or [str(e)]
         raise UserError(f"{path} does not match its own config ({first[0].strip()})") from None
     return head.to(target.dtype).eval()
-
-
-# --- Native MTP layers shipped inside a checkpoint --------------------------------------------
-
-_DEEPSEEK_LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
-_QWEN_PREFIX = re.compile(r"^(?:model\.)?mtp\.(.+)$")
-# Both namings -> one: DeepSeek-V3 (eh_proj, enorm, hnorm, shared_head) and Qwen (fc, pre_fc_*).
-_NATIVE_NAMES = {
-    "eh_proj.weight": "fc.weight",
-    "enorm.weight": "e_norm.weight",
-    "hnorm.weight": "h_norm.weight",
-    "pre_fc_norm_embedding.weight": "e_norm.weight",
-    "pre_fc_norm_hidden.weight": "h_norm.weight",
-    "shared_head.norm.weight": "norm.weight",
-    "shared_head.head.weight": "head.weight",
-}
-
-
-def is_native_mtp_key(name: str, num_layers: int) -> bool:
-    """Whether a checkpoint tensor belongs to a native MTP module rather than to the target
-    (DeepSeek-V3 style `model.layers.{N}` with N >= num_hidden_layers, or `mtp.*`)."""
-    match = _DEEPSEEK_LAYER.match(name)
-    return bool(_QWEN_PREFIX.match(name) or (match and int(match.group(1)) >= num_layers))
-
-
-def _native_parts(state_dict: dict, num_layers: int) -> dict[str, torch.Tensor]:
-    """The first native MTP module's tensors under one naming, or {} if there is none.
-
-    Later modules are ignored: the first one runs recurrently, as DeepSeek-V3 drafts with it.
-    """
-    parts = {}
-    for name, tensor in state_dict.items():
-        layer, qwen = _DEEPSEEK_LAYER.match(name), _QWEN_PREFIX.match(name)
-        if qwen is not None:
-            rest = qwen.group(1)
-            if rest.startswith("layers.") and not rest.startswith("layers.0."):
-                continue
-            rest = rest.removeprefix("layers.0.")
-        elif layer is not None and int(layer.group(1)) == num_layers:
-            rest = layer.group(2)
-        else:
-            continue
-        parts[_NATIVE_NAMES.get(rest, rest)] = tensor
-    return parts
-
-
-def load_native_mtp(state_dict: dict, target: Transformer, target_name: str) -> MTPHead | None:
-    """Map a checkpoint's own MTP module into an MTPHead (None when it ships none).
-
-    Native modules are a full decoder block whose attention reads the MTP layer's own KV cache.
-    This head has no cache, so the attention sees only the current position: the function the
-    module computes at the first position of a sequence, an approximation everywhere else
-    (acceptance will be lower than with the module's own cache; measure it, or train heads).
-    MoE feed-forwards, MLA and gated attention are refused.
-    """
-    c: ModelConfig = target.config
-    parts = _native_parts(state_dict, c.num_layers)
-    if not parts:
-        return None
-    unsupported = [
-        (("mlp.experts.", "mlp.gate.weight", "mlp.shared_expert"), "a mixture-of-experts MLP"),
-        (("self_attn.kv_a_proj_with_mqa", "self_attn.q_a_proj"), "multi-head latent attention"),
-    ]
-    for markers, what in unsupported:
-        if any(any(m in name for m in markers) for name in parts):
-            raise UserError(
-                f"{target_name} ships native MTP layers with {what}, which the mtp drafter does "
-                f"not run: train heads for it with mtp-train --model <{target_name}>"
-            )
-    q_rows = parts["self_attn.q_proj.weight"].shape[0] if "self_attn.q_proj.weight" in parts else 0
-    if q_rows == 2 * c.num_heads * c.head_dim:
-        raise UserError(
-            f"{target_name} ships native MTP layers with gated attention, which the mtp drafter "
-            f"does not run: train heads for it with mtp-train --model <{target_name}>"
-        )
-    needed = ["fc.weight", "e_norm.weight", "h_norm.weight", "norm.weight"]
-    needed += ["input_layernorm.weight", "post_attention_layernorm.weight"]
-    needed += [f"self_attn.{p}_proj.weight" for p in "vo"]
-    needed += [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
-    missing = [n for n in needed if n not in parts]
-    if missing:
-        raise UserError(f"{target_name}'s native MTP layer lacks {', '.join(missing)}")
-
-    d = c.hidden_size
-    config = MTPConfig(
-        hidden_size=d,
-        intermediate_size=parts["mlp.up_proj.weight"].shape[0],
-        vocab_size=c.vocab_size,
-        draft_vocab_size=c.vocab_size,
-        rms_norm_eps=c.rms_norm_eps,
-        self_only_attention=True,
-        target_name=target_name,
-        target_hash=target_fingerprint(target),
-        k=1,
-        recipe={"source": "native MTP weights of the checkpoint"},
-    )
-    head = MTPHead(config).to(target.dtype)
-    dtype = target.dtype
-    block = head.blocks[0]
-    # One head per query position, GQA groups sharing a value head: o_proj @ repeat(v_proj).
-    o = parts["self_attn.o_proj.weight"].to(dtype)
-    groups = c.num_heads // c.num_kv_heads
-    o_folded = o.view(d, c.num_kv_heads, groups, c.head_dim).sum(2).reshape(d, -1)
-    v_bias = parts.get("self_attn.v_proj.bias")
-    fc = parts["fc.weight"].to(dtype)
-    with torch.no_grad():
-        head.proj.weight.copy_(torch.cat((fc[:, d:], fc[:, :d]), dim=1))  # native: [emb; h]
-        head.enorm.weight.copy_(parts["e_norm.weight"])
-        head.hnorm.weight.copy_(parts["h_norm.weight"])
-        block.attn_norm.weight.copy_(parts["input_layernorm.weight"])
-        block.attn.weight.copy_(o_folded @ parts["self_attn.v_proj.weight"].to(dtype))
-        block.attn.bias.zero_()
-        if v_bias is not None:
-            block.attn.bias.copy_(o_folded @ v_bias.to(dtype))
-        block.norm.weight.copy_(parts["post_attention_layernorm.weight"])
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            getattr(block.mlp, name).weight.copy_(parts[f"mlp.{name}.weight"])
-        head.final_norm.weight.copy_(parts["norm.weight"])
-        head.lm_head.weight.copy_(parts.get("head.weight", target_lm_head(target)))
-    return head.eval()
 
 
 HEADS_DIR = Path(__file__).parent / "heads"

@@ -1,4 +1,5 @@
-"""Loading Hugging Face safetensors directories: same logits as transformers, clear errors."""
+"""Loading Hugging Face safetensors directories: same logits as transformers, clear errors;
+native MTP layers mapped onto our head."""
 
 from __future__ import annotations
 
@@ -6,10 +7,11 @@ import json
 
 import pytest
 import torch
-from tiny import hf_reference, save_hf_dir
+from tiny import hf_reference, save_hf_dir, tiny_model
 
-from mtp_edge.checkpoints import load_model
+from mtp_edge.checkpoints import is_native_mtp_key, load_model, load_native_mtp
 from mtp_edge.errors import UserError
+from mtp_edge.model import Block
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -123,3 +125,116 @@ def test_errors_are_one_line(tmp_path):
     with pytest.raises(UserError) as error:
         load_model(str(tmp_path))
     assert "\n" not in str(error.value)
+
+
+# --- native MTP weights ----------------------------------------------------------------------
+
+
+def native_state(target, style: str, seed: int = 0) -> dict:
+    """A random native MTP module for `target` in a checkpoint's naming."""
+    c = target.config
+    d, kv = c.hidden_size, c.num_kv_heads * c.head_dim
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64) * 0.3
+
+    block = {
+        "input_layernorm.weight": 1 + rand(d),
+        "self_attn.q_proj.weight": rand(c.num_heads * c.head_dim, d),
+        "self_attn.k_proj.weight": rand(kv, d),
+        "self_attn.v_proj.weight": rand(kv, d),
+        "self_attn.o_proj.weight": rand(d, c.num_heads * c.head_dim),
+        "post_attention_layernorm.weight": 1 + rand(d),
+        "mlp.gate_proj.weight": rand(c.intermediate_size, d),
+        "mlp.up_proj.weight": rand(c.intermediate_size, d),
+        "mlp.down_proj.weight": rand(d, c.intermediate_size),
+    }
+    if style == "deepseek":
+        prefix = f"model.layers.{c.num_layers}."
+        own = {
+            "enorm.weight": 1 + rand(d),
+            "hnorm.weight": 1 + rand(d),
+            "eh_proj.weight": rand(d, 2 * d),
+            "shared_head.norm.weight": 1 + rand(d),
+            "shared_head.head.weight": rand(c.vocab_size, d),
+        }
+    else:
+        prefix = "mtp."
+        own = {
+            "pre_fc_norm_embedding.weight": 1 + rand(d),
+            "pre_fc_norm_hidden.weight": 1 + rand(d),
+            "fc.weight": rand(d, 2 * d),
+            "norm.weight": 1 + rand(d),
+        }
+        block = {f"layers.0.{name}": t for name, t in block.items()}
+    state = {"model.layers.0.mlp.up_proj.weight": rand(4, 4)}  # a target tensor: ignored
+    state.update({prefix + name: t for name, t in {**own, **block}.items()})
+    return state
+
+
+def native_reference(target, state: dict, style: str, h, emb):
+    """The native module's formula, its attention run by our own Block over one position."""
+    c = target.config
+    if style == "deepseek":
+        get = {k.split(f"layers.{c.num_layers}.", 1)[1]: v for k, v in state.items() if
+               f"layers.{c.num_layers}." in k}  # fmt: skip
+        e_norm, h_norm, fc = get["enorm.weight"], get["hnorm.weight"], get["eh_proj.weight"]
+        norm, head = get["shared_head.norm.weight"], get["shared_head.head.weight"]
+        layer = {
+            k: v for k, v in get.items() if k.startswith(("self_attn", "mlp", "input", "post"))
+        }
+    else:
+        get = {k[4:]: v for k, v in state.items() if k.startswith("mtp.")}
+        e_norm, h_norm = get["pre_fc_norm_embedding.weight"], get["pre_fc_norm_hidden.weight"]
+        fc, norm = get["fc.weight"], get["norm.weight"]
+        head = target.lm_head.weight
+        layer = {k[9:]: v for k, v in get.items() if k.startswith("layers.0.")}
+
+    def rms(x, w):
+        return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)
+
+    x = torch.cat((rms(emb, e_norm), rms(h, h_norm)), -1) @ fc.T
+    block = Block(c).double()
+    block.load_state_dict(layer)
+    block.self_attn.cache = type("Cache", (), {"update": lambda self, pos, k, v: (k, v)})()
+    one = torch.ones(1, 1, 1, c.head_dim, dtype=torch.float64)
+    out = torch.cat(
+        [block(row[None, None], torch.tensor([0]), one, 0 * one, None, None)[0] for row in x]
+    )
+    return rms(out, norm) @ head.T, out
+
+
+@pytest.mark.parametrize("style", ["deepseek", "qwen"])
+def test_native_mtp_maps_onto_the_head(style):
+    target = tiny_model(seed=5, vocab=48)
+    state = native_state(target, style)
+    head = load_native_mtp(state, target, "tiny")
+    assert head.config.self_only_attention and head.config.draft_vocab_size == 48
+    assert is_native_mtp_key(next(k for k in state if "fc" in k or "eh_proj" in k), 2)
+    assert not is_native_mtp_key("model.layers.0.mlp.up_proj.weight", 2)
+    h = torch.randn(3, 32, dtype=torch.float64)
+    emb = target.embed_tokens(torch.tensor([1, 7, 30]))
+    logits, g = head.step(h, emb)
+    want_logits, want_g = native_reference(target, state, style, h, emb)
+    torch.testing.assert_close(g, want_g)
+    torch.testing.assert_close(logits, want_logits)
+
+
+def test_native_mtp_refuses_what_it_cannot_run():
+    target = tiny_model(seed=5, vocab=48)
+    assert (
+        load_native_mtp({"model.layers.0.mlp.up_proj.weight": torch.zeros(2)}, target, "t") is None
+    )
+    moe = native_state(target, "deepseek")
+    moe["model.layers.2.mlp.experts.0.up_proj.weight"] = torch.zeros(4, 4)
+    with pytest.raises(UserError, match="mixture-of-experts.*mtp-train"):
+        load_native_mtp(moe, target, "t")
+    gated = native_state(target, "qwen")
+    gated["mtp.layers.0.self_attn.q_proj.weight"] = torch.zeros(64, 32)  # query + gate rows
+    with pytest.raises(UserError, match="gated attention"):
+        load_native_mtp(gated, target, "t")
+    partial = native_state(target, "qwen")
+    del partial["mtp.norm.weight"]
+    with pytest.raises(UserError, match="lacks norm.weight"):
+        load_native_mtp(partial, target, "t")
