@@ -1,4 +1,4 @@
-"""Does the MTP head need more than the target's last hidden state? A probe (issue 4).
+"""Does the MTP head need more than the target's last hidden state? A probe for tau >= 3.
 
 EAGLE-3 feeds its drafter a fusion of low, middle and high layer states instead of the last
 one. This probe asks whether that would lift our first draft position on SmolLM2-135M before
