@@ -1,18 +1,18 @@
 """Writing bundles so that an interrupted export leaves nothing half-written under its name.
 
 Everything is written into a temporary sibling directory, hashed into the manifest, then renamed
-into place; on any failure (Ctrl-C included) the temporary directory is removed.
+into place (mtp_edge.files.atomic_directory); on any failure (Ctrl-C included) the temporary
+directory is removed.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from mtp_edge.errors import UserError
+from mtp_edge.files import atomic_directory
 from mtp_edge.manifest import Manifest, sha256
 
 
@@ -41,12 +41,7 @@ def write_bundle(
     """
     out = Path(out)
     check_writable(out)
-    parent = out.resolve().parent
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; a bundle is an ordinary directory
-    try:
+    with atomic_directory(out) as tmp:
         manifest = build(tmp)
         for entry in manifest.models.values():
             entry.sha256 = sha256(tmp / entry.file)
@@ -54,15 +49,4 @@ def write_bundle(
         if finish is not None:
             finish(tmp, manifest)
             manifest.save(tmp)
-        if out.exists():  # replace an older bundle: move it aside first, drop it after
-            old = out.with_name(f".{out.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return manifest
