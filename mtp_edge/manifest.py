@@ -1,15 +1,20 @@
 """The bundle manifest: the only contract between export time and run time.
 
 A bundle is a directory holding manifest.json, the model files it names (each with its sha256),
-tokenizer.json and tokenizer_meta.json. The runtime refuses a bundle whose format version it does
-not know or whose files do not match their hashes.
+tokenizer.json and tokenizer_meta.json. Every key of manifest.json is declared once below, with
+its type and meaning; `Manifest.load` checks presence and types and refuses a bad manifest with
+one line naming the key. The runtime refuses a bundle whose format version it does not know or
+whose files do not match their hashes. The native reader (runtime/native/src/bundle.cpp) reads
+the same keys.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+import types
+import typing
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 from mtp_edge import __version__
@@ -17,39 +22,112 @@ from mtp_edge.errors import UserError
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-TARGETS = {"android": "executorch", "coreml": "coreml", "onnx": "onnxruntime"}
+# `mtp-export --target NAME` (the platform) -> the backend that runs its bundles.
+PLATFORMS = {"android": "executorch", "coreml": "coreml", "onnx": "onnxruntime"}
+DRAFTER_KINDS = ("none", "ngram", "mtp", "draft-lm")
 
 
 @dataclass
 class ModelFile:
     file: str  # relative to the bundle directory
     sha256: str
-    quant: dict  # scheme, group size, embedding scheme
-    methods: dict  # method name -> {"inputs": [...], "outputs": [...]} (names, shapes, dtypes)
+    # scheme (str), group_size (int, 0 = per channel), embedding (8w|4w|none), and on ExecuTorch
+    # attention (mtp: our row-exact op | executorch: llama.custom_sdpa)
+    quant: dict
+    # method name -> {"inputs": [...], "outputs": [...]} (names, shapes, dtypes; ONNX adds
+    # "in_place" cache pairs and "target_cache" links)
+    methods: dict
+
+
+@dataclass
+class DrafterSpec:
+    """How the bundle's drafter was exported and how the runtime should run it by default."""
+
+    kind: str = "none"  # none | ngram | mtp | draft-lm
+    k: int = 4  # tokens drafted per step (verification width k + 1)
+    # The runtime's drafting policy for a model drafter: prompt lookup first where the context's
+    # last MIN..MAX tokens occurred before ("MIN-MAX"; None: the model alone) ...
+    lookup: str | None = None
+    # ... and no draft below this first-token probability.
+    draft_confidence: float = 0.0
+    model_name: str | None = None  # draft-lm: the draft model's name
+    # mtp: the head's reduced vocabulary size and hidden size
+    draft_vocab_size: int | None = None
+    hidden_size: int | None = None
+    # mtp on ExecuTorch: the head runs as this method of the target's program, on its cache
+    method: str | None = None
+    reads_target_cache: bool = False  # the head attends to the target's last-layer cache
+    own_cache: bool = False  # a self (EAGLE) head with a cache of its own, fed verified rows
+    max_chunk: int = 0  # own_cache: most rows one call of the head's program takes
+    recipe: dict = field(default_factory=dict)  # mtp: how the heads were trained (mtp-train)
+    functions: dict = field(default_factory=dict)  # coreml: function name -> tokens per call
+
+    def to_json(self) -> dict:
+        """Only the keys that say something: what an older reader expects, and what the native
+        reader tests for with `contains`."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            default = f.default_factory() if f.default_factory is not MISSING else f.default
+            if f.name in ("kind", "k") or value != default:
+                out[f.name] = value
+        return out
 
 
 @dataclass
 class Manifest:
-    target: str  # android | coreml | onnx
+    target: str  # the platform: android | coreml | onnx
     backend: str  # executorch | coreml | onnxruntime
     model_name: str
-    max_seq_len: int
+    max_seq_len: int  # positions the static cache holds
     max_chunk: int  # most tokens one target call takes (prefill chunk)
     vocab_size: int
     bos_id: int | None
     eos_ids: list[int]
     chat_template: str | None
-    models: dict[str, ModelFile]  # "target", and "drafter" when the drafter has a model
-    drafter: dict  # {"kind": none|ngram|mtp|draft-lm, "k": int, ...settings}
-    quality: dict = field(default_factory=dict)
+    models: dict[
+        str, ModelFile
+    ]  # "target"; "drafter" and "drafter_vocab" when the drafter has them
+    drafter: DrafterSpec
+    quality: dict = field(default_factory=dict)  # the export's measurements (perplexity, ...)
     # The chat template rendered around one user message, {"prefix", "suffix"}: how a runtime
     # without jinja (the native C++ core) forms a chat prompt. None: no template, or old bundle.
     chat_format: dict | None = None
     format_version: int = FORMAT_VERSION
     exporter_version: str = __version__
 
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["drafter"] = self.drafter.to_json()
+        return out
+
     def save(self, directory: Path) -> None:
-        (directory / MANIFEST).write_text(json.dumps(asdict(self), indent=2) + "\n")
+        (directory / MANIFEST).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+    @classmethod
+    def from_json(cls, data, where: str) -> Manifest:
+        """Check every key's presence and type; `where` names the file in messages."""
+        if not isinstance(data, dict):
+            raise UserError(
+                f"{where} holds {type(data).__name__}, not a manifest object: re-export"
+            )
+        values = _checked(cls, data, where, skip=("models", "drafter"))
+        models = data.get("models")
+        if not isinstance(models, dict) or "target" not in models:
+            raise UserError(f"{where}: 'models' must map 'target' (and more) to files: re-export")
+        values["models"] = {
+            name: ModelFile(**_checked(ModelFile, entry, f"{where}: models.{name}"))
+            for name, entry in models.items()
+        }
+        values["drafter"] = DrafterSpec(
+            **_checked(DrafterSpec, data.get("drafter"), where, "drafter")
+        )
+        if values["drafter"].kind not in DRAFTER_KINDS:
+            raise UserError(
+                f"{where}: drafter.kind '{values['drafter'].kind}' is not one of "
+                f"{', '.join(DRAFTER_KINDS)}: re-export the bundle"
+            )
+        return cls(**values)
 
     @classmethod
     def load(cls, directory: str | Path, verify: bool = True) -> Manifest:
@@ -63,17 +141,13 @@ class Manifest:
             raise UserError(f"{directory} is not a bundle: it has no {MANIFEST}") from None
         except ValueError as e:
             raise UserError(f"{path} is not valid JSON ({e}): re-export the bundle") from None
-        version = data.get("format_version")
+        version = data.get("format_version") if isinstance(data, dict) else None
         if version != FORMAT_VERSION:
             raise UserError(
                 f"bundle {directory} has format version {version}, this runtime reads "
                 f"{FORMAT_VERSION}: re-export it with this version of mtp-export"
             )
-        try:
-            data["models"] = {k: ModelFile(**v) for k, v in data["models"].items()}
-            manifest = cls(**data)
-        except TypeError as e:
-            raise UserError(f"{path} does not match the manifest schema ({e})") from None
+        manifest = cls.from_json(data, str(path))
         if verify:
             for entry in manifest.models.values():
                 file = directory / entry.file
@@ -85,6 +159,70 @@ class Manifest:
                         f"{MANIFEST} (modified or corrupted): re-export the bundle"
                     )
         return manifest
+
+
+def _checked(cls, data, where: str, section: str | None = None, skip=()) -> dict:
+    """The fields of dataclass `cls` from `data`, each present (unless it has a default) and of
+    its declared type; anything else is a one-line UserError naming the key."""
+    prefix = f"{section}." if section else ""
+    if not isinstance(data, dict):
+        raise UserError(f"{where}: '{section}' must be an object: re-export the bundle")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise UserError(
+            f"{where}: unknown key '{prefix}{unknown[0]}' (written by a newer mtp-export?): "
+            "re-export the bundle with this version"
+        )
+    values = {}
+    for f in fields(cls):
+        if f.name in skip:
+            continue
+        if f.name not in data:
+            if f.default is MISSING and f.default_factory is MISSING:
+                raise UserError(f"{where}: missing key '{prefix}{f.name}': re-export the bundle")
+            continue
+        value = data[f.name]
+        if not _is_a(value, hints[f.name]):
+            raise UserError(
+                f"{where}: '{prefix}{f.name}' must be {_describe(hints[f.name])}, not "
+                f"{json.dumps(value)[:40]}: re-export the bundle"
+            )
+        values[f.name] = value
+    return values
+
+
+def _is_a(value, hint) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_is_a(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_is_a(v, item) for v in value)
+    if origin is dict or hint is dict:
+        return isinstance(value, dict)
+    return isinstance(value, hint)
+
+
+def _describe(hint) -> str:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_describe(h) for h in typing.get_args(hint))
+    names = {str: "text", int: "an integer", float: "a number", bool: "true or false"}
+    if hint is type(None):
+        return "null"
+    if typing.get_origin(hint) is list:
+        item = _describe(typing.get_args(hint)[0])
+        return f"a list of {item.removeprefix('an ').removeprefix('a ')}s"
+    if typing.get_origin(hint) is dict or hint is dict:
+        return "an object"
+    return names.get(hint, getattr(hint, "__name__", str(hint)))
 
 
 def sha256(path: Path) -> str:

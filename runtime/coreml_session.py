@@ -20,12 +20,13 @@ import numpy as np
 import torch
 
 from mtp_edge.errors import UserError
+from mtp_edge.runtime.session import Output
 
 # call(function, tokens padded to its width, start) -> (logits [W, V], hidden [W, D] | None)
 Call = Callable[[str, list[int], int], tuple[torch.Tensor, torch.Tensor | None]]
 
 
-def coreml_available() -> bool:
+def available() -> bool:
     return sys.platform == "darwin"
 
 
@@ -39,7 +40,7 @@ class FixedWidthSession:
         self.max_seq_len, self.vocab_size = max_seq_len, vocab_size
         self.max_chunk = max(widths.values())
 
-    def forward(self, tokens: list[int], start: int, return_hidden: bool = False):
+    def forward(self, tokens: list[int], start: int, return_hidden: bool = False) -> Output:
         n = len(tokens)
         if not 1 <= n <= self.max_chunk:
             raise ValueError(f"a call takes 1..{self.max_chunk} tokens, got {n}")
@@ -63,11 +64,11 @@ class FixedWidthSession:
             outs = [self.call("decode", [t], start + i) for i, t in enumerate(tokens)]
             logits = torch.cat([o[0] for o in outs])
             hidden = None if outs[0][1] is None else torch.cat([o[1] for o in outs])
-        return (logits, hidden) if return_hidden else logits
+        return Output(logits, hidden if return_hidden else None)
 
 
 def _require_apple() -> None:
-    if not coreml_available():
+    if not available():
         raise UserError(
             "Core ML runs only on Apple platforms (macOS 15+ / iOS 18+): run this bundle on a "
             "Mac, or export --target onnx or android for this machine"
@@ -158,3 +159,39 @@ class CoreMLStep:
             torch.from_numpy(np.asarray(out["draft_logits"], dtype=np.float32)),
             torch.from_numpy(np.asarray(out["next_h"], dtype=np.float32)),
         )
+
+
+# The backend's entry points (runtime/backends.py): `bundle` is an opened bundle
+# (runtime/bundle.py), `target()` gives its target session, opened once.
+
+
+def open_target(bundle) -> CoreMLSession:
+    m = bundle.manifest
+    entry = m.models["target"]
+    return CoreMLSession(
+        bundle.path / entry.file, entry.methods, m.max_seq_len, m.vocab_size, m.max_chunk
+    )
+
+
+def open_program(path: Path, max_seq_len: int, max_chunk: int) -> CoreMLSession | None:
+    """An exported package alone (export's quality checks); None where Core ML cannot run."""
+    if not available():
+        return None
+    return CoreMLSession(path, None, max_seq_len, 0, max_chunk)
+
+
+def open_mtp_step(bundle, target) -> tuple[CoreMLStep, int | None]:
+    """The package's draft step, and the cache length that bounds drafting (None: no cache)."""
+    m = bundle.manifest
+    if m.drafter.own_cache:
+        raise UserError(
+            "this bundle's self-attending MTP heads run on ExecuTorch only, not on "
+            "coreml: re-export it with --target android"
+        )
+    shared = target() if m.drafter.reads_target_cache else None
+    step = CoreMLStep(bundle.path / m.models["target"].file, shared)
+    return step, None if shared is None else shared.max_seq_len
+
+
+def open_draft_model(bundle):
+    raise UserError("Core ML bundles carry no separate draft model: use --drafter mtp or ngram")

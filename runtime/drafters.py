@@ -1,13 +1,14 @@
 """Drafters: they propose the next few tokens; the target decides which to keep.
 
-Every drafter answers one call, `propose(context, hidden, k, sampler)`:
+Every drafter answers `propose(context, hidden, k, sampler)`:
 - context: all tokens so far (prompt + generated); the last one is not yet in the target's cache.
 - hidden: the target's hidden states [n, D] for the positions it processed in its last call and
   kept (the prompt after prefill; the accepted inputs after a verify) — what an MTP head reads.
   Drafters with `needs_hidden = False` get None, and the loop does not ask the target for them.
 - k: the most tokens to propose (fewer, or none, is fine).
 Drafters keep whatever state they like between calls, but must cope with any context: the loop
-may rewind (a new prompt) or extend it by any number of tokens.
+may rewind (a new prompt) or extend it by any number of tokens. `observe(context, hidden)` tells
+a drafter about a step it did not draft for (another drafter did); most ignore it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ class Drafter(Protocol):
         self, context: list[int], hidden: torch.Tensor | None, k: int, sampler: Sampler
     ) -> Draft: ...
 
+    def observe(self, context: list[int], hidden: torch.Tensor | None) -> None:
+        """The verified rows of a step that another drafter drafted for."""
+
 
 class NgramDrafter:
     """Prompt lookup: find the latest earlier occurrence of the context's last n tokens and
@@ -64,6 +68,9 @@ class NgramDrafter:
                 return Draft(tokens[start : start + k].tolist())
         return Draft([])
 
+    def observe(self, context, hidden) -> None:
+        pass  # it reads the whole context at every call
+
 
 class HybridDrafter:
     """Prompt lookup where the context repeats itself, a model drafter elsewhere.
@@ -88,11 +95,12 @@ class HybridDrafter:
         draft = self.lookup.propose(context, None, k, sampler) if k > 0 else Draft([])
         if not draft.tokens:
             return self.model.propose(context, hidden, k, sampler)
-        observe = getattr(self.model, "observe", None)
-        if observe is not None:
-            observe(context, hidden)
+        self.model.observe(context, hidden)
         self.from_lookup += 1
         return draft
+
+    def observe(self, context, hidden) -> None:
+        self.model.observe(context, hidden)
 
 
 class DraftModelDrafter:
@@ -120,7 +128,7 @@ class DraftModelDrafter:
         limit = min(len(self.cached), len(context) - 1)  # always re-feed at least the last token
         while keep < limit and self.cached[keep] == context[keep]:
             keep += 1
-        logits = prefill(self.session, context[keep:], keep)
+        logits = prefill(self.session, context[keep:], keep).logits
         self.cached = list(context)
         return logits[-1]
 
@@ -145,9 +153,12 @@ class DraftModelDrafter:
             probs.append(q)
             if len(tokens) == k:
                 break
-            logits = self.session.forward([token], len(self.cached))[-1]
+            logits = self.session.forward([token], len(self.cached)).logits[-1]
             self.cached.append(token)
         return Draft(tokens, None if sampler.greedy else torch.stack(probs))
+
+    def observe(self, context, hidden) -> None:
+        pass  # its cache catches up with the context at the next proposal
 
 
 def check_same_vocabulary(

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from mtp_edge.errors import UserError
-from mtp_edge.runtime.session import claim_cores
+from mtp_edge.runtime.session import Output, claim_cores
 
 # Calls of up to this many tokens go row-exact through `verify` when the program has it: the
 # loop's verifications (k + 1 <= 16 tokens). Longer calls are prefill chunks and take `forward`.
@@ -68,7 +68,7 @@ class ExecuTorchSession:
         # a 2-token verification costs less than one padded to `verify`'s static k+1.
         self.row_exact_forward = row_exact_forward
 
-    def forward(self, tokens: list[int], start: int, return_hidden: bool = False):
+    def forward(self, tokens: list[int], start: int, return_hidden: bool = False) -> Output:
         if not 1 <= len(tokens) <= self.max_chunk:
             raise ValueError(f"a call takes 1..{self.max_chunk} tokens, got {len(tokens)}")
         if start + len(tokens) > self.max_seq_len:
@@ -84,12 +84,10 @@ class ExecuTorchSession:
                 self._call(tokens[i : i + self.verify_width], start + i, return_hidden)
                 for i in range(0, len(tokens), self.verify_width)
             ]
-            if not return_hidden:
-                return torch.cat(pieces)
-            return torch.cat([p[0] for p in pieces]), torch.cat([p[1] for p in pieces])
+            return _joined(pieces, return_hidden)
         return self._call(tokens, start, return_hidden)
 
-    def _call(self, tokens: list[int], start: int, return_hidden: bool):
+    def _call(self, tokens: list[int], start: int, return_hidden: bool) -> Output:
         n, w = len(tokens), self.verify_width
         if n == 1 or self.row_exact_forward or not 0 < n <= w:
             outputs = self.method.execute([torch.tensor([tokens]), torch.tensor([start])])
@@ -98,19 +96,22 @@ class ExecuTorchSession:
             outputs = self.verify.execute([torch.tensor([padded]), torch.tensor([start])])
         else:  # too close to the end of the cache for the padding: one row per call
             rows = [self._call([t], start + i, return_hidden) for i, t in enumerate(tokens)]
-            if not return_hidden:
-                return torch.cat(rows)
-            return torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
+            return _joined(rows, return_hidden)
         # Outputs live in the method's planned memory, which the next call overwrites.
         logits = outputs[0][0, :n].clone()
         if not return_hidden:
-            return logits
+            return Output(logits)
         if len(outputs) < 2:
             raise UserError(
                 "this ExecuTorch program returns logits only, and the drafter needs the "
                 "target's hidden states: re-export with --drafter mtp, or use ngram"
             )
-        return logits, outputs[1][0, :n].clone()
+        return Output(logits, outputs[1][0, :n].clone())
+
+
+def _joined(pieces: list[Output], return_hidden: bool) -> Output:
+    logits = torch.cat([p.logits for p in pieces])
+    return Output(logits, torch.cat([p.hidden for p in pieces]) if return_hidden else None)
 
 
 class ExecuTorchStep:
@@ -192,3 +193,44 @@ def hand_cores_to_executorch() -> None:
         mkl.mkl_serv_set_num_threads(1)
     except (OSError, AttributeError):
         pass  # a torch without MKL (macOS, Arm): no BLAS threads to limit
+
+
+# The backend's entry points (runtime/backends.py): `bundle` is an opened bundle
+# (runtime/bundle.py), `target()` gives its target session, opened once.
+
+
+def available() -> bool:
+    return True
+
+
+def open_target(bundle) -> ExecuTorchSession:
+    m = bundle.manifest
+    entry = m.models["target"]
+    row_exact = entry.quant.get("attention") == "mtp"
+    return ExecuTorchSession(
+        bundle.path / entry.file, m.max_seq_len, m.vocab_size, m.max_chunk, row_exact
+    )
+
+
+def open_program(path: Path, max_seq_len: int, max_chunk: int) -> ExecuTorchSession:
+    """An exported target program alone, before there is a bundle (export's quality checks)."""
+    return ExecuTorchSession(path, max_seq_len, 0, max_chunk)
+
+
+def open_mtp_step(bundle, target) -> tuple[ExecuTorchStep, int | None]:
+    """The MTP head's step, and the cache length that bounds drafting (None: no cache)."""
+    m = bundle.manifest
+    spec = m.drafter
+    if spec.method is not None:  # a method of the target's program, on its cache
+        session = target()
+        return ExecuTorchStep(program=session.program, method=spec.method), session.max_seq_len
+    # A program of its own (a self head's with its own cache, fed in chunks).
+    chunk = spec.max_chunk if spec.own_cache else 0
+    step = ExecuTorchStep(bundle.path / m.models["drafter"].file, max_chunk=chunk)
+    return step, m.max_seq_len if spec.own_cache else None
+
+
+def open_draft_model(bundle) -> ExecuTorchSession:
+    m = bundle.manifest
+    file = bundle.path / m.models["drafter"].file
+    return ExecuTorchSession(file, m.max_seq_len, m.vocab_size, m.max_chunk)

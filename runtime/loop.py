@@ -142,7 +142,7 @@ def generate(
     # Prefill: the whole prompt in chunks; its last logits give the first token.
     start = time.perf_counter()
     out = prefill(target, prompt, 0, return_hidden=wants_hidden)
-    logits, hidden = out if wants_hidden else (out, None)
+    logits, hidden = out.logits, out.hidden
     first = sampler.pick(logits[-1])
     stats.ttft_ms = (time.perf_counter() - start) * 1e3
     decode_start = time.perf_counter()
@@ -162,7 +162,7 @@ def generate(
         draft_tokens = draft.tokens[:k]
         t1 = time.perf_counter()
         out = target.forward([context[-1]] + draft_tokens, pos, return_hidden=wants_hidden)
-        logits, hidden = out if wants_hidden else (out, None)
+        logits, hidden = out.logits, out.hidden
         if sampler.greedy:
             n, next_token = accept_greedy(logits, draft_tokens)
         else:

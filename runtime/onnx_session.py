@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from mtp_edge.errors import UserError
-from mtp_edge.runtime.session import claim_cores
+from mtp_edge.runtime.session import Output, claim_cores
 
 _ORT_DTYPES = {"tensor(float)": "float32", "tensor(int64)": "int64", "tensor(float16)": "float16"}
 
@@ -162,7 +162,7 @@ class OnnxSession:
             self.binding.bind_output(name)
         self.bound = [*method["in_place"], *self.results]  # get_outputs() follows binding order
 
-    def forward(self, tokens: list[int], start: int, return_hidden: bool = False):
+    def forward(self, tokens: list[int], start: int, return_hidden: bool = False) -> Output:
         if not 1 <= len(tokens) <= self.max_chunk:
             raise ValueError(f"a call takes 1..{self.max_chunk} tokens, got {len(tokens)}")
         if start < 0 or start + len(tokens) > self.max_seq_len:
@@ -185,8 +185,8 @@ class OnnxSession:
         outputs = dict(zip(self.bound, self.binding.get_outputs(), strict=True))
         logits = torch.from_numpy(outputs["logits"].numpy()[0, :n])
         if not return_hidden:
-            return logits
-        return logits, torch.from_numpy(outputs["hidden"].numpy()[0, :n])
+            return Output(logits)
+        return Output(logits, torch.from_numpy(outputs["hidden"].numpy()[0, :n]))
 
 
 class OnnxStep:
@@ -241,3 +241,47 @@ class OnnxStep:
             torch.from_numpy(outputs["draft_logits"].numpy()),
             torch.from_numpy(outputs["next_h"].numpy()),
         )
+
+
+# The backend's entry points (runtime/backends.py): `bundle` is an opened bundle
+# (runtime/bundle.py), `target()` gives its target session, opened once.
+
+
+def available() -> bool:
+    return True
+
+
+def open_target(bundle) -> OnnxSession:
+    m = bundle.manifest
+    entry = m.models["target"]
+    return OnnxSession(
+        bundle.path / entry.file, entry.methods["forward"], m.max_seq_len, m.vocab_size, m.max_chunk
+    )
+
+
+def open_program(path: Path, max_seq_len: int, max_chunk: int) -> OnnxSession:
+    """An exported target graph alone, before there is a bundle (export's quality checks)."""
+    return OnnxSession(path, None, max_seq_len, 0, max_chunk)
+
+
+def open_mtp_step(bundle, target) -> tuple[OnnxStep, int | None]:
+    """The MTP head's step, and the cache length that bounds drafting (None: no cache)."""
+    m = bundle.manifest
+    if m.drafter.own_cache:
+        raise UserError(
+            "this bundle's self-attending MTP heads run on ExecuTorch only, not on "
+            "onnxruntime: re-export it with --target android"
+        )
+    # A head that reads the target's cache is bound to the target session's buffers.
+    shared = target() if m.drafter.reads_target_cache else None
+    entry = m.models["drafter"]
+    step = OnnxStep(bundle.path / entry.file, entry.methods["forward"], shared)
+    return step, None if shared is None else shared.max_seq_len
+
+
+def open_draft_model(bundle) -> OnnxSession:
+    m = bundle.manifest
+    entry = m.models["drafter"]
+    return OnnxSession(
+        bundle.path / entry.file, entry.methods["forward"], m.max_seq_len, m.vocab_size, m.max_chunk
+    )

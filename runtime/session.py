@@ -1,12 +1,14 @@
 """The session interface every backend implements, and the eager PyTorch session.
 
 A session owns one model and its static KV cache. `forward(tokens, start)` writes the tokens'
-K/V at positions start.. and returns their logits; writing at a position that held a rejected
-draft simply overwrites it, so there is no rollback call.
+K/V at positions start.. and returns their `Output` (logits, and hidden states on request);
+writing at a position that held a rejected draft simply overwrites it, so there is no rollback
+call.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -29,31 +31,33 @@ def claim_cores() -> int:
     return _backend_threads
 
 
+@dataclass(frozen=True)
+class Output:
+    """What every session's `forward` returns, on every backend."""
+
+    logits: torch.Tensor  # [T, V]
+    hidden: torch.Tensor | None = None  # [T, D], the final-normed states, when asked for
+
+
 class Session(Protocol):
     name: str  # backend name, e.g. "eager"
     vocab_size: int
     max_seq_len: int  # positions the static cache holds
     max_chunk: int  # most tokens one forward call accepts (prefill is split into such chunks)
 
-    def forward(
-        self, tokens: list[int], start: int, return_hidden: bool = False
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """logits [T, V] for tokens at positions start..start+T-1 (and hidden [T, D])."""
+    def forward(self, tokens: list[int], start: int, return_hidden: bool = False) -> Output:
+        """Logits for tokens at positions start..start+T-1 (and their hidden states)."""
         ...
 
 
 def prefill(session: Session, tokens: list[int], start: int = 0, return_hidden: bool = False):
     """Run `tokens` through `session` in chunks: the last chunk's logits (and all hidden)."""
     hidden = []
-    logits = None
+    out = None
     for i in range(0, len(tokens), session.max_chunk):
         out = session.forward(tokens[i : i + session.max_chunk], start + i, return_hidden)
-        if return_hidden:
-            logits, h = out
-            hidden.append(h)
-        else:
-            logits = out
-    return (logits, torch.cat(hidden)) if return_hidden else logits
+        hidden.append(out.hidden)
+    return Output(out.logits, torch.cat(hidden) if return_hidden else None)
 
 
 class EagerSession:
@@ -75,7 +79,5 @@ class EagerSession:
         if end > self.max_seq_len:
             raise ValueError(f"positions up to {end} exceed the cache of {self.max_seq_len}")
         ids = torch.tensor([tokens], dtype=torch.long)
-        out = self.model(ids, torch.tensor([start]), return_hidden=return_hidden, kv_len=end)
-        if return_hidden:
-            return out[0][0], out[1][0]
-        return out[0]
+        logits, hidden = self.model(ids, torch.tensor([start]), return_hidden=True, kv_len=end)
+        return Output(logits[0], hidden[0] if return_hidden else None)

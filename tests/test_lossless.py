@@ -50,13 +50,16 @@ class NoisyOracleDrafter:
         tokens = list(context)
         out = []
         for _ in range(k):
-            logits = self.oracle.forward(tokens, 0)[-1]  # full recompute: simple and stateless
+            logits = self.oracle.forward(tokens, 0).logits[-1]  # full recompute: stateless
             token = int(torch.argmax(logits))
             if float(torch.rand((), generator=self.rng)) < self.error_rate:
                 token = (token + 1) % VOCAB
             out.append(token)
             tokens.append(token)
         return Draft(out)
+
+    def observe(self, context, hidden):
+        pass
 
 
 def make_drafter(kind: str, seed: int, error_rate: float):
@@ -148,20 +151,20 @@ def test_rollback_by_overwrite_gives_fresh_logits():
     prompt = [5, 9, 2, 7, 7, 1]
     target.forward(prompt, 0)
     target.forward([3, 11, 12, 13, 14], len(prompt))  # a draft that will be "rejected" after 3
-    after = target.forward([30, 31, 32], len(prompt) + 2)  # re-verify from the rejection point
+    after = target.forward([30, 31, 32], len(prompt) + 2).logits  # re-verify from the rejection
     fresh = EagerSession(tiny_model(seed=4, vocab=VOCAB), 64)
     fresh.forward(prompt, 0)
-    expected = fresh.forward([3, 11, 30, 31, 32], len(prompt))[2:]
+    expected = fresh.forward([3, 11, 30, 31, 32], len(prompt)).logits[2:]
     torch.testing.assert_close(after, expected, rtol=0, atol=1e-12)
 
 
 def test_chunked_prefill_equals_one_call():
     m = tiny_model(seed=5, vocab=VOCAB)
     tokens = torch.randint(0, VOCAB, (37,)).tolist()
-    whole = EagerSession(m, 64, max_chunk=64).forward(tokens, 0)[-1]
+    whole = EagerSession(m, 64, max_chunk=64).forward(tokens, 0).logits[-1]
     from mtp_edge.runtime.session import prefill
 
-    chunked = prefill(EagerSession(m, 64, max_chunk=5), tokens)[-1]
+    chunked = prefill(EagerSession(m, 64, max_chunk=5), tokens).logits[-1]
     torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-10)
 
 

@@ -28,7 +28,7 @@ def exact_distribution(target: EagerSession, params: SamplingParams) -> dict:
     sampler = Sampler(params)
     dist = {}
     for seq in itertools.product(range(VOCAB), repeat=NEW):
-        logits = target.forward(PROMPT + list(seq[:-1]), 0)[len(PROMPT) - 1 :]
+        logits = target.forward(PROMPT + list(seq[:-1]), 0).logits[len(PROMPT) - 1 :]
         probs = sampler.probs(logits)
         dist[seq] = float(torch.prod(probs[torch.arange(NEW), torch.tensor(seq)]))
     return dist
