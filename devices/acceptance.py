@@ -35,3 +35,45 @@ def measure_acceptance(
             for a, d in zip(per_position_accepted, per_position_drafted, strict=True)
         ],
     }
+
+
+ACCEPTANCE_PROMPTS, ACCEPTANCE_TOKENS = 6, 48  # held-out snippets x tokens each
+
+
+def measure_bundle_acceptance(directory, target, draft, heldout: list[int], progress) -> dict:
+    """The export quality report's drafter entry: acceptance when the eager fp32 target and
+    drafter decode held-out text greedily, and when the exported bundle does (same prompts,
+    same k). `target` is the LoadedModel exported, `draft` what its drafter was made from (the
+    MTP head or the draft LoadedModel), `heldout` the held-out text's tokens."""
+    from mtp_edge.runtime.backends import backend
+    from mtp_edge.runtime.bundle import bundle_drafter, open_bundle, target_session
+    from mtp_edge.runtime.drafters import DraftModelDrafter, NgramDrafter
+    from mtp_edge.runtime.mtp_drafter import mtp_drafter
+    from mtp_edge.runtime.session import EagerSession
+
+    bundle = open_bundle(directory)
+    m = bundle.manifest
+    kind, k = m.drafter.kind, m.drafter.k
+    if kind == "none" or not backend(m.backend).available():
+        return {}
+    progress(f"[quality] {kind} drafter acceptance, fp32 eager vs exported")
+    prompts = [heldout[i * 256 : i * 256 + 64] for i in range(ACCEPTANCE_PROMPTS)]
+    seq_len = 64 + ACCEPTANCE_TOKENS + k + 1
+    if kind == "mtp":
+        before = mtp_drafter(draft.to(target.model.dtype), target.model)
+    elif kind == "draft-lm":
+        before = DraftModelDrafter(EagerSession(draft.model, seq_len))
+    else:
+        before = NgramDrafter()
+    after = bundle_drafter(bundle) or NgramDrafter()
+    eager = EagerSession(target.model, seq_len)
+    return {
+        "drafter_acceptance": {
+            "prompts": f"{ACCEPTANCE_PROMPTS} held-out snippets of 64 tokens, "
+            f"{ACCEPTANCE_TOKENS} greedy tokens each, k={k}",
+            "fp32": measure_acceptance(eager, before, prompts, k, ACCEPTANCE_TOKENS),
+            "exported": measure_acceptance(
+                target_session(bundle), after, prompts, k, ACCEPTANCE_TOKENS
+            ),
+        }
+    }

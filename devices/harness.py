@@ -303,3 +303,32 @@ def to_markdown(report: dict) -> str:
     if report.get("command"):
         lines += ["", f"Command: `{report['command']}`"]
     return "\n".join(lines) + "\n"
+
+
+def bench_report(gen, suite: Suite, command: str, prompts, max_new_tokens, progress) -> dict:
+    """One setup's mtp-bench report (`gen`: runtime/assemble.py's Generator); for an ExecuTorch
+    bundle with ExecuTorch's TextLLMRunner decoding the same .pte as the peer baseline."""
+    import torch
+
+    report = {
+        "bundle": gen.bundle,
+        "model": gen.name,
+        "backend": gen.session.name,
+        "drafter": "none" if gen.drafter is None else gen.drafter.name,
+        "k": gen.config.k,
+        "draft_confidence": gen.draft_confidence,
+        "threads": torch.get_num_threads(),
+        "command": command,
+        **suite.body(),
+    }
+    if gen.bundle is not None and gen.session.name == "executorch":
+        from mtp_edge.devices.peer import textllmrunner_baseline
+
+        progress("[peer] ExecuTorch TextLLMRunner, plain decoding of the same target .pte")
+        bundle_dir = Path(gen.bundle)
+        runs = [(gen.render(p.prompt), max_new_tokens or p.max_new_tokens) for p in prompts]
+        report["peer_textllmrunner"] = textllmrunner_baseline(
+            bundle_dir / "target.pte", bundle_dir / "tokenizer.json", runs
+        )
+    return report
+

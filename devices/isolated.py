@@ -19,16 +19,45 @@ import traceback
 
 from mtp_edge.devices.harness import Prompt
 from mtp_edge.errors import UserError
+from mtp_edge.runtime.assemble import LoadOptions
+
+
+def compare_spec(spec: str) -> dict:
+    """`DIR[,k=N][,drafter=NAME][,confidence=P]` -> the LoadOptions fields it overrides."""
+    path, *settings = spec.split(",")
+    out: dict = {"bundle": path}
+    for setting in settings:
+        key, _, value = setting.partition("=")
+        if key == "k" and value.isdigit():
+            out["k"] = int(value)
+        elif key == "drafter" and value:
+            out["drafter"] = value
+        elif key == "confidence" and _is_probability(value):
+            out["draft_confidence"] = float(value)
+        else:
+            raise UserError(
+                f"--compare {spec}: expected DIR[,k=N][,drafter=NAME][,confidence=P], "
+                f"not {setting!r}"
+            )
+    return out
+
+
+def _is_probability(text: str) -> bool:
+    try:
+        return 0.0 <= float(text) <= 1.0
+    except ValueError:
+        return False
 
 
 class IsolatedSetup:
     """A worker process that loads one setup and measures prompts on request."""
 
-    def __init__(self, opts: dict, repeat: int, max_new_tokens: int | None):
+    def __init__(self, options: LoadOptions, repeat: int, max_new_tokens: int | None):
         context = multiprocessing.get_context("spawn")
         self.conn, child = context.Pipe()
+        opts = json.dumps(dataclasses.asdict(options))
         self.process = context.Process(
-            target=_serve, args=(child, json.dumps(opts), repeat, max_new_tokens), daemon=True
+            target=_serve, args=(child, opts, repeat, max_new_tokens), daemon=True
         )
         self.process.start()
         child.close()
@@ -70,8 +99,9 @@ class IsolatedSetup:
 
 def _serve(conn, opts_json: str, repeat: int, max_new_tokens: int | None) -> None:
     """The worker: load the setup, then answer prompt and report requests until told to stop."""
-    from mtp_edge.cli import quiet_library_noise, setup, setup_report
-    from mtp_edge.devices.harness import Suite
+    from mtp_edge.devices.harness import Suite, bench_report
+    from mtp_edge.logs import quiet_library_noise
+    from mtp_edge.runtime.assemble import assemble
 
     quiet_library_noise()
 
@@ -79,21 +109,24 @@ def _serve(conn, opts_json: str, repeat: int, max_new_tokens: int | None) -> Non
         conn.send_bytes(json.dumps(message).encode())
 
     try:
-        ctx = setup(json.loads(opts_json))
-        suite = Suite(ctx.config.k, repeat)
-        send({"label": ctx.label})
+        gen = assemble(LoadOptions(**json.loads(opts_json)))
+        suite = Suite(gen.config.k, repeat)
+        send({"label": gen.label})
         while True:
             message = json.loads(conn.recv_bytes())
             if "prompt" in message:
                 p = Prompt(**message["prompt"])
                 send(
                     suite.run_prompt(
-                        ctx.session, ctx.encode, ctx.drafter, p, ctx.config, max_new_tokens
+                        gen.session, gen.encode, gen.drafter, p, gen.config, max_new_tokens
                     )
                 )
             else:
                 prompts = [Prompt(**p) for p in message["prompts"]]
-                send(setup_report(ctx, suite, message["report"], prompts, max_new_tokens))
+                report = bench_report(
+                    gen, suite, message["report"], prompts, max_new_tokens, _to_stderr
+                )
+                send(report)
                 return
     except KeyboardInterrupt:  # Ctrl-C reaches the whole process group: the parent reports it
         return
@@ -101,3 +134,9 @@ def _serve(conn, opts_json: str, repeat: int, max_new_tokens: int | None) -> Non
         send({"user_error": str(e)})
     except Exception:
         send({"crash": traceback.format_exc()})
+
+
+def _to_stderr(line: str) -> None:
+    import sys
+
+    print(line, file=sys.stderr, flush=True)

@@ -231,8 +231,10 @@ class _FreeSession:
         self.hidden = torch.zeros(max_chunk, hidden)
 
     def forward(self, tokens, start, return_hidden=False):
-        logits = self.logits[: len(tokens)]
-        return (logits, self.hidden[: len(tokens)]) if return_hidden else logits
+        from mtp_edge.runtime.session import Output
+
+        n = len(tokens)
+        return Output(self.logits[:n], self.hidden[:n] if return_hidden else None)
 
 
 class _RepeatDrafter:
@@ -247,6 +249,9 @@ class _RepeatDrafter:
         from mtp_edge.runtime.drafters import Draft
 
         return Draft([self.token] * k)
+
+    def observe(self, context, hidden):
+        pass
 
 
 def loop_overheads(cost: BundleCost, steps: int = 64) -> tuple[float, float]:
@@ -270,13 +275,13 @@ def loop_overheads(cost: BundleCost, steps: int = 64) -> tuple[float, float]:
 def calibrate(bundle_dir: str | Path, cost: BundleCost, repeats: int = 3) -> Calibration:
     """Open the bundle and calibrate on it (see `calibrate_session`) a few times; the best of
     each figure, i.e. the machine as little disturbed by other load as it was seen."""
-    from mtp_edge.runtime.bundle import bundle_drafter, open_bundle, target_session
-    from mtp_edge.runtime.drafters import NgramDrafter
+    from mtp_edge.runtime.assemble import LoadOptions, assemble
 
     host_device()  # probe the matmul peak before ExecuTorch takes the cores
-    bundle = open_bundle(bundle_dir)
-    drafter = NgramDrafter() if cost.drafter_kind == "ngram" else bundle_drafter(bundle)
-    session = target_session(bundle)
+    # The bundle's own drafter alone, no lookup and no confidence floor: the cost of k steps.
+    options = LoadOptions(bundle=str(bundle_dir), drafter=cost.drafter_kind, draft_confidence=0)
+    gen = assemble(options)
+    session, drafter = gen.session, gen.drafter
     return best([calibrate_session(session, drafter, cost) for _ in range(repeats)])
 
 
@@ -311,7 +316,7 @@ def calibrate_session(
         history = [(i * 7) % 500 + 10 for i in range(context)]
         hidden = None
         if drafter.needs_hidden:
-            hidden = session.forward(history[-8:], context - 8, return_hidden=True)[1]
+            hidden = session.forward(history[-8:], context - 8, return_hidden=True).hidden
         times = []
         for _ in range(runs):
             session.forward([5], context)
@@ -583,3 +588,31 @@ def to_markdown(predictions: list[dict], validation: dict | None = None) -> str:
                 f"{'yes' if v['within_25_percent'] else 'NO'} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def predict_bundle(bundle, device_names, from_bench, command: str, progress) -> tuple[dict, str]:
+    """`mtp-predict`: predictions for the named devices ("host" measured live, "all"), with the
+    host's prediction checked against a bench JSON when one is given; (JSON body, Markdown)."""
+    from mtp_edge.devices.catalog import catalog, find_device
+
+    names = [d.name for d in catalog()] if "all" in device_names else list(device_names)
+    if "all" in device_names:
+        names.insert(0, "host")
+    chosen = [find_device(name) for name in names]  # unknown names fail before measuring
+    bench_report = None if from_bench is None else load_bench(from_bench)
+    cost = bundle_cost(bundle)
+    progress("[calibrate] timing the bundle's programs on this machine")
+    calibration = calibrate(bundle, cost)
+    acceptance = acceptance_from(bench_report, Manifest.load(bundle, verify=False), cost.k)
+    predictions = [predict(cost, d, calibration, acceptance) for d in chosen]
+    validation = None
+    if bench_report is not None and "host" in names:
+        validation = compare_with_measured(predictions[names.index("host")], bench_report)
+    out = {
+        "bundle": bundle,
+        "command": command,
+        "calibration": calibration.__dict__,
+        "predictions": predictions,
+        "host_validation": validation,
+    }
+    return out, to_markdown(predictions, validation)

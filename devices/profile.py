@@ -20,6 +20,7 @@ from mtp_edge.devices.adb import Adb, DeviceLost
 from mtp_edge.devices.catalog import catalog, find_device, host_device
 from mtp_edge.devices.harness import Prompt, per_category, to_markdown
 from mtp_edge.errors import UserError
+from mtp_edge.files import write_atomic
 from mtp_edge.manifest import Manifest
 
 WORKDIR = "/data/local/tmp/mtp"
@@ -88,33 +89,21 @@ def measure_host(bundle, prompts, max_new_tokens, repeat, progress, cost) -> tup
     the same changes in machine load."""
     from mtp_edge.devices.harness import Suite, progress_line
     from mtp_edge.devices.predict import calibrate_session
-    from mtp_edge.runtime.bundle import bundle_drafter, open_bundle, target_session
-    from mtp_edge.runtime.drafters import NgramDrafter
-    from mtp_edge.runtime.loop import GenerationConfig
+    from mtp_edge.runtime.assemble import LoadOptions, assemble
 
-    b = open_bundle(bundle)
-    m = b.manifest
-    session = target_session(b)
-    kind = m.drafter.get("kind", "none")
-    drafter = NgramDrafter() if kind == "ngram" else bundle_drafter(b)
-    config = GenerationConfig(k=m.drafter.get("k", 4), eos_ids=tuple(b.tokenizer.eos_ids))
+    # The bundle's drafter with its drafting policy, as mtp-bench and the native runner run it.
+    gen = assemble(LoadOptions(bundle=str(bundle)))
+    session, drafter, config = gen.session, gen.drafter, gen.config
     suite = Suite(config.k, repeat)
     calibrations = []
     for i, p in enumerate(prompts):
         calibrations.append(calibrate_session(session, drafter, cost))
-        row = suite.run_prompt(
-            session,
-            lambda text: b.tokenizer.encode_prompt(text, chat=True),
-            drafter,
-            p,
-            config,
-            max_new_tokens,
-        )
+        row = suite.run_prompt(session, gen.encode, drafter, p, config, max_new_tokens)
         progress(f"[{i + 1}/{len(prompts)}] {progress_line(row)}")
     calibrations.append(calibrate_session(session, drafter, cost))
     report = {
         "bundle": bundle,
-        "model": m.model_name,
+        "model": gen.name,
         "backend": session.name,
         "drafter": "none" if drafter is None else drafter.name,
         "k": config.k,
@@ -332,10 +321,4 @@ def side_by_side(report: dict, prediction: dict) -> str:
 
 
 def _write_json(path: str | None, report: dict) -> None:
-    if path is None:
-        return
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp")
-    tmp.write_text(json.dumps({k: v for k, v in report.items() if k != "markdown"}, indent=2))
-    tmp.replace(target)
+    write_atomic(path, json.dumps({k: v for k, v in report.items() if k != "markdown"}, indent=2))

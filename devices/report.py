@@ -9,11 +9,10 @@ from __future__ import annotations
 import json
 import os
 import platform
-import shutil
-import tempfile
 from pathlib import Path
 
 from mtp_edge.devices.catalog import host_device
+from mtp_edge.files import atomic_directory
 
 
 def machine_description() -> dict:
@@ -46,21 +45,12 @@ def write_report(out_dir: str | Path, reports: list[dict], command: str, machine
     """Write report.md, report.json and the PNGs into `out_dir` (via a temporary directory,
     renamed into place, so an interrupted run leaves no half report)."""
     out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; the report is for reading
-    try:
+    with atomic_directory(out, suffix="") as tmp:
         plots = make_plots(tmp, reports)
         (tmp / "report.json").write_text(
             json.dumps({"machine": machine, "command": command, "runs": reports}, indent=2) + "\n"
         )
         (tmp / "report.md").write_text(markdown(reports, command, machine, plots))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return out / "report.md"
 
 

@@ -1,9 +1,4 @@
-"""Quality report: what quantization cost, measured on text that is available offline.
-
-The held-out text is prose from the Python documentation that ships with the interpreter
-(`pydoc_data.topics`); the topics below are reserved for evaluation and must not be used to
-train drafters.
-"""
+"""Quality report: what quantization cost, measured on the held-out text (mtp_edge/texts.py)."""
 
 from __future__ import annotations
 
@@ -12,13 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-HELDOUT_TOPICS = ("execmodel", "exceptions", "naming")
-
-
-def heldout_text() -> str:
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[name] for name in HELDOUT_TOPICS)
+from mtp_edge.texts import HELDOUT_TOPICS, heldout_text  # noqa: F401  (callers move to texts)
 
 
 def perplexity(

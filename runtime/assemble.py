@@ -1,0 +1,207 @@
+"""Assembly: from (a bundle or a model, a drafter choice, options) to a ready generator.
+
+Everything that decodes gets its target session, drafter, tokenizer and generation settings
+here: the CLI's commands, the benchmark harness and its worker processes, `mtp-profile`,
+`mtp-predict`, the benchmark scripts. The drafting policy (which drafter, the prompt-lookup
+sizes tried before a model drafter, its confidence floor, k) is decided here and only here:
+what the options say, else what the bundle's exporter stored, else the defaults below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mtp_edge.errors import UserError
+from mtp_edge.runtime.drafters import (
+    Drafter,
+    DraftModelDrafter,
+    HybridDrafter,
+    NgramDrafter,
+    check_same_vocabulary,
+)
+from mtp_edge.runtime.loop import GenerationConfig
+from mtp_edge.runtime.sampling import SamplingParams
+from mtp_edge.runtime.session import EagerSession, Session
+
+DEFAULT_K = 4
+DEFAULT_NGRAM_SIZES = "1-3"
+
+
+@dataclass
+class LoadOptions:
+    """What to decode with; None means "the bundle's choice, else the default"."""
+
+    model: str = "default"  # HF directory, .gguf file or "default", on the eager backend
+    bundle: str | None = None  # an exported bundle instead of `model`
+    # none | ngram | mtp | a draft model's path | any of these +ngram; None: the bundle's drafter
+    # with its lookup (mtp+ngram), or ngram for a model
+    drafter: str | None = None
+    k: int | None = None  # most tokens drafted per step
+    heads: str | None = None  # MTP heads file for a model (default: the shipped heads)
+    adaptive_k: bool = False
+    ngram_sizes: str | None = None  # "MIN-MAX" for ngram and the lookup of X+ngram
+    draft_confidence: float | None = None  # model drafters' floor on the best probability
+    max_seq_len: int = 2048  # static KV cache length (a model; a bundle has its own)
+    chat: bool = True  # wrap prompts in the chat template
+    threads: int = 0  # CPU threads (0: torch's default)
+
+
+@dataclass
+class Generator:
+    """A loaded target, its session and drafter, and the settings to generate with."""
+
+    name: str
+    tokenizer: object
+    session: Session
+    drafter: Drafter | None
+    config: GenerationConfig
+    chat: bool
+    bundle: str | None
+    draft_confidence: float = 0.0
+
+    def encode(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode_prompt(prompt, chat=self.chat)
+
+    @property
+    def label(self) -> str:
+        """How progress lines name this setup when several are compared."""
+        label = f"{Path(self.bundle or self.name).name} k={self.config.k}"
+        if self.drafter is not None and self.draft_confidence:
+            label += f" confidence={self.draft_confidence:g}"
+        return label
+
+    def render(self, prompt: str) -> str:
+        """The prompt as text, as a runner that tokenizes by itself must receive it."""
+        if self.chat and self.tokenizer.chat_template is not None:
+            return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        return prompt
+
+
+def parse_ngram_sizes(text: str) -> tuple[int, int]:
+    try:
+        low, _, high = text.partition("-")
+        sizes = (int(low), int(high or low))
+    except ValueError:
+        raise UserError(f"--ngram-sizes takes MIN-MAX such as 1-3, got {text!r}") from None
+    return sizes
+
+
+def assemble(
+    options: LoadOptions,
+    sampling: SamplingParams | None = None,
+    max_new_tokens: int = 128,
+    stop_strings=(),
+) -> Generator:
+    """Load the target (a model on the eager backend, or a bundle) and its drafter."""
+    from mtp_edge.checkpoints import load_model
+
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    if options.ngram_sizes is not None:
+        parse_ngram_sizes(options.ngram_sizes)  # bad sizes fail before anything loads
+    if options.max_seq_len < 2:
+        raise UserError(f"--max-seq-len must be >= 2, got {options.max_seq_len}")
+    drafter, k = options.drafter, options.k
+    ngram_sizes, confidence = options.ngram_sizes, options.draft_confidence
+    if options.bundle is not None:
+        from mtp_edge.runtime.bundle import open_bundle, target_session
+
+        if options.model != "default":
+            raise UserError("give either --model or --bundle, not both")
+        bundle = open_bundle(options.bundle)
+        spec = bundle.manifest.drafter
+        session = target_session(bundle)
+        tokenizer, name, target = bundle.tokenizer, bundle.manifest.model_name, None
+        if drafter is None:  # the bundle's drafter, as its exporter set it to run
+            drafter = spec.kind
+            if spec.lookup is not None:
+                drafter += "+ngram"
+                ngram_sizes = ngram_sizes or spec.lookup
+        confidence = spec.draft_confidence if confidence is None else confidence
+        k = spec.k if k is None else k
+    else:
+        bundle = None
+        target = load_model(options.model)
+        tokenizer, name = target.tokenizer, target.name
+        max_seq_len = min(options.max_seq_len, target.config.max_position_embeddings)
+        session = EagerSession(target.model, max_seq_len)
+        drafter = drafter or "ngram"
+    ngram_sizes = ngram_sizes or DEFAULT_NGRAM_SIZES
+    confidence = 0.0 if confidence is None else confidence
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        k=DEFAULT_K if k is None else k,
+        adaptive_k=options.adaptive_k,
+        sampling=sampling or SamplingParams(),
+        stop_strings=tuple(stop_strings),
+        eos_ids=tuple(tokenizer.eos_ids),
+    )
+    draft = build_drafter(
+        drafter, target, bundle, session.max_seq_len, ngram_sizes, confidence, options.heads
+    )
+    return Generator(
+        name, tokenizer, session, draft, config, options.chat, options.bundle, confidence
+    )
+
+
+def build_drafter(
+    spec: str,
+    target,
+    bundle,
+    max_seq_len: int,
+    ngram_sizes: str = DEFAULT_NGRAM_SIZES,
+    confidence: float = 0.0,
+    heads: str | None = None,
+) -> Drafter | None:
+    """The drafter named by `spec`: none | ngram | mtp | a draft model path | X+ngram.
+
+    `target` is the LoadedModel on the eager backend (None with a bundle), `bundle` the opened
+    bundle (None with a model), whose own drafter `spec` must then name.
+    """
+    if spec == "none":
+        return None
+    if spec.endswith("+ngram"):  # e.g. mtp+ngram: lookup where the context repeats, else mtp
+        model = build_drafter(
+            spec.removesuffix("+ngram"), target, bundle, max_seq_len, ngram_sizes, confidence, heads
+        )
+        if model is None:
+            raise UserError(f"--drafter {spec}: name a model drafter before +ngram, e.g. mtp+ngram")
+        low, high = parse_ngram_sizes(ngram_sizes)
+        return HybridDrafter(model, max_n=high, min_match=low)
+    if spec == "ngram":
+        low, high = parse_ngram_sizes(ngram_sizes)
+        return NgramDrafter(max_n=high, min_n=low)
+    if bundle is not None:
+        from mtp_edge.runtime.bundle import bundle_drafter
+
+        own = bundle.manifest.drafter.kind
+        if spec != own:
+            raise UserError(
+                f"--drafter {spec}: this bundle carries a '{own}' drafter; use it, none or "
+                "ngram (or export another bundle)"
+            )
+        return bundle_drafter(bundle, confidence)
+    if spec == "mtp":
+        from mtp_edge.mtp import load_heads, shipped_heads
+        from mtp_edge.runtime.mtp_drafter import mtp_drafter
+
+        heads = heads or shipped_heads(target.name)
+        if heads is None:
+            raise UserError(
+                f"no MTP heads ship for {target.name}: pass --heads (train them with mtp-train)"
+            )
+        head = load_heads(heads, target.model, target.name).to(target.model.dtype)
+        return mtp_drafter(head, target.model, confidence)
+    from mtp_edge.checkpoints import load_model
+
+    draft = load_model(spec)
+    check_same_vocabulary(
+        target.tokenizer.backend.get_vocab(),
+        draft.tokenizer.backend.get_vocab(),
+        target.config.vocab_size,
+        draft.config.vocab_size,
+    )
+    return DraftModelDrafter(EagerSession(draft.model, max_seq_len), min_confidence=confidence)

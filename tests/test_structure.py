@@ -1,0 +1,125 @@
+"""The house plan's doors, checked on the source: who may import whom, and no import cycle.
+
+Every `import` of an mtp_edge module counts, also inside functions: a lazy import still ties the
+two modules together. The rooms (see the README's map):
+- ground: mtp_edge's own modules other than the CLI, the API and train/; imports only ground;
+- quantize: ground; exporter: ground and quantize (never runtime);
+- runtime: ground (never exporter); devices and train: ground and runtime;
+- the CLI and the API: anything; nothing imports the CLI.
+"""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+ALLOWED = {
+    "ground": {"ground"},
+    "quantize": {"ground", "quantize"},
+    "exporter": {"ground", "quantize", "exporter"},
+    "runtime": {"ground", "runtime"},
+    "devices": {"ground", "runtime", "devices"},
+    "train": {"ground", "runtime", "train"},
+    "api": {"ground", "quantize", "exporter", "runtime", "devices", "train"},
+    "cli": {"ground", "quantize", "exporter", "runtime", "devices", "train", "api"},
+}
+
+
+def package_files() -> dict[str, Path]:
+    """Module name -> source file, through pyproject's package-dir mapping."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    modules = {}
+    for package, folder in config["package-dir"].items():
+        for file in sorted((ROOT / folder).rglob("*.py")):
+            parts = file.relative_to(ROOT / folder).with_suffix("").parts
+            if not all((file.parents[i] / "__init__.py").exists() for i in range(len(parts) - 1)):
+                continue  # a script in a folder that is not a package (runtime/native/tools)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join((package, *parts))] = file
+    return modules
+
+
+def room(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "ground"
+    if parts[1] in ("quantize", "exporter", "runtime", "devices", "train", "cli", "api"):
+        return parts[1]
+    return "ground"
+
+
+def imports(file: Path, module: str, known: set[str]) -> set[str]:
+    """The mtp_edge modules `file` imports anywhere (module level or inside functions)."""
+    tree = ast.parse(file.read_text())
+    package = module if file.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+                base = f"{base}.{node.module}" if node.module else base
+            names = [f"{base}.{a.name}" for a in node.names] + [base]
+        for name in names:
+            while name and name not in known:  # `from pkg import function` -> pkg
+                name = name.rpartition(".")[0]
+            if name and name != module and name != "mtp_edge":
+                found.add(name)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    files = package_files()
+    known = set(files)
+    return {m: imports(f, m, known) for m, f in files.items()}
+
+
+def test_every_package_is_found():
+    modules = set(package_files())
+    for name in ("mtp_edge.cli", "mtp_edge.manifest", "mtp_edge.runtime.loop",
+                 "mtp_edge.exporter.export", "mtp_edge.devices.harness", "mtp_edge.train"):  # fmt: skip
+        assert name in modules
+
+
+def test_imports_go_through_the_doors():
+    wrong = []
+    for module, targets in graph().items():
+        for target in targets:
+            if room(target) not in ALLOWED[room(module)] and room(target) != room(module):
+                wrong.append(f"{module} ({room(module)}) imports {target} ({room(target)})")
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_no_import_cycle():
+    edges = graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                cycles.append(" -> ".join(path[path.index(nxt) :] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, "\n".join(cycles)
+
+
+def test_the_checker_sees_lazy_imports_and_cycles(tmp_path):
+    """The checker itself: a function-level import counts, and a two-module cycle is found."""
+    a = tmp_path / "a.py"
+    a.write_text("def f():\n    from mtp_edge.runtime import loop\n")
+    assert imports(a, "mtp_edge.exporter.a", {"mtp_edge.runtime.loop"}) == {"mtp_edge.runtime.loop"}
+    assert room("mtp_edge.exporter.a") == "exporter" and "runtime" not in ALLOWED["exporter"]
