@@ -32,8 +32,8 @@ covers only the draft vocabulary (`draft_ids`), because the full head of a small
 576 x 49152) alone costs about a fifth of a target step.
 
 An `attend(q, k, v)` callable carries the position-dependent part (rotary embedding, the cache,
-the mask), so one head serves training (all positions at once, `TrainContext`), the eager drafter
-and every exporter.
+the mask), so one head serves training (all positions at once, mtp_edge/train/context.py), the
+eager drafter and every exporter.
 """
 
 from __future__ import annotations
@@ -161,71 +161,6 @@ class MTPBlock(nn.Module):
         return x + self.mlp(self.norm(x))
 
 
-@dataclass
-class TrainContext:
-    """What training-time attention reads for B sequences padded to length L: the target's
-    last-layer keys (rotary applied) and values per position, and the rotary tables."""
-
-    k: torch.Tensor | None  # [B, L, KVH, hd] (None for a "self" head: its own, from step 0)
-    v: torch.Tensor | None  # [B, L, KVH, hd]
-    key_ok: torch.Tensor  # [B, L] bool: a real position, not padding
-    cos: torch.Tensor  # [L + J, hd] by position
-    sin: torch.Tensor
-
-
-def training_attend(context: TrainContext, step: int, own: list) -> Attend:
-    """Attention of draft step `step` (0-based) from every origin t at once (EAGLE-3's
-    training-time test with the target's cache as the context): the query, at position
-    t + step + 1, sees the target's keys at positions <= t and the head's own keys of steps
-    0..step from the same origin — exactly the cache slots drafting will have written."""
-    b, length = context.key_ok.shape
-    positions = torch.arange(length) + step + 1
-    cos, sin = context.cos[positions], context.sin[positions]  # [L, hd]
-    causal = torch.ones(length, length, dtype=torch.bool).tril()[None] & context.key_ok[:, None]
-
-    def attend(q, k, v):
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        own.append((k, v))
-        kv_heads, head_dim = k.shape[-2], k.shape[-1]
-        q = q.unflatten(-2, (kv_heads, -1))  # [B, L, KVH, G, hd]
-        scale = head_dim**-0.5
-        scores = torch.einsum("blkgd,bskd->bkgls", q, context.k.to(q.dtype)) * scale
-        scores = scores.masked_fill(~causal[:, None, None], float("-inf"))
-        own_k = torch.stack([kk for kk, _ in own], dim=2)  # [B, L, S, KVH, hd]
-        own_v = torch.stack([vv for _, vv in own], dim=2)
-        own_scores = torch.einsum("blkgd,blskd->bkgls", q, own_k) * scale
-        weights = torch.softmax(torch.cat((scores, own_scores), -1).float(), -1).to(q.dtype)
-        out = torch.einsum("bkgls,bskd->blkgd", weights[..., :length], context.v.to(q.dtype))
-        out = out + torch.einsum("bkgls,blskd->blkgd", weights[..., length:], own_v)
-        return out.flatten(-3, -2)  # [B, L, H, hd]
-
-    return attend
-
-
-def training_self_attend(context: TrainContext, keep: list) -> Attend:
-    """Step 0 of a "self" head from every origin at once: the query from origin t sees the
-    head's keys from origins <= t, all made from the target's hidden states (the verified text,
-    as the drafter's cache holds it). The K/V are kept (in `keep`) as the context later steps
-    attend to through `training_attend`."""
-    length = context.key_ok.shape[1]
-    # Origin t at rotary position t (drafting puts it at t + 1: rotary scores depend only on
-    # the distance between positions, so the two agree).
-    cos, sin = context.cos[:length], context.sin[:length]
-    causal = torch.ones(length, length, dtype=torch.bool).tril()[None] & context.key_ok[:, None]
-
-    def attend(q, k, v):
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        keep.append((k, v))
-        kv_heads, head_dim = k.shape[-2], k.shape[-1]
-        q = q.unflatten(-2, (kv_heads, -1))  # [B, L, KVH, G, hd]
-        scores = torch.einsum("blkgd,bskd->bkgls", q, k) * head_dim**-0.5
-        scores = scores.masked_fill(~causal[:, None, None], float("-inf"))
-        weights = torch.softmax(scores.float(), -1).to(q.dtype)
-        return torch.einsum("bkgls,bskd->blkgd", weights, v).flatten(-3, -2)
-
-    return attend
-
-
 class MTPHead(nn.Module):
     def __init__(self, config: MTPConfig):
         super().__init__()
@@ -250,14 +185,15 @@ class MTPHead(nn.Module):
 
     @property
     def needs_context(self) -> bool:
-        """Training needs a TrainContext (rotary tables, padding; the target's K/V)."""
+        """Training needs a TrainContext (mtp_edge/train/context.py: rotary tables, padding;
+        the target's K/V)."""
         return self.config.attention != "none"
 
     def step(self, h: torch.Tensor, token_emb: torch.Tensor, attend: Attend | None = None):
         """h [..., D], token_emb [..., D] -> (draft logits [..., Vd], next hidden [..., D]).
 
         `attend` (heads that read the target's cache) runs the attention at the drafted
-        position: see `training_attend` and runtime/mtp_drafter.py."""
+        position: see mtp_edge/train/context.py and runtime/mtp_drafter.py."""
         x = self.proj(torch.cat((self.hnorm(h), self.enorm(token_emb)), dim=-1))
         for block in self.blocks:
             x = block(x, attend)
@@ -267,7 +203,7 @@ class MTPHead(nn.Module):
         self,
         h: torch.Tensor,
         token_embs: torch.Tensor,
-        context: TrainContext | None = None,
+        context=None,
         return_hidden: bool = False,
     ):
         """Unrolled steps for training: h [B, L, D], token_embs [B, L, J, D] -> [B, L, J, Vd]
@@ -275,21 +211,13 @@ class MTPHead(nn.Module):
 
         Origin t starts from the target's hidden state at t; step j reads the embedding of the
         token at t+j+1, as drafting does once the draft of step j-1 is right (the only case in
-        which step j counts).
+        which step j counts). Heads that attend take a `context` (a TrainContext,
+        mtp_edge/train/context.py) whose `attends` gives each step's attention.
         """
-        out, hidden, own = [], [], []
+        out, hidden = [], []
+        attends = context.attends(self.config.attention) if self.needs_context else None
         for j in range(token_embs.shape[-2]):
-            if self.has_own_cache:
-                if j == 0:
-                    first: list = []
-                    attend = training_self_attend(context, first)
-                else:
-                    if j == 1:  # later steps attend to step 0's K/V, as to a cache
-                        ((k0, v0),) = first
-                        context = TrainContext(k0, v0, context.key_ok, context.cos, context.sin)
-                    attend = training_attend(context, j - 1, own)
-            else:
-                attend = training_attend(context, j, own) if self.reads_target_cache else None
+            attend = next(attends) if attends is not None else None
             logits, h = self.step(h, token_embs[..., j, :], attend)
             out.append(logits)
             hidden.append(h)

@@ -1,4 +1,8 @@
-"""MTP heads: lossless drafting (greedy, sampling), training, DDP, heads files."""
+"""MTP heads: lossless drafting, training, DDP, heads files (one file: one fixture trains heads).
+
+Drafting and training tests share the heads the module-scoped `trained` fixture trains once per
+kind (minutes on two cores), so they stay in one module past 600 lines.
+"""
 
 from __future__ import annotations
 
@@ -317,16 +321,16 @@ def test_int8_writer():
 
 def test_default_corpus_is_written_by_the_target_and_cached(tiny_dir, monkeypatch):
     quality = pytest.importorskip("mtp_edge.quantize.quality")
-    from mtp_edge import train
+    from mtp_edge.train import corpus, writer
 
-    assert not set(quality.HELDOUT_TOPICS) & set(train.doc_topics())
+    assert not set(quality.HELDOUT_TOPICS) & set(corpus.doc_topics())
     loaded = load_model(str(tiny_dir / "model"))
     settings = dict(data=(), gen_tokens=100, gen_max_new=12, gen_batch=3, raw_tokens=300)
     opts = options(
         tiny_dir, out=str(tiny_dir / "corpus" / "heads.safetensors"), writer="fp32", **settings
     )
     (tiny_dir / "corpus").mkdir()
-    sequences = train.build_corpus(loaded, opts, "hash", 0, 1, print)
+    sequences = writer.build_corpus(loaded, opts, "hash", 0, 1, print)
     raw = [s for s in sequences if s.start == 0]
     written = [s for s in sequences if s.start > 0]
     assert sum(len(s.tokens) for s in raw) >= 300
@@ -340,8 +344,8 @@ def test_default_corpus_is_written_by_the_target_and_cached(tiny_dir, monkeypatc
     def no_generation(*args):
         raise AssertionError("the cached responses were generated again")
 
-    monkeypatch.setattr(train, "generate_batch", no_generation)
-    again = train.build_corpus(loaded, opts, "hash", 0, 1, print)
+    monkeypatch.setattr(writer, "generate_batch", no_generation)
+    again = writer.build_corpus(loaded, opts, "hash", 0, 1, print)
     assert [s.tokens for s in again] == [s.tokens for s in sequences]
 
 
@@ -349,7 +353,7 @@ def test_self_written_requests(tiny_dir, monkeypatch):
     """--self-prompt-tokens: the target samples requests from the start of a user turn of its
     chat template, whole turns only; the requests are cached and reused; their responses join
     the corpus after the template ones. Without a chat template: a one-line refusal."""
-    from mtp_edge import train
+    from mtp_edge.train import writer
 
     loaded = load_model(str(tiny_dir / "model"))
     root = tiny_dir / "requests"
@@ -358,12 +362,12 @@ def test_self_written_requests(tiny_dir, monkeypatch):
     opts = options(tiny_dir, out=str(root / "heads.safetensors"), **settings)
     opts.self_prompt_tokens = 30
     with pytest.raises(UserError, match="no chat template"):
-        train.build_corpus(loaded, opts, "hash", 0, 1, print)
+        writer.build_corpus(loaded, opts, "hash", 0, 1, print)
     loaded.tokenizer.chat_template = (
         "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
         "{% if add_generation_prompt %}<assistant> {% endif %}"
     )
-    real = train.generate_batch
+    real = writer.generate_batch
 
     word = loaded.tokenizer.encode(" a")[-1]  # a token that starts a word
 
@@ -376,8 +380,8 @@ def test_self_written_requests(tiny_dir, monkeypatch):
             outs = [[word if i % 2 == 0 else t for i, t in enumerate(o)] for o in outs]
         return outs
 
-    monkeypatch.setattr(train, "generate_batch", ending)
-    sequences = train.build_corpus(loaded, opts, "hash", 0, 1, print)
+    monkeypatch.setattr(writer, "generate_batch", ending)
+    sequences = writer.build_corpus(loaded, opts, "hash", 0, 1, print)
     requests = [
         json.loads(line) for line in (root / "heads.requests.jsonl").read_text().splitlines()
     ]
@@ -392,8 +396,8 @@ def test_self_written_requests(tiny_dir, monkeypatch):
     def no_sampling(*args, **kwargs):
         raise AssertionError("the cached requests were written again")
 
-    monkeypatch.setattr(train, "generate_batch", no_sampling)
-    again = train.build_corpus(loaded, opts, "hash", 0, 1, print)
+    monkeypatch.setattr(writer, "generate_batch", no_sampling)
+    again = writer.build_corpus(loaded, opts, "hash", 0, 1, print)
     assert [s.tokens for s in again] == [s.tokens for s in sequences]
 
 

@@ -1,0 +1,66 @@
+"""mtp-train: MTP heads for a target that has none, by self-distillation from the frozen target.
+
+Four stages, each a plain function:
+1. corpus: the user's text files; or offline text (the Python docs that ship with the interpreter
+   and stdlib sources) plus responses the target writes itself to instruction prompts built from
+   that material. What the head must predict is what the target says, so the target's own
+   writing is the best data; the responses are cached next to --out and never regenerated.
+2. labels: the frozen target, teacher-forced over each sequence: per position its final hidden
+   state and its argmax next token.
+3. draft vocabulary: the tokens the target predicts most often (the head's LM head covers only
+   these, which keeps a draft step cheap).
+4. training-time test (EAGLE-3): whole sequences at once; from every position, k unrolled steps
+   on the head's own hidden state (and, for heads that read the target's cache, attention over
+   the target's last-layer K/V plus the head's own K/V of the earlier steps, as drafting writes
+   them), each scored against the target's distribution over the draft vocabulary (soft labels;
+   `--labels hard`: its argmax); early steps weigh more, as a later draft only counts when the
+   earlier ones were accepted.
+
+Runs under `torchrun --nproc_per_node=N` (gloo): ranks share the generation, label and train on
+their own shard of sequences, and DistributedDataParallel averages the gradients. Only rank 0
+writes files.
+
+Modules, each importing only those above it:
+- options: TrainOptions, and the files a run keeps next to --out (artifact_paths).
+- corpus: text without the target: the user's files (plain or prompt/response pairs), offline
+  text, and the instruction prompts built from that material (stage 1's input).
+- writer: the target writing its own text (stage 1): batched generation (the int8 writer), the
+  requests it writes itself, an exported target's session, the cache of what it wrote.
+- labels: stages 2 and 3: Labels from the eager or exported target (cached), the draft
+  vocabulary.
+- context: the attention of heads that attend, for all origins at once (TrainContext).
+- loop: stage 4 and the run: batches, losses, held-out evaluation, checkpoints, DDP,
+  train_heads.
+"""
+
+from mtp_edge.train.corpus import Sequence, doc_topics
+from mtp_edge.train.labels import Labels, draft_vocabulary, label_sequences, label_with_session
+from mtp_edge.train.loop import rope_tables, sequence_batch, train_heads
+from mtp_edge.train.options import TrainOptions
+from mtp_edge.train.writer import (
+    Int8Linear,
+    build_corpus,
+    generate_batch,
+    generate_with_session,
+    int8_writer,
+    open_target_bundle,
+)
+
+__all__ = [
+    "Int8Linear",
+    "Labels",
+    "Sequence",
+    "TrainOptions",
+    "build_corpus",
+    "doc_topics",
+    "draft_vocabulary",
+    "generate_batch",
+    "generate_with_session",
+    "int8_writer",
+    "label_sequences",
+    "label_with_session",
+    "open_target_bundle",
+    "rope_tables",
+    "sequence_batch",
+    "train_heads",
+]

@@ -1,0 +1,132 @@
+"""What a training run is told (TrainOptions) and the files it keeps next to --out."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from mtp_edge.errors import UserError
+
+
+@dataclass
+class TrainOptions:
+    out: str = "heads.safetensors"
+    model: str = "default"
+    data: tuple[str, ...] = ()  # text files; empty: offline text + the target's own responses
+    k: int = 4  # unrolled draft steps
+    steps: int = 3000
+    # Draft origins per step (per rank): drawn from anywhere in the text for heads without
+    # attention, in whole sequences for heads with attention.
+    batch_size: int = 512
+    lr: float = 1e-3
+    seed: int = 0
+    resume: bool = False
+    draft_vocab: int = 8192
+    num_blocks: int = 1
+    intermediate_size: int = 0  # 0: the target's
+    # "none", "target_cache" or "self" (mtp.py; measured in README.md, "The MTP drafter")
+    attention: str = "none"
+    labels: str = "hard"  # hard: the target's argmax; soft: its distribution over the draft vocab
+    # Weight of the hidden-state loss: each step's output hidden state regressed onto the
+    # target's own hidden state at the position it stands in for (EAGLE's feature loss), meant
+    # to keep step j+1's input like the target's. Off by default: with it (and the LM head
+    # frozen) the head stopped memorising its text but learned the target's choices more slowly
+    # (benchmarks/README.md, "MTP head training").
+    feature_loss: float = 0.0
+    train_lm_head: bool = True  # False: the draft LM head stays the target's rows, frozen
+    gen_tokens: int = 100_000  # response tokens the target writes (default corpus only)
+    # More response tokens, to requests the target writes itself (Magpie: sampled from the
+    # start of a user turn of its own chat template): requests as varied as the model's own
+    # idea of what users ask, beyond the templates over offline material.
+    self_prompt_tokens: int = 0
+    init: str | None = None  # heads to start from (their draft vocabulary and design too)
+    gen_max_new: int = 256  # longest response
+    gen_batch: int = 64  # prompts (and self-written requests) decoded together
+    write_only: bool = False  # write the text (cached next to --out), then stop
+    # Who writes the text: "int8" (the target with int8 linears, batched: the fastest on a
+    # CPU), "fp32" (the target as loaded, batched), "bundle" (the exported target of --bundle,
+    # one sequence at a time: exactly what will run, ~1.4x slower than int8). Default: the
+    # bundle when one is given, else int8. Labels always come from the real target (the
+    # bundle's when given). Measured agreement with the bundle's own greedy choices:
+    # benchmarks/README.md, "Writing the text".
+    writer: str = ""
+    raw_tokens: int = 50_000  # tokens of offline text (default corpus only)
+    seq_len: int = 512  # longest text sequence
+    heldout: float = 0.05  # fraction of sequences held out for evaluation
+    step_decay: float = 0.8  # loss weight of draft step j is step_decay ** (j - 1)
+    weight_decay: float = 0.0
+    warmup: int = 100
+    log_every: int = 50
+    eval_every: int = 500
+    checkpoint_every: int = 500
+    threads: int = 0  # 0: torch's default
+    # An ExecuTorch bundle of the same target (exported with --drafter mtp, so that it returns
+    # hidden states): it writes and labels the text instead of the eager model, so the heads
+    # learn the exported (quantized) target's states and choices — what they will be run on.
+    bundle: str | None = None
+
+    def __post_init__(self):
+        self.data = tuple(self.data)
+        self.writer = self.writer or ("bundle" if self.bundle else "int8")
+        checks = [
+            (self.k >= 1, f"--k must be >= 1, got {self.k}"),
+            (self.steps >= 1, f"--steps must be >= 1, got {self.steps}"),
+            (self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}"),
+            (self.lr > 0, f"--lr must be > 0, got {self.lr}"),
+            (self.draft_vocab >= 1, f"--draft-vocab must be >= 1, got {self.draft_vocab}"),
+            (self.num_blocks >= 1, f"--num-blocks must be >= 1, got {self.num_blocks}"),
+            (0 < self.heldout < 1, f"--heldout must be in (0, 1), got {self.heldout}"),
+            (self.seq_len >= 2, f"--seq-len must be >= 2, got {self.seq_len}"),
+            (self.gen_batch >= 1, f"--gen-batch must be >= 1, got {self.gen_batch}"),
+            (
+                self.writer in ("int8", "fp32", "bundle"),
+                f"--writer must be int8, fp32 or bundle, got {self.writer}",
+            ),
+            (
+                self.writer != "bundle" or self.bundle is not None,
+                "--writer bundle writes with the exported target: give it with --bundle",
+            ),
+            (
+                min(self.gen_tokens, self.raw_tokens, self.self_prompt_tokens) >= 0,
+                "token budgets must be >= 0",
+            ),
+            (
+                self.attention in ("none", "target_cache", "self"),
+                f"--attention must be none, target_cache or self, got {self.attention}",
+            ),
+            (self.labels in ("soft", "hard"), f"--labels must be soft or hard, got {self.labels}"),
+            (self.feature_loss >= 0, f"--feature-loss must be >= 0, got {self.feature_loss}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise UserError(message)
+
+    def recipe(self) -> dict:
+        """What the heads file records about how it was made (file names, not local paths)."""
+        values = asdict(self)
+        for key in (
+            "out",
+            "resume",
+            "threads",
+            "log_every",
+            "eval_every",
+            "checkpoint_every",
+            "write_only",
+        ):
+            values.pop(key)
+        values["model"] = Path(self.model).name
+        values["bundle"] = Path(self.bundle).name if self.bundle else None
+        values["data"] = [Path(p).name for p in self.data]
+        values["init"] = Path(self.init).name if self.init else None
+        return values
+
+
+def artifact_paths(out: str | Path) -> dict[str, Path]:
+    out = Path(out)
+    return {
+        "generated": out.with_name(out.stem + ".gen.jsonl"),
+        "requests": out.with_name(out.stem + ".requests.jsonl"),  # the target's own requests
+        "checkpoint": out.with_name(out.stem + ".ckpt.safetensors"),
+        "labels": out.with_name(out.stem + ".labels"),  # + .<part><rank>.safetensors
+        "checkpoint_json": out.with_name(out.stem + ".ckpt.json"),
+    }
