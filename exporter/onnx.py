@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtp_edge.errors import UserError
-from mtp_edge.model import Transformer, rope_frequencies, rotate_half
+from mtp_edge.model import MLP, Attention, Transformer, rope_frequencies, rotate_half
 from mtp_edge.mtp import MTPHead, apply_rope
 from mtp_edge.quantize.schemes import check_target_scheme
 
@@ -245,12 +245,69 @@ def _fused(*linears: nn.Linear) -> MatMulLinear:
     return MatMulLinear(torch.cat([lin.weight for lin in linears]), bias)
 
 
+class GQAAttention(nn.Module):
+    """Attention as one GroupQueryAttention over caches that are graph inputs, q, k and v one
+    MatMul. It rotates q and k itself (`fused_rotary`: cos/sin are then the whole tables, read
+    at the call's positions) or takes them rotated (cos/sin: the rows of the call's positions).
+    For each call OnnxTarget sets `past` (this layer's cache inputs), `seqlens_k` and
+    `total_len`, and collects `present`, the caches GroupQueryAttention returns."""
+
+    def __init__(self, attention: Attention, fused_rotary: bool):
+        super().__init__()
+        a = attention
+        self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
+        self.qkv = _fused(a.q_proj, a.k_proj, a.v_proj)
+        self.o_proj = MatMulLinear(a.o_proj.weight, a.o_proj.bias)
+        self.q_norm, self.k_norm = a.q_norm, a.k_norm
+        self.fused_rotary = fused_rotary
+        self.past = self.present = self.seqlens_k = self.total_len = None
+
+    def forward(self, x, positions, cos, sin, mask, kv_len):
+        t, d, heads, kv_heads = x.shape[1], self.head_dim, self.num_heads, self.num_kv_heads
+        width = kv_heads * d
+        qkv = self.qkv(x)
+        q, k, v = qkv, None, None  # packed
+        if self.q_norm is not None or not self.fused_rotary:
+            q, k, v = qkv.split([heads * d, width, width], -1)
+        if self.q_norm is not None:  # Qwen3: RMSNorm per head on q and k before the rotation
+            q = self.q_norm(q.view(1, t, heads, d)).reshape(1, t, -1)
+            k = self.k_norm(k.view(1, t, kv_heads, d)).reshape(1, t, -1)
+        if self.fused_rotary:
+            out, k_cache, v_cache = gqa_rope(
+                q, k, v, *self.past, self.seqlens_k, self.total_len, cos, sin, heads, kv_heads
+            )
+        else:
+            q, k = q.view(1, t, heads, d), k.view(1, t, kv_heads, d)
+            q = (q * cos + rotate_half(q) * sin).reshape(1, t, -1)
+            k = (k * cos + rotate_half(k) * sin).reshape(1, t, -1)
+            out, k_cache, v_cache = gqa(
+                q, k, v, *self.past, self.seqlens_k, self.total_len, heads, kv_heads
+            )
+        self.present = [k_cache, v_cache]
+        return self.o_proj(out)
+
+
+class FusedMLP(nn.Module):
+    """The MLP with gate and up as one MatMul."""
+
+    def __init__(self, mlp: MLP):
+        super().__init__()
+        self.gate_up = _fused(mlp.gate_proj, mlp.up_proj)
+        self.down_proj = MatMulLinear(mlp.down_proj.weight, mlp.down_proj.bias)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
 class OnnxTarget(nn.Module):
-    """The Transformer's forward with the caches as inputs/outputs and GQA as attention.
+    """The model's forward with the caches as inputs/outputs, on a copy of the model whose
+    attention and MLP are swapped for GQAAttention and FusedMLP.
 
     Shaped for onnxruntime's per-node cost (a decode step is a few ms): q, k, v are one MatMul
     and gate/up another, and GroupQueryAttention applies the rotary embedding itself
-    (do_rotary) and takes q, k, v packed (unless the model normalises q and k first)."""
+    (do_rotary) and takes q, k, v packed (unless the model normalises q and k first). The LM
+    head is a MatMul against the transposed table, the form the quantizer takes."""
 
     def __init__(self, model: Transformer, max_seq_len: int, return_hidden: bool):
         super().__init__()
@@ -266,59 +323,31 @@ class OnnxTarget(nn.Module):
         else:
             self.register_buffer("cos_table", model.rope_cos)
             self.register_buffer("sin_table", model.rope_sin)
-        self.qkv, self.gate_up = nn.ModuleList(), nn.ModuleList()
         for layer in model.layers:
-            a, mlp = layer.self_attn, layer.mlp
-            a.cache = None  # the caches are graph inputs here
-            self.qkv.append(_fused(a.q_proj, a.k_proj, a.v_proj))
-            self.gate_up.append(_fused(mlp.gate_proj, mlp.up_proj))
-            a.q_proj = a.k_proj = a.v_proj = mlp.gate_proj = mlp.up_proj = None
+            layer.self_attn = GQAAttention(layer.self_attn, self.fused_rotary)
+            layer.mlp = FusedMLP(layer.mlp)
         head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
         self.lm_head = MatMulLinear(head)
         model.lm_head = None
-        _transpose_linears(model)
         self.model, self.return_hidden = model, return_hidden
 
     def forward(self, tokens, input_pos, caches: list[torch.Tensor]):
-        m = self.model
         t = tokens.shape[1]
         seqlens_k = (input_pos + (t - 1)).to(torch.int32)
         total_len = (input_pos[0] + t).to(torch.int32)
-        if not self.fused_rotary:
+        if self.fused_rotary:
+            cos, sin = self.cos_cache, self.sin_cache
+        else:
             positions = input_pos + torch.arange(t)
             cos = self.cos_table[positions][None, :, None]
             sin = self.sin_table[positions][None, :, None]
-        x = m.embed_tokens(tokens)
-        present = []
-        for i, layer in enumerate(m.layers):
-            a = layer.self_attn
-            d, width = a.head_dim, a.num_kv_heads * a.head_dim
-            qkv = self.qkv[i](layer.input_layernorm(x))
-            q, k, v = qkv, None, None  # packed
-            if a.q_norm is not None or not self.fused_rotary:
-                q, k, v = qkv.split([a.num_heads * d, width, width], -1)
-            if a.q_norm is not None:  # Qwen3: RMSNorm per head on q and k before the rotation
-                q = a.q_norm(q.view(1, t, a.num_heads, d)).reshape(1, t, -1)
-                k = a.k_norm(k.view(1, t, a.num_kv_heads, d)).reshape(1, t, -1)
-            cache = caches[2 * i], caches[2 * i + 1]
-            if self.fused_rotary:
-                out, k_cache, v_cache = gqa_rope(
-                    q, k, v, *cache, seqlens_k, total_len, self.cos_cache, self.sin_cache,
-                    a.num_heads, a.num_kv_heads,
-                )  # fmt: skip
-            else:
-                q, k = q.view(1, t, a.num_heads, d), k.view(1, t, a.num_kv_heads, d)
-                q = (q * cos + rotate_half(q) * sin).reshape(1, t, -1)
-                k = (k * cos + rotate_half(k) * sin).reshape(1, t, -1)
-                out, k_cache, v_cache = gqa(
-                    q, k, v, *cache, seqlens_k, total_len, a.num_heads, a.num_kv_heads
-                )
-            present += [k_cache, v_cache]
-            x = x + a.o_proj(out)
-            h = self.gate_up[i](layer.post_attention_layernorm(x))
-            gate, up = h.chunk(2, dim=-1)
-            x = x + layer.mlp.down_proj(F.silu(gate) * up)
-        hidden = m.norm(x)
+        attentions = [layer.self_attn for layer in self.model.layers]
+        for a, k_cache, v_cache in zip(attentions, caches[0::2], caches[1::2], strict=True):
+            a.past, a.seqlens_k, a.total_len = (k_cache, v_cache), seqlens_k, total_len
+        hidden = self.model.hidden_states(tokens, None, cos, sin, None)
+        present = [cache for a in attentions for cache in a.present]
+        for a in attentions:
+            a.past = a.present = a.seqlens_k = a.total_len = None
         logits = self.lm_head(hidden)
         return (logits, hidden, *present) if self.return_hidden else (logits, *present)
 
