@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtp_edge.errors import UserError
-from mtp_edge.model import RMSNorm, Transformer, rotate_half
+from mtp_edge.model import Attention, RMSNorm, Transformer, rotate_half
 from mtp_edge.mtp import MTPHead, apply_rope
 from mtp_edge.quantize.schemes import check_target_scheme
 
@@ -73,15 +73,49 @@ def fp16_copy(module: nn.Module) -> nn.Module:
     return module
 
 
+class CoreMLAttention(nn.Module):
+    """Attention on the cache state: the call's K/V rows go in place at `start` (slice_update;
+    the calling function sets `start` for each call) and the queries attend to the whole cache
+    under the additive fp16 mask. `k_cache` / `v_cache` are the functions' state tensors, which
+    each function's module registers as buffers under the state names (programs)."""
+
+    def __init__(self, attention: Attention, k_cache: torch.Tensor, v_cache: torch.Tensor):
+        super().__init__()
+        a = attention
+        self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = a.q_proj, a.k_proj, a.v_proj, a.o_proj
+        self.q_norm, self.k_norm = a.q_norm, a.k_norm
+        self.k_cache, self.v_cache = k_cache, v_cache
+        self.start: torch.Tensor | None = None
+
+    def forward(self, x, positions, cos, sin, mask, kv_len):
+        w, start = x.shape[1], self.start
+        q = self.q_proj(x).view(1, w, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(1, w, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(1, w, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        self.k_cache[:, :, start : start + w] = k  # slice_update on the state, in place
+        self.v_cache[:, :, start : start + w] = v
+        groups = self.num_heads // self.num_kv_heads
+        keys = self.k_cache.repeat_interleave(groups, dim=1)
+        values = self.v_cache.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(1, w, -1))
+
+
 class CoreMLTarget(nn.Module):
-    """The target for a fixed width W; the caches are buffers (Core ML states), shared by
-    passing the same `caches` to every width's module."""
+    """The target for a fixed width W: the model's forward, on the fp16 copy whose attention is
+    CoreMLAttention. The caches are buffers (Core ML states), shared by passing the same
+    `caches` to every width's module."""
 
     def __init__(self, model: Transformer, width: int, caches: list[torch.Tensor], hidden: bool):
         super().__init__()
         self.model, self.width, self.return_hidden = model, width, hidden
-        for i, layer in enumerate(model.layers):
-            layer.self_attn.cache = None
+        for i in range(len(model.layers)):
             self.register_buffer(f"k_cache_{i}", caches[2 * i])
             self.register_buffer(f"v_cache_{i}", caches[2 * i + 1])
 
@@ -93,30 +127,10 @@ class CoreMLTarget(nn.Module):
         slots = torch.arange(m.max_seq_len, dtype=torch.int32)
         mask = torch.where(slots[None, :] <= positions[:, None], 0.0, MASKED).to(DTYPE)
         start = input_pos[0]
-        x = m.embed_tokens(tokens)
-        for i, layer in enumerate(m.layers):
-            a = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = a.q_proj(h).view(1, w, a.num_heads, a.head_dim)
-            k = a.k_proj(h).view(1, w, a.num_kv_heads, a.head_dim)
-            v = a.v_proj(h).view(1, w, a.num_kv_heads, a.head_dim)
-            if a.q_norm is not None:
-                q, k = a.q_norm(q), a.k_norm(k)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
-            k_cache, v_cache = getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")
-            k_cache[:, :, start : start + w] = k  # slice_update on the state, in place
-            v_cache[:, :, start : start + w] = v
-            groups = a.num_heads // a.num_kv_heads
-            keys = k_cache.repeat_interleave(groups, dim=1)
-            values = v_cache.repeat_interleave(groups, dim=1)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-            x = x + a.o_proj(out.transpose(1, 2).reshape(1, w, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        hidden = m.norm(x)
-        head = m.embed_tokens.weight if m.lm_head is None else m.lm_head.weight
-        logits = F.linear(hidden, head)
+        for layer in m.layers:
+            layer.self_attn.start = start
+        hidden = m.hidden_states(tokens, positions, cos, sin, mask)
+        logits = m.logits(hidden)
         return (logits, hidden) if self.return_hidden else logits
 
 
@@ -190,6 +204,8 @@ def programs(
     c = model.config
     shape = (1, c.num_kv_heads, max_seq_len, c.head_dim)
     caches = [torch.zeros(shape, dtype=DTYPE) for _ in range(2 * c.num_layers)]
+    for i, layer in enumerate(target.layers):
+        layer.self_attn = CoreMLAttention(layer.self_attn, caches[2 * i], caches[2 * i + 1])
     hidden = head is not None
     result = {
         name: CoreMLTarget(target, width, caches, hidden)
