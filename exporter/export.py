@@ -265,7 +265,7 @@ def export_bundle(
                     },
                 )
             elif options.target == "android":
-                from mtp_edge.exporter.executorch_mtp import export_mtp_program
+                from mtp_edge.exporter.executorch import export_mtp_program
 
                 methods, settings = export_mtp_program(
                     draft,
