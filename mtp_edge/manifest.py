@@ -111,8 +111,11 @@ class Manifest:
             raise UserError(
                 f"{where} holds {type(data).__name__}, not a manifest object: re-export"
             )
+        for key in ("models", "drafter"):
+            if key not in data:
+                raise UserError(f"{where}: missing key '{key}': re-export the bundle")
         values = _checked(cls, data, where, skip=("models", "drafter"))
-        models = data.get("models")
+        models = data["models"]
         if not isinstance(models, dict) or "target" not in models:
             raise UserError(f"{where}: 'models' must map 'target' (and more) to files: re-export")
         values["models"] = {
@@ -124,7 +127,7 @@ class Manifest:
         )
         if values["drafter"].kind not in DRAFTER_KINDS:
             raise UserError(
-                f"{where}: drafter.kind '{values['drafter'].kind}' is not one of "
+                f"{where}: 'drafter.kind' is '{values['drafter'].kind}', not one of "
                 f"{', '.join(DRAFTER_KINDS)}: re-export the bundle"
             )
         return cls(**values)

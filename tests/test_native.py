@@ -14,7 +14,9 @@ for speculative vs plain decoding (devices/harness.py NEAR_TIE)."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -91,7 +93,7 @@ def mtp_bundle(tmp_path_factory):
     target's cache (the default kind): the target program's `draft` method, no drafter.pte."""
     bundle = export_mtp_bundle(tmp_path_factory, "target_cache")
     m = open_bundle(bundle).manifest
-    assert m.drafter["method"] == "draft" and m.drafter["reads_target_cache"]
+    assert m.drafter.method == "draft" and m.drafter.reads_target_cache
     assert "drafter" not in m.models and "draft" in m.models["target"].methods
     return bundle
 
@@ -101,7 +103,7 @@ def mlp_mtp_bundle(tmp_path_factory):
     """The same with MLP heads (attention "none"): a drafter.pte program of their own."""
     bundle = export_mtp_bundle(tmp_path_factory, "none")
     m = open_bundle(bundle).manifest
-    assert "method" not in m.drafter and "drafter" in m.models
+    assert m.drafter.method is None and "drafter" in m.models
     return bundle
 
 
@@ -116,8 +118,8 @@ def self_mtp_bundle(tmp_path_factory):
     whose rows the head never took in); in fp32 the runtimes draft alike exactly."""
     bundle = export_mtp_bundle(tmp_path_factory, "self", "--draft-quant", "fp32")
     m = open_bundle(bundle).manifest
-    assert m.drafter["own_cache"] and m.drafter["max_chunk"] == 128 < PROMPT_TOKENS
-    assert "method" not in m.drafter and "drafter" in m.models
+    assert m.drafter.own_cache and m.drafter.max_chunk == 128 < PROMPT_TOKENS
+    assert m.drafter.method is None and "drafter" in m.models
     return bundle
 
 
@@ -294,11 +296,10 @@ def test_runner_equals_python_mtp_bundle(request, runner, tmp_path, bundle_name,
 def test_bundle_drafting_policy_matches_python(runner, mlp_mtp_bundle, tmp_path):
     """A bundle's drafting policy (manifest drafter.lookup and draft_confidence, which
     mtp-export writes) is what both runtimes run by default: native mtp-runner with no
-    --drafter against mtp_edge.cli.setup's default drafter (mtp+ngram, gated), same tokens,
+    --drafter against runtime/assemble.py's default drafter (mtp+ngram, gated), same tokens,
     same drafts; and flags still win over it."""
-    import shutil
 
-    from mtp_edge.cli import setup
+    from mtp_edge.runtime.assemble import assemble
 
     bundle = tmp_path / "policy"
     shutil.copytree(mlp_mtp_bundle, bundle)
@@ -308,8 +309,7 @@ def test_bundle_drafting_policy_matches_python(runner, mlp_mtp_bundle, tmp_path)
     prompts = suite_ids(str(bundle))[:16]
     report = run_native(runner, str(bundle), prompts, tmp_path, "--record-drafts")
     assert report["drafter"] == "mtp+ngram"
-    opts = setup_options(bundle, 256)
-    policy = setup(opts).drafter
+    policy = assemble(setup_options(bundle, 256)).drafter
     assert (policy.lookup.min_n, policy.lookup.max_n, policy.model.min_confidence) == (2, 3, 0.05)
     drafts: list = []
     spec = python_runs(str(bundle), prompts, policy, drafts=drafts)
@@ -555,7 +555,6 @@ def test_c_api_stop_strings_match_python(runner, mtp_bundle):
 def policy_mtp_bundle(mtp_bundle, tmp_path_factory):
     """mtp_bundle with a drafting policy (lookup 2-3): its own drafter is mtp+ngram, so that
     the C API's drafters chosen by name all differ from the one it runs by default."""
-    import shutil
 
     bundle = tmp_path_factory.mktemp("policy") / "bundle"
     shutil.copytree(mtp_bundle, bundle)
@@ -664,7 +663,6 @@ def test_user_errors_are_one_line(runner, mtp_bundle, tmp_path):
     assert "unknown option" in error("--bundle", mtp_bundle, "--prompt-ids", "1", "--speed")
     assert "draft-lm" in error("--bundle", mtp_bundle, "--prompt-ids", "1", "--drafter", "draft-lm")
     assert "--stop" in error("--bundle", mtp_bundle, "--prompt-ids", "1", "--stop", "")
-    import shutil
 
     tampered = tmp_path / "tampered"
     shutil.copytree(mtp_bundle, tampered)
@@ -674,3 +672,63 @@ def test_user_errors_are_one_line(runner, mtp_bundle, tmp_path):
         f.seek(-1, 2)
         f.write(bytes([byte[0] ^ 1]))
     assert "sha256" in error("--bundle", str(tampered), "--prompt-ids", "1")
+
+
+def _without(key):
+    return lambda m: m.pop(key)
+
+
+MANIFEST_CASES = [  # (what, edit of manifest.json, the key a refusal names; None: valid)
+    ("as exported", lambda m: None, None),
+    ("no bos", lambda m: m.update(bos_id=None), None),
+    ("an empty drafter", lambda m: m.update(drafter={}), None),
+    ("no chat_format", _without("chat_format"), None),
+    ("no models", _without("models"), "models"),
+    ("models a list", lambda m: m.update(models=[]), "models"),
+    ("no target file", lambda m: m["models"].pop("target"), "models"),
+    ("no drafter", _without("drafter"), "drafter"),
+    ("max_seq_len text", lambda m: m.update(max_seq_len="lots"), "max_seq_len"),
+    ("eos_ids with text", lambda m: m.update(eos_ids=[1, "2"]), "eos_ids"),
+    ("vocab_size a float", lambda m: m.update(vocab_size=96.0), "vocab_size"),
+    ("an unknown key", lambda m: m.update(extra=1), "extra"),
+    ("k text", lambda m: m["drafter"].update(k="4"), "drafter.k"),
+    ("an unknown kind", lambda m: m["drafter"].update(kind="magic"), "drafter.kind"),
+    ("lookup a number", lambda m: m["drafter"].update(lookup=5), "drafter.lookup"),
+    ("own_cache a number", lambda m: m["drafter"].update(own_cache=1), "drafter.own_cache"),
+    ("an unknown drafter key", lambda m: m["drafter"].update(speed=9), "drafter.speed"),
+    ("sha256 a number", lambda m: m["models"]["target"].update(sha256=1), "sha256"),
+    ("no quant", lambda m: m["models"]["target"].pop("quant"), "quant"),
+]
+
+
+def test_python_and_native_readers_agree_on_manifests(runner, mlp_mtp_bundle, tmp_path):
+    """Both readers of the bundle contract, fed the same manifests: the same accepted, the
+    same refused, each refusal one line naming the same key."""
+    from mtp_edge.errors import UserError
+    from mtp_edge.manifest import Manifest
+
+    exported = json.loads((Path(mlp_mtp_bundle) / "manifest.json").read_text())
+    for i, (what, edit, key) in enumerate(MANIFEST_CASES):
+        bundle = tmp_path / f"case{i}"
+        shutil.copytree(mlp_mtp_bundle, bundle)
+        manifest = json.loads(json.dumps(exported))
+        edit(manifest)
+        (bundle / "manifest.json").write_text(json.dumps(manifest))
+        try:
+            Manifest.load(bundle)
+            python_error = None
+        except UserError as e:
+            python_error = str(e)
+        args = [str(runner), "--bundle", str(bundle), "--prompt-ids", "1,2,3"]
+        done = subprocess.run(
+            [*args, "--max-new-tokens", "2", "--drafter", "none"],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        if key is None:
+            assert python_error is None, f"{what}: {python_error}"
+            assert done.returncode == 0, f"{what}: {done.stderr[-500:]}"
+            continue
+        assert python_error is not None and f"'{key}" in python_error, f"{what}: {python_error}"
+        assert done.returncode == 2, f"{what}: exit {done.returncode}: {done.stderr[-500:]}"
+        last = done.stderr.strip().splitlines()[-1]
+        assert last.startswith("error: ") and f"'{key}" in last, f"{what}: {last}"

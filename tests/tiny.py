@@ -156,10 +156,8 @@ def save_random_heads(model_dir, path, attention: str = "target_cache"):
     return path
 
 
-def setup_options(bundle, max_seq_len: int) -> dict:
-    """The drafter_options values of a plain `--bundle DIR` command (mtp_edge.cli.setup's opts)."""
-    return dict(
-        model_spec="default", bundle=str(bundle), drafter=None, k=None, heads=None,
-        adaptive_k=False, ngram_sizes=None, draft_confidence=None, max_seq_len=max_seq_len,
-        no_chat_template=True, threads=0,
-    )  # fmt: skip
+def setup_options(bundle, max_seq_len: int):
+    """The LoadOptions of a plain `--bundle DIR --no-chat-template` command."""
+    from mtp_edge.runtime.assemble import LoadOptions
+
+    return LoadOptions(bundle=str(bundle), max_seq_len=max_seq_len, chat=False)

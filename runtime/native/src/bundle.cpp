@@ -1,5 +1,6 @@
 #include "bundle.h"
 
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 #include <sys/stat.h>
@@ -31,6 +32,133 @@ nlohmann::json read_json(const std::string& path) {
   }
 }
 
+// The types of manifest.json's values, as mtp_edge/manifest.py declares them.
+enum class Kind { Text, Integer, Number, Bool, Object, TextOrNull, IntegerOrNull, ObjectOrNull, Integers };
+
+struct Key {
+  const char* name;
+  Kind kind;
+  bool required;
+};
+
+const char* describe(Kind kind) {
+  switch (kind) {
+    case Kind::Text: return "text";
+    case Kind::Integer: return "an integer";
+    case Kind::Number: return "a number";
+    case Kind::Bool: return "true or false";
+    case Kind::Object: return "an object";
+    case Kind::TextOrNull: return "text or null";
+    case Kind::IntegerOrNull: return "an integer or null";
+    case Kind::ObjectOrNull: return "an object or null";
+    case Kind::Integers: return "a list of integers";
+  }
+  return "?";
+}
+
+bool is_a(const nlohmann::json& v, Kind kind) {
+  switch (kind) {
+    case Kind::Text: return v.is_string();
+    case Kind::Integer: return v.is_number_integer();
+    case Kind::Number: return v.is_number();
+    case Kind::Bool: return v.is_boolean();
+    case Kind::Object: return v.is_object();
+    case Kind::TextOrNull: return v.is_null() || v.is_string();
+    case Kind::IntegerOrNull: return v.is_null() || v.is_number_integer();
+    case Kind::ObjectOrNull: return v.is_null() || v.is_object();
+    case Kind::Integers:
+      if (!v.is_array()) return false;
+      for (const auto& x : v)
+        if (!x.is_number_integer()) return false;
+      return true;
+  }
+  return false;
+}
+
+// Every key of `data` known, present when required and of its type; else one UserError that
+// names the key (the messages mtp_edge/manifest.py gives).
+void check_keys(const nlohmann::json& data, const std::vector<Key>& keys, const std::string& where,
+                const std::string& section) {
+  const std::string prefix = section.empty() ? "" : section + ".";
+  if (!data.is_object())
+    throw UserError(where + ": '" + section + "' must be an object: re-export the bundle");
+  std::vector<std::string> unknown;
+  for (auto it = data.begin(); it != data.end(); ++it) {
+    bool known = false;
+    for (const auto& key : keys) known = known || it.key() == key.name;
+    if (!known) unknown.push_back(it.key());
+  }
+  if (!unknown.empty()) {
+    std::sort(unknown.begin(), unknown.end());
+    throw UserError(where + ": unknown key '" + prefix + unknown[0] +
+                    "' (written by a newer mtp-export?): re-export the bundle with this version");
+  }
+  for (const auto& key : keys) {
+    if (!data.contains(key.name)) {
+      if (key.required)
+        throw UserError(where + ": missing key '" + prefix + key.name + "': re-export the bundle");
+      continue;
+    }
+    if (!is_a(data[key.name], key.kind))
+      throw UserError(where + ": '" + prefix + key.name + "' must be " + describe(key.kind) +
+                      ", not " + data[key.name].dump().substr(0, 40) + ": re-export the bundle");
+  }
+}
+
+const std::vector<Key> kManifestKeys = {
+    {"target", Kind::Text, true},          {"backend", Kind::Text, true},
+    {"model_name", Kind::Text, true},      {"max_seq_len", Kind::Integer, true},
+    {"max_chunk", Kind::Integer, true},    {"vocab_size", Kind::Integer, true},
+    {"bos_id", Kind::IntegerOrNull, true}, {"eos_ids", Kind::Integers, true},
+    {"chat_template", Kind::TextOrNull, true}, {"models", Kind::Object, true},
+    {"drafter", Kind::Object, true},       {"quality", Kind::Object, false},
+    {"chat_format", Kind::ObjectOrNull, false}, {"format_version", Kind::Integer, false},
+    {"exporter_version", Kind::Text, false},
+};
+
+const std::vector<Key> kModelFileKeys = {
+    {"file", Kind::Text, true},
+    {"sha256", Kind::Text, true},
+    {"quant", Kind::Object, true},
+    {"methods", Kind::Object, true},
+};
+
+const std::vector<Key> kDrafterKeys = {
+    {"kind", Kind::Text, false},          {"k", Kind::Integer, false},
+    {"lookup", Kind::TextOrNull, false},  {"draft_confidence", Kind::Number, false},
+    {"model_name", Kind::TextOrNull, false}, {"draft_vocab_size", Kind::IntegerOrNull, false},
+    {"hidden_size", Kind::IntegerOrNull, false}, {"method", Kind::TextOrNull, false},
+    {"reads_target_cache", Kind::Bool, false}, {"own_cache", Kind::Bool, false},
+    {"max_chunk", Kind::Integer, false},  {"recipe", Kind::Object, false},
+    {"functions", Kind::Object, false},
+};
+
+template <typename T>
+std::optional<T> optional_value(const nlohmann::json& data, const char* key) {
+  if (!data.contains(key) || data[key].is_null()) return std::nullopt;
+  return data[key].get<T>();
+}
+
+DrafterSpec read_drafter(const nlohmann::json& d, const std::string& where) {
+  check_keys(d, kDrafterKeys, where, "drafter");
+  DrafterSpec spec;
+  spec.kind = d.value("kind", spec.kind);
+  if (spec.kind != "none" && spec.kind != "ngram" && spec.kind != "mtp" && spec.kind != "draft-lm")
+    throw UserError(where + ": 'drafter.kind' is '" + spec.kind +
+                    "', not one of none, ngram, mtp, draft-lm: re-export the bundle");
+  spec.k = d.value("k", spec.k);
+  spec.lookup = optional_value<std::string>(d, "lookup");
+  spec.draft_confidence = d.value("draft_confidence", spec.draft_confidence);
+  spec.model_name = optional_value<std::string>(d, "model_name");
+  spec.draft_vocab_size = optional_value<int64_t>(d, "draft_vocab_size");
+  spec.hidden_size = optional_value<int64_t>(d, "hidden_size");
+  spec.method = optional_value<std::string>(d, "method");
+  spec.reads_target_cache = d.value("reads_target_cache", false);
+  spec.own_cache = d.value("own_cache", false);
+  spec.max_chunk = d.value("max_chunk", int64_t(0));
+  return spec;
+}
+
 }  // namespace
 
 std::string Manifest::path(const std::string& model) const {
@@ -38,10 +166,6 @@ std::string Manifest::path(const std::string& model) const {
   if (it == models.end()) throw UserError("bundle " + dir + " has no '" + model + "' file");
   return dir + "/" + it->second.file;
 }
-
-std::string Manifest::drafter_kind() const { return drafter.value("kind", std::string("none")); }
-
-int Manifest::default_k() const { return drafter.value("k", 4); }
 
 Manifest Manifest::load(const std::string& dir, bool verify) {
   if (!is_dir(dir)) throw UserError("bundle " + dir + " does not exist: export one with mtp-export");
@@ -56,21 +180,24 @@ Manifest Manifest::load(const std::string& dir, bool verify) {
   Manifest m;
   m.dir = dir;
   try {
-    m.target = data.at("target").get<std::string>();
-    m.backend = data.at("backend").get<std::string>();
-    m.model_name = data.at("model_name").get<std::string>();
-    m.max_seq_len = data.at("max_seq_len").get<int64_t>();
-    m.max_chunk = data.at("max_chunk").get<int64_t>();
-    m.vocab_size = data.at("vocab_size").get<int64_t>();
-    if (!data.at("bos_id").is_null()) m.bos_id = data["bos_id"].get<int64_t>();
-    m.eos_ids = data.at("eos_ids").get<std::vector<int64_t>>();
-    m.drafter = data.at("drafter");
-    for (auto& [name, entry] : data.at("models").items())
-      m.models[name] = {entry.at("file").get<std::string>(), entry.at("sha256").get<std::string>(),
-                        entry.contains("quant") && entry["quant"].is_object()
-                            ? entry["quant"].value("attention", std::string())
-                            : std::string()};
-    m.has_chat_template = data.contains("chat_template") && !data["chat_template"].is_null();
+    check_keys(data, kManifestKeys, path, "");
+    if (!data["models"].contains("target"))
+      throw UserError(path + ": 'models' must map 'target' (and more) to files: re-export");
+    m.target = data["target"].get<std::string>();
+    m.backend = data["backend"].get<std::string>();
+    m.model_name = data["model_name"].get<std::string>();
+    m.max_seq_len = data["max_seq_len"].get<int64_t>();
+    m.max_chunk = data["max_chunk"].get<int64_t>();
+    m.vocab_size = data["vocab_size"].get<int64_t>();
+    if (!data["bos_id"].is_null()) m.bos_id = data["bos_id"].get<int64_t>();
+    m.eos_ids = data["eos_ids"].get<std::vector<int64_t>>();
+    for (auto& [name, entry] : data["models"].items()) {
+      check_keys(entry, kModelFileKeys, path + ": models." + name, "");
+      m.models[name] = {entry["file"].get<std::string>(), entry["sha256"].get<std::string>(),
+                        entry["quant"].value("attention", std::string())};
+    }
+    m.drafter = read_drafter(data["drafter"], path);
+    m.has_chat_template = !data["chat_template"].is_null();
     if (data.contains("chat_format") && !data["chat_format"].is_null())
       m.chat_format = ChatFormat{data["chat_format"].at("prefix").get<std::string>(),
                                  data["chat_format"].at("suffix").get<std::string>()};

@@ -27,6 +27,21 @@ struct ChatFormat {
   std::string suffix;
 };
 
+// manifest.json's "drafter" (mtp_edge/manifest.py DrafterSpec: the same keys and meanings).
+struct DrafterSpec {
+  std::string kind = "none";  // none | ngram | mtp | draft-lm
+  int64_t k = 4;              // tokens drafted per step
+  std::optional<std::string> lookup;  // "MIN-MAX": prompt lookup before the model drafter
+  double draft_confidence = 0.0;      // no draft below this first-token probability
+  std::optional<std::string> model_name;  // draft-lm
+  std::optional<int64_t> draft_vocab_size, hidden_size;  // mtp
+  std::optional<std::string> method;  // mtp: a method of the target's program, on its cache
+  bool reads_target_cache = false;
+  bool own_cache = false;  // a self (EAGLE) head with a cache of its own
+  int64_t max_chunk = 0;   // own_cache: most rows per call of the head's program
+  // recipe (how the heads were trained) and functions (Core ML) are checked, not kept.
+};
+
 struct Manifest {
   std::string dir;
   std::string target, backend, model_name;
@@ -39,11 +54,11 @@ struct Manifest {
   bool has_chat_template = false;
   std::optional<ChatFormat> chat_format;
   std::map<std::string, ModelFile> models;
-  nlohmann::json drafter;  // {"kind": none|ngram|mtp|draft-lm, "k": int, ...}
+  DrafterSpec drafter;
 
   std::string path(const std::string& model) const;  // absolute path of models[model]
-  std::string drafter_kind() const;
-  int default_k() const;
+  std::string drafter_kind() const { return drafter.kind; }
+  int default_k() const { return static_cast<int>(drafter.k); }
 
   // Throws UserError (missing, malformed, wrong format version, or hash mismatch when verify).
   static Manifest load(const std::string& dir, bool verify = true);

@@ -22,19 +22,19 @@ std::unique_ptr<Drafter> bundle_drafter(const Manifest& m, const std::string& ki
     if (vocab.is_discarded() || !vocab.contains("draft_ids"))
       throw UserError(m.path("drafter_vocab") + " holds no draft_ids: re-export the bundle");
     auto ids = vocab["draft_ids"].get<std::vector<int64_t>>();
-    if (m.drafter.contains("method")) {
+    if (m.drafter.method) {
       // A head that reads the target's cache: a method of the target's program, run on the
       // target's loaded program so that it reads and writes the same cache; it writes cache
       // slots, so drafting stops at the cache's end (runtime/bundle.py bundle_drafter).
-      auto step = open_executorch_method_step(target, m.drafter["method"].get<std::string>());
+      auto step = open_executorch_method_step(target, *m.drafter.method);
       return std::make_unique<MtpDrafter>(std::move(step), std::move(ids), m.vocab_size,
                                           confidence, target.max_seq_len);
     }
-    if (m.drafter.value("own_cache", false)) {
+    if (m.drafter.own_cache) {
       // A self (EAGLE-style) head: a program of its own with its KV cache inside, fed the
       // verified rows in chunks of at most max_chunk; it writes its cache, so drafting stops at
       // the cache's end (runtime/bundle.py bundle_drafter).
-      const int64_t chunk = m.drafter.value("max_chunk", int64_t(0));
+      const int64_t chunk = m.drafter.max_chunk;
       if (chunk < 1)
         throw UserError("the manifest's self-attending MTP drafter has no max_chunk: re-export "
                         "the bundle");
@@ -70,7 +70,7 @@ std::string resolve_bundle(const std::string& spec, const std::string& own) {
   return spec;
 }
 
-// The drafter named by `spec` (mtp_edge/cli.py build_drafter): none | ngram | bundle (the
+// The drafter named by `spec` (runtime/assemble.py build_drafter): none | ngram | bundle (the
 // bundle's own) | mtp | draft-lm (the bundle's own, by name) | any of these + "+ngram" (prompt
 // lookup first, the model where it finds nothing: HybridDrafter). Null for none. `model(kind)`
 // gives the bundle's model drafter. Throws UserError naming what the bundle takes.
@@ -104,11 +104,10 @@ std::unique_ptr<Drafter> make_drafter(
 // drafter.draft_confidence.
 DrafterOptions with_bundle_policy(const DrafterOptions& options, const Manifest& m) {
   DrafterOptions out = options;
-  if (options.drafter == "bundle" && m.drafter.contains("lookup") &&
-      m.drafter["lookup"].is_string()) {
+  if (options.drafter == "bundle" && m.drafter.lookup) {
     out.drafter = "bundle" + kHybridSuffix;
     if (!options.ngram_sizes_given) {
-      const std::string sizes = m.drafter["lookup"].get<std::string>();
+      const std::string sizes = *m.drafter.lookup;
       try {
         std::tie(out.ngram_min, out.ngram_max) = parse_ngram_sizes(sizes, "drafter.lookup");
       } catch (const UserError&) {
@@ -117,9 +116,7 @@ DrafterOptions with_bundle_policy(const DrafterOptions& options, const Manifest&
       }
     }
   }
-  if (!options.draft_confidence_given && m.drafter.contains("draft_confidence") &&
-      m.drafter["draft_confidence"].is_number())
-    out.draft_confidence = m.drafter["draft_confidence"].get<double>();
+  if (!options.draft_confidence_given) out.draft_confidence = m.drafter.draft_confidence;
   return out;
 }
 

@@ -33,7 +33,7 @@ struct DrafterOptions {
   int ngram_min = 1, ngram_max = 3;
   double draft_confidence = 0.0;
   // Unless given, the bundle's drafting policy applies (manifest drafter.lookup: "bundle"
-  // becomes "bundle+ngram" with those sizes; drafter.draft_confidence), as in mtp_edge/cli.py.
+  // becomes "bundle+ngram" with those sizes; drafter.draft_confidence), as in runtime/assemble.py.
   bool ngram_sizes_given = false, draft_confidence_given = false;
 };
 
