@@ -2,7 +2,8 @@
 with SmolLM2-135M's layout (9 query heads, 3 KV heads, head size 64, a 2048-slot cache), for
 1 query row (a decode step) and 5 (a k=4 verification) at several cache positions. Each is a
 one-op ExecuTorch program (the cache as mutable buffers, as in the bundles) run under
-executorch.runtime with ExecuTorch's thread pool. Writes results/verification/attention_kernels.{json,md}.
+executorch.runtime with ExecuTorch's thread pool. Writes
+results/verification/attention_kernels.{json,md}.
 
     python benchmarks/attention_kernels.py [--threads 2] [--positions 64,250,550] [--repeats 300]
 """

@@ -1,8 +1,9 @@
 """Core ML export of the default model with each weight scheme: wall time and package size.
 
 Runs `mtp-export --target coreml --quant SCHEME` (default model, shipped MTP heads) once per
-scheme into a temporary directory, and writes results/formats/coreml_export.{json,md}. Conversion runs
-on Linux; running the package needs a Mac, so the quality column holds only the fp32 perplexity.
+scheme into a temporary directory, and writes results/formats/coreml_export.{json,md}.
+Conversion runs on Linux; running the package needs a Mac, so the quality column holds only
+the fp32 perplexity.
 
     python benchmarks/coreml_export.py [--schemes fp16 int8 int4] [--keep DIR]
 """

@@ -150,7 +150,7 @@ def main() -> None:
     eager = EagerSession(target.model, 1024)
     step = eager_step_fn(head, target.model)
     for run in runs:
-        run["hidden"] = prefill(eager, run["prompt_ids"] + run["output_ids"], 0, True)[1]
+        run["hidden"] = prefill(eager, run["prompt_ids"] + run["output_ids"], 0, True).hidden
     store = Datastore(corpus)
     print(f"datastore: {sum(map(len, corpus))} tokens, {sum(map(len, store.tables))} contexts")
 

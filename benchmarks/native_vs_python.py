@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from mtp_edge.cli import setup
-from mtp_edge.devices.harness import NEAR_TIE, load_prompts, run_suite
+from mtp_edge.devices.harness import NEAR_TIE, Suite, load_prompts, progress_line
 from mtp_edge.runtime import native
+from mtp_edge.runtime.assemble import LoadOptions, assemble
 from mtp_edge.runtime.bundle import open_bundle
 from mtp_edge.runtime.loop import GenerationConfig, first_divergence
 
@@ -107,49 +107,20 @@ def main() -> None:
     print("[python] run", file=sys.stderr)
     # The bundle's drafter with its drafting policy, as mtp-run / mtp-bench (and the native
     # runner) apply it by default.
-    python = setup(
-        dict(
-            model_spec="default",
-            bundle=args.bundle,
-            drafter=args.drafter,
-            k=None,
-            heads=None,
-            adaptive_k=False,
-            ngram_sizes=None,
-            draft_confidence=None,
-            max_seq_len=m.max_seq_len,
-            no_chat_template=False,
-            threads=0,
-        ),  # fmt: skip
+    python = assemble(
+        LoadOptions(bundle=args.bundle, drafter=args.drafter, max_seq_len=m.max_seq_len),
         max_new_tokens=args.max_new_tokens,
     )
     session, drafter = python.session, python.drafter
     config = GenerationConfig(k=python.config.k, eos_ids=tuple(m.eos_ids))
-    # run_suite keeps no token ids: wrap generate's results through the harness's own rows.
-    from mtp_edge.devices import harness
-
-    results: dict[str, list] = {"plain": [], "spec": []}
-    original = harness.generate
-
-    def recording_generate(session_, ids, drafter_, cfg):
-        result = original(session_, ids, drafter_, cfg)
-        results["plain" if drafter_ is None else "spec"].append(result)
-        return result
-
-    harness.generate = recording_generate
-    try:
-        python_body = run_suite(
-            session,
-            lambda text: encoded[next(p.id for p in prompts if p.prompt == text)],
-            drafter,
-            prompts,
-            config,
-            args.max_new_tokens,
-            args.repeat,
-            progress=lambda line: print(line, file=sys.stderr),
-        )
-    finally:
-        harness.generate = original
+    suite = Suite(config.k, args.repeat)
+    runs = []  # (plain, speculative) results of each prompt's last repeat
+    for i, p in enumerate(prompts):
+        encode = lambda text, p=p: encoded[p.id]  # noqa: E731  (the runner's own token ids)
+        row = suite.run_prompt(session, encode, drafter, p, config, args.max_new_tokens)
+        runs.append(suite.last_runs)
+        print(f"[{i + 1}/{len(prompts)}] {progress_line(row)}", file=sys.stderr)
+    python_body = suite.body()
     python_report = {
         "bundle": args.bundle,
         "backend": "executorch",
@@ -161,11 +132,7 @@ def main() -> None:
     }
     (out / "python.json").write_text(json.dumps(python_report, indent=2) + "\n")
 
-    last = slice(args.repeat - 1, None, args.repeat)  # the last repeat of each prompt
-    py_rows = [
-        {"ar": a.token_ids, "spec": s.token_ids, "gaps": a.top2_gaps}
-        for a, s in zip(results["plain"][last], results["spec"][last], strict=True)
-    ]
+    py_rows = [{"ar": a.token_ids, "spec": s.token_ids, "gaps": a.top2_gaps} for a, s in runs]
     nat_rows = [
         {"ar": r["ar_token_ids"], "spec": r["spec_token_ids"]} for r in native_report["prompts"]
     ]

@@ -33,7 +33,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)  # the session hands these to ONNX Runtime
     bundle = open_bundle(args.bundle)
     session = target_session(bundle)
-    hidden = bundle.manifest.drafter.get("kind") == "mtp"
+    hidden = bundle.manifest.drafter.kind == "mtp"
     prompt = [(17 * i) % 1000 + 100 for i in range(200)]
     for i in range(0, len(prompt), session.max_chunk):
         session.forward(prompt[i : i + session.max_chunk], i)

@@ -64,7 +64,8 @@ def main() -> None:
         f"--max-new-tokens {args.max_new_tokens}`",
         "",
         "Tokens/s are decode tokens per second over the 16 prompts of "
-        "`results/devices/prompts_two_per_category.jsonl` (two per category); predicted from the bundle's files, "
+        "`results/devices/prompts_two_per_category.jsonl` (two per category); predicted from "
+        "the bundle's files, "
         "the host's calibration (taken before every prompt and after the last, then averaged) "
         "and the tau measured in the same run.",
         "",

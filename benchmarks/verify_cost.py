@@ -63,7 +63,7 @@ def main() -> None:
     positions = [int(p) for p in args.positions.split(",")]
     bundle = open_bundle(args.bundle)
     session = target_session(bundle)
-    width = bundle.manifest.drafter.get("k", 4) + 1
+    width = bundle.manifest.drafter.k + 1
     prefill(session, [100 + i % 1000 for i in range(max(positions))])
     tokens = list(range(5, 5 + width))
     rows = []

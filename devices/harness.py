@@ -131,6 +131,8 @@ class Suite:
         self.drafted_pos = [0] * k
         self.ttft_ar: list[float] = []
         self.ttft_spec: list[float] = []
+        # The plain and speculative results of the last prompt's last pass (their token ids).
+        self.last_runs: tuple[GenerationResult, GenerationResult] | None = None
 
     def run_prompt(self, session, encode, drafter, p: Prompt, config, max_new_tokens=None) -> dict:
         prompt_ids = encode(p.prompt)
@@ -154,6 +156,7 @@ class Suite:
             totals["spec_s"] += spec.stats.decode_seconds
             self.ttft_ar.append(plain.stats.ttft_ms)
             self.ttft_spec.append(spec.stats.ttft_ms)
+        self.last_runs = (plain, spec)
         s = spec.stats
         self.steps += s.verify_steps
         self.drafted += s.drafted_tokens

@@ -175,7 +175,7 @@ def bundle_cost(bundle_dir: str | Path) -> BundleCost:
     if m.backend != "executorch":
         raise UserError(f"mtp-predict reads ExecuTorch bundles; {path} is '{m.backend}'")
     target_file = m.models["target"]
-    kind = m.drafter.get("kind", "none")
+    kind = m.drafter.kind
     target = program_shape(path / target_file.file, m.vocab_size)
     drafter = None
     if kind in ("mtp", "draft-lm") and "drafter" in m.models:
@@ -189,7 +189,7 @@ def bundle_cost(bundle_dir: str | Path) -> BundleCost:
         hidden=target.hidden,
         drafter_kind=kind,
         drafter=drafter,
-        k=m.drafter.get("k", 4),
+        k=m.drafter.k,
     )
 
 
@@ -417,7 +417,7 @@ def acceptance_from(bench: dict | None, manifest: Manifest, k: int) -> dict:
             "context": round(context),
             "source": "measured on the host (--from-bench)",
         }
-    recipe = manifest.drafter.get("recipe", {})
+    recipe = manifest.drafter.recipe
     if "heldout_tau" in recipe:
         return {
             "tau": recipe["heldout_tau"],
