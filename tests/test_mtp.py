@@ -189,7 +189,7 @@ def test_hybrid_keeps_a_self_heads_cache_whole(tiny_dir):
     assert hybrid.from_lookup > 0 and len(made) > 0
     fresh_session = EagerSession(model, 160, max_chunk=16)
     for context, tokens in made[-6:]:
-        _, hidden = fresh_session.forward(context[:-1], 0, return_hidden=True)
+        hidden = fresh_session.forward(context[:-1], 0, return_hidden=True).hidden
         fresh = mtp_drafter(head, model).propose(context, hidden, 3, Sampler(SamplingParams()))
         assert fresh.tokens == tokens
 
@@ -203,7 +203,7 @@ def exact_distribution(session, params) -> dict:
     sampler = Sampler(params)
     dist = {}
     for seq in itertools.product(range(SAMPLE_VOCAB), repeat=NEW):
-        logits = session.forward(PROMPT + list(seq[:-1]), 0)[len(PROMPT) - 1 :]
+        logits = session.forward(PROMPT + list(seq[:-1]), 0).logits[len(PROMPT) - 1 :]
         probs = sampler.probs(logits)
         dist[seq] = float(torch.prod(probs[torch.arange(NEW), torch.tensor(seq)]))
     return dist
@@ -628,7 +628,7 @@ def test_training_attention_is_what_drafting_computes(tiny_dir, attention):
     session = EagerSession(target, 64)
     step = eager_step_fn(head, target)
     for origin in (0, 5, 17, 9):  # 9 after 17: stale slots past the chunk must not matter
-        _, hidden = session.forward(tokens[: origin + 1], 0, return_hidden=True)
+        hidden = session.forward(tokens[: origin + 1], 0, return_hidden=True).hidden
         h = hidden if own else hidden[-1:]
         feed = tokens[1 : origin + 2] if own else tokens[origin + 1 : origin + 2]
         position = origin + 2 - len(feed)

@@ -104,7 +104,8 @@ def label_with_session(session, sequences: list[Sequence], say=None) -> Labels:
     for j, s in enumerate(sequences):
         n = len(s.tokens)
         for i in range(0, n, session.max_chunk):
-            logits, h = session.forward(s.tokens[i : i + session.max_chunk], i, True)
+            out = session.forward(s.tokens[i : i + session.max_chunk], i, True)
+            logits, h = out.logits, out.hidden
             if hidden is None:
                 hidden = torch.empty(total, h.shape[-1], dtype=torch.float16)
             rows = len(h)
