@@ -46,7 +46,7 @@ def doc_topics() -> dict[str, str]:
     """pydoc_data.topics without the topics reserved for evaluation."""
     from pydoc_data.topics import topics
 
-    from mtp_edge.quantize.quality import HELDOUT_TOPICS
+    from mtp_edge.texts import HELDOUT_TOPICS
 
     return {name: text for name, text in sorted(topics.items()) if name not in HELDOUT_TOPICS}
 
