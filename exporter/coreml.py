@@ -27,13 +27,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
-import json
 import logging
 import shutil
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -41,9 +41,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtp_edge.errors import UserError
+from mtp_edge.exporter.platform import draft_vocabulary, head_settings, refuse_self_heads
+from mtp_edge.manifest import ModelFile
 from mtp_edge.model import Attention, RMSNorm, Transformer, rotate_half
 from mtp_edge.mtp import MTPHead, apply_rope
 from mtp_edge.quantize.schemes import check_target_scheme
+
+if TYPE_CHECKING:
+    from mtp_edge.exporter.platform import ExportJob
 
 DTYPE = torch.float16
 MASKED = -3e4  # additive mask in fp16: exp() of it underflows to 0
@@ -379,8 +384,8 @@ def export_package(
     k: int,
     progress: Callable[[str], None] | None = None,
 ) -> tuple[dict, dict]:
-    """Convert, quantize and save the multifunction package at `path` (plus drafter_vocab.json
-    next to it with an MTP head); returns (manifest methods, drafter settings)."""
+    """Convert, quantize and save the multifunction package at `path`; returns (manifest
+    methods, drafter settings)."""
     import coremltools as ct
 
     say = progress or (lambda _message: None)
@@ -428,9 +433,41 @@ def export_package(
         shutil.move(str(staging), str(path))
     settings: dict = {"functions": sizes}
     if head is not None:
-        ids = head.draft_ids.tolist()
-        (path.parent / "drafter_vocab.json").write_text(json.dumps({"draft_ids": ids}))
-        settings.update(draft_vocab_size=head.config.draft_vocab_size, hidden_size=c.hidden_size)
+        settings.update(head_settings(head))
         if head.reads_target_cache:  # its function writes the target's last-layer cache state
             settings["reads_target_cache"] = True
     return methods, settings
+
+
+def check(job: ExportJob) -> None:
+    """The weight schemes Core ML takes; no separate draft model and no self-attending heads."""
+    o = job.options
+    check_target_scheme("coreml", o.quant, o.group_size)
+    check_target_scheme("coreml", o.draft_quant, o.group_size)
+    if job.drafter_kind == "draft-lm":
+        raise UserError(
+            "--target coreml carries no separate draft model yet: use --drafter mtp or ngram"
+        )
+    refuse_self_heads(job)
+
+
+def export(job: ExportJob, directory: Path) -> tuple[dict[str, ModelFile], dict]:
+    """One package, model.mlpackage: the target functions and the head's draft step."""
+    o, head = job.options, job.head
+    quant = {"scheme": o.quant, "group_size": o.group_size, "embedding": "none"}  # fp16 table
+    methods, settings = export_package(
+        job.target.model,
+        head,
+        directory / "model.mlpackage",
+        quant=o.quant,
+        draft_quant=o.draft_quant,
+        group_size=o.group_size,
+        max_seq_len=job.max_seq_len,
+        max_chunk=job.max_chunk,
+        k=o.k,
+        progress=job.progress,
+    )
+    models = {"target": ModelFile("model.mlpackage", "", quant, methods)}
+    if head is not None:
+        models["drafter_vocab"] = draft_vocabulary(head, directory)
+    return models, settings

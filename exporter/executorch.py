@@ -40,16 +40,18 @@ the last row, T dynamic in 1..max_chunk, `input_pos` the position of tokens[0] (
 slot input_pos - 1, mtp.py); attention is llama.update_cache and our mtp_edge::sdpa, as in the
 target. The program carries its own (quantized) copy of the target's embedding table, because an
 ExecuTorch program cannot read another program's weights; the per-step cost stays that of the
-head alone (the table is only indexed). `draft_ids` (draft index -> target id) is written next to
-it as JSON, so the runtime maps the logits back without running the model.
+head alone (the table is only indexed).
+
+`check` and `export` at the end are this platform's entry points for the bundle writer
+(platform.py): target.pte, and drafter.pte for a draft model or a head outside the target.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (registers torch.ops.llama)
 import torch
@@ -67,9 +69,14 @@ from torch import nn
 from mtp_edge import ops
 from mtp_edge.config import ModelConfig
 from mtp_edge.errors import UserError
+from mtp_edge.exporter.platform import draft_vocabulary, head_settings
+from mtp_edge.manifest import ModelFile
 from mtp_edge.model import Attention, RMSNorm, Transformer, rope_frequencies
 from mtp_edge.mtp import MTPHead
 from mtp_edge.quantize.schemes import QuantScheme, check_scheme, quantize_model, quantize_modules
+
+if TYPE_CHECKING:
+    from mtp_edge.exporter.platform import ExportJob
 
 ops.define()  # torch.ops.mtp_edge.sdpa
 
@@ -446,17 +453,16 @@ class SelfHeadChunk(nn.Module):
 def export_mtp_program(
     head: MTPHead,
     embedding: nn.Embedding,
-    directory: Path,
+    path: Path,
     scheme: QuantScheme,
     progress: Callable[[str], None] | None = None,
     rope: ModelConfig | None = None,
     max_seq_len: int = 0,
     max_chunk: int = 0,
 ) -> tuple[dict, dict]:
-    """Write drafter.pte and drafter_vocab.json into `directory`; returns their manifest methods.
-
-    A self head also needs the target's config (`rope`: its rotary embedding), the cache length
-    and the longest chunk."""
+    """Write the head's own program (module doc) to `path`; returns (manifest methods, drafter
+    settings). A self head also needs the target's config (`rope`: its rotary embedding), the
+    cache length and the longest chunk."""
     say = progress or (lambda _message: None)
     own = head.has_own_cache
     if own:
@@ -480,15 +486,13 @@ def export_mtp_program(
         exported = torch.export.export(step, example, dynamic_shapes=dynamic, strict=True)
         say("[lower] drafter, XNNPACK")
         buffer = lower(exported)
-    (directory / "drafter.pte").write_bytes(buffer)
-    ids = head.draft_ids.tolist()
-    (directory / "drafter_vocab.json").write_text(json.dumps({"draft_ids": ids}))
+    Path(path).write_bytes(buffer)
     vd = head.config.draft_vocab_size
     outputs = [
         {"name": "draft_logits", "shape": [1, vd], "dtype": "float32"},
         {"name": "next_h", "shape": [1, d], "dtype": "float32"},
     ]
-    settings = {"draft_vocab_size": vd, "hidden_size": d}
+    settings = head_settings(head)
     if own:
         forward = {
             "inputs": [
@@ -509,3 +513,73 @@ def export_mtp_program(
             "outputs": outputs,
         }
     return {"forward": forward}, settings
+
+
+def check(job: ExportJob) -> None:
+    """The weight schemes, before anything is exported."""
+    o = job.options
+    check_scheme(QuantScheme(o.quant, o.group_size, o.embedding_quant), job.target.model)
+    if job.draft_model is not None:
+        draft_scheme = QuantScheme(o.draft_quant, o.group_size, o.embedding_quant)
+        check_scheme(draft_scheme, job.draft_model.model)
+
+
+def export(job: ExportJob, directory: Path) -> tuple[dict[str, ModelFile], dict]:
+    """target.pte (with a `verify` method when there is a drafter, and the `draft` method of a
+    head that reads the target's cache), and drafter.pte for any other drafter model."""
+    o, head, draft_model = job.options, job.head, job.draft_model
+    quant = {
+        "scheme": o.quant,
+        "group_size": o.group_size,
+        "embedding": o.embedding_quant,
+        "attention": o.attention_kernel,
+    }
+    draft_quant = dict(quant, scheme=o.draft_quant)
+    draft_scheme = QuantScheme(o.draft_quant, o.group_size, o.embedding_quant)
+    tokenizer = job.target.tokenizer
+
+    def program(model: Transformer, path: Path, scheme: str, **extra) -> dict:
+        return export_program(
+            model,
+            path,
+            quant=scheme,
+            group_size=o.group_size,
+            embedding_quant=o.embedding_quant,
+            max_seq_len=job.max_seq_len,
+            max_chunk=job.max_chunk,
+            bos_id=tokenizer.bos_id,
+            eos_ids=tokenizer.eos_ids,
+            attention_kernel=o.attention_kernel,
+            progress=job.progress,
+            **extra,
+        )
+
+    in_program = head is not None and head.reads_target_cache
+    extra: dict = {"return_hidden": head is not None}
+    if job.drafter_kind != "none":  # a row-exact verify method for k+1 tokens (module doc)
+        extra["verify_width"] = o.k + 1
+    if in_program:  # the draft step is a method of the target's program
+        extra.update(draft_head=head, draft_scheme=draft_scheme)
+    methods = program(job.target.model, directory / "target.pte", o.quant, **extra)
+    models = {"target": ModelFile("target.pte", "", quant, methods)}
+    settings: dict = {}
+    if draft_model is not None:
+        methods = program(draft_model.model, directory / "drafter.pte", o.draft_quant)
+        models["drafter"] = ModelFile("drafter.pte", "", draft_quant, methods)
+    if head is not None:
+        if in_program:
+            settings = dict(head_settings(head), method="draft", reads_target_cache=True)
+        else:
+            methods, settings = export_mtp_program(
+                head,
+                job.target.model.embed_tokens,
+                directory / "drafter.pte",
+                draft_scheme,
+                job.progress,
+                rope=job.target.config,
+                max_seq_len=job.max_seq_len,
+                max_chunk=job.max_chunk,
+            )
+            models["drafter"] = ModelFile("drafter.pte", "", draft_quant, methods)
+        models["drafter_vocab"] = draft_vocabulary(head, directory)
+    return models, settings

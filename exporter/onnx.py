@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import logging
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import onnx
 import torch
@@ -37,9 +37,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtp_edge.errors import UserError
+from mtp_edge.exporter.platform import draft_vocabulary, head_settings, refuse_self_heads
+from mtp_edge.manifest import ModelFile
 from mtp_edge.model import MLP, Attention, Transformer, rope_frequencies, rotate_half
 from mtp_edge.mtp import MTPHead, apply_rope
 from mtp_edge.quantize.schemes import check_target_scheme
+
+if TYPE_CHECKING:
+    from mtp_edge.exporter.platform import ExportJob
 
 OPSET = 18
 MIN_TOKENS = "mtp_edge.min_tokens"  # graph metadata: fewest tokens per call (the session pads)
@@ -367,12 +372,8 @@ def export_program(
     max_chunk: int,
     return_hidden: bool = False,
     progress: Callable[[str], None] | None = None,
-    **_android_only,
 ) -> dict:
-    """Export `model` to `path` (ONNX, quantized with `quant`) and return its manifest methods.
-
-    Takes (and ignores) the ExecuTorch-only options (embedding scheme, bos/eos metadata) so that
-    the bundle writer calls every target's exporter the same way."""
+    """Export `model` to `path` (ONNX, quantized with `quant`) and return its manifest methods."""
     say = progress or (lambda _message: None)
     check_target_scheme("onnx", quant, group_size)
     if not 2 <= max_chunk <= max_seq_len:
@@ -538,7 +539,7 @@ class CacheMtpStep(nn.Module):
 def export_mtp_program(
     head: MTPHead,
     embedding: nn.Embedding,
-    directory: Path,
+    path: Path,
     quant: str,
     group_size: int,
     progress: Callable[[str], None] | None = None,
@@ -546,8 +547,8 @@ def export_mtp_program(
     target: Transformer | None = None,
     target_forward: dict | None = None,
 ) -> tuple[dict, dict]:
-    """Write drafter.onnx (one draft step, static shapes, with its own copy of the embedding
-    table) and drafter_vocab.json into `directory`; returns (manifest methods, settings).
+    """Write the head's graph (one draft step, static shapes, with its own copy of the embedding
+    table) to `path`; returns (manifest methods, drafter settings).
 
     A head that reads the target's cache needs `target` (its rotary tables) and `target_forward`
     (the exported target's manifest method: the name and shape of its last-layer cache)."""
@@ -605,11 +606,9 @@ def export_mtp_program(
             optimize=True,
             verbose=False,
         )
-    _save_quantized(_fuse_for_ort(program), directory / "drafter.onnx", quant, group_size, say)
-    ids = head.draft_ids.tolist()
-    (directory / "drafter_vocab.json").write_text(json.dumps({"draft_ids": ids}))
+    _save_quantized(_fuse_for_ort(program), Path(path), quant, group_size, say)
     forward = {"inputs": inputs, "outputs": outputs}
-    settings = {"draft_vocab_size": vd, "hidden_size": d}
+    settings = head_settings(head)
     if links is not None:
         # present_X is written in place of past_X, both bound to the target's cache `links[X]`
         forward.update(
@@ -618,3 +617,52 @@ def export_mtp_program(
         )
         settings["reads_target_cache"] = True
     return {"forward": forward}, settings
+
+
+def check(job: ExportJob) -> None:
+    """The weight schemes onnxruntime takes; no self-attending heads yet."""
+    o = job.options
+    check_target_scheme("onnx", o.quant, o.group_size)
+    check_target_scheme("onnx", o.draft_quant, o.group_size)
+    refuse_self_heads(job)
+
+
+def export(job: ExportJob, directory: Path) -> tuple[dict[str, ModelFile], dict]:
+    """target.onnx, and drafter.onnx for a draft model or an MTP head (a head that reads the
+    target's cache binds it at run time: module doc)."""
+    o, head, draft_model, target = job.options, job.head, job.draft_model, job.target.model
+    quant = {"scheme": o.quant, "group_size": o.group_size, "embedding": "none"}  # fp32 table
+    draft_quant = dict(quant, scheme=o.draft_quant)
+
+    def graph(model: Transformer, path: Path, scheme: str, return_hidden: bool = False) -> dict:
+        return export_program(
+            model,
+            path,
+            quant=scheme,
+            group_size=o.group_size,
+            max_seq_len=job.max_seq_len,
+            max_chunk=job.max_chunk,
+            return_hidden=return_hidden,
+            progress=job.progress,
+        )
+
+    methods = graph(target, directory / "target.onnx", o.quant, return_hidden=head is not None)
+    models = {"target": ModelFile("target.onnx", "", quant, methods)}
+    settings: dict = {}
+    if draft_model is not None:
+        methods = graph(draft_model.model, directory / "drafter.onnx", o.draft_quant)
+        models["drafter"] = ModelFile("drafter.onnx", "", draft_quant, methods)
+    if head is not None:
+        methods, settings = export_mtp_program(
+            head,
+            target.embed_tokens,
+            directory / "drafter.onnx",
+            o.draft_quant,
+            o.group_size,
+            job.progress,
+            target=target,  # a head that reads the target's cache binds it
+            target_forward=models["target"].methods["forward"],
+        )
+        models["drafter"] = ModelFile("drafter.onnx", "", draft_quant, methods)
+        models["drafter_vocab"] = draft_vocabulary(head, directory)
+    return models, settings

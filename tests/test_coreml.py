@@ -25,7 +25,7 @@ from tiny import hf_reference, save_hf_dir, save_random_heads, tiny_model
 from mtp_edge.cli import export, run
 from mtp_edge.errors import UserError
 from mtp_edge.exporter.coreml import export_package, programs, widths
-from mtp_edge.manifest import Manifest
+from mtp_edge.manifest import DrafterSpec, Manifest
 from mtp_edge.mtp import MTPConfig, MTPHead, cache_attention_config, init_from_target
 from mtp_edge.runtime.coreml_session import FixedWidthSession
 from mtp_edge.runtime.drafters import NgramDrafter
@@ -271,9 +271,9 @@ def test_bundle_and_the_linux_refusal(model_dir, tmp_path):
     assert (manifest.target, manifest.backend) == ("coreml", "coreml")
     assert manifest.models["target"].file == "model.mlpackage"
     assert set(manifest.models["target"].methods) == {"prefill", "verify", "decode"}
-    assert manifest.drafter == {
-        "kind": "ngram", "k": 4, "functions": {"prefill": 96, "verify": 5, "decode": 1}
-    }  # fmt: skip
+    assert manifest.drafter == DrafterSpec(
+        kind="ngram", k=4, functions={"prefill": 96, "verify": 5, "decode": 1}
+    )  # fmt: skip
     line = error_line(CliRunner().invoke(run, ["--bundle", str(out), "--prompt", "x"]))
     assert "Core ML runs only on Apple platforms" in line
 
@@ -290,8 +290,8 @@ def test_bundle_with_heads_that_read_the_target_cache(model_dir, tmp_path):
     assert result.exit_code == 0, result.output
     manifest = Manifest.load(out)
     assert set(manifest.models) == {"target", "drafter_vocab"}
-    assert manifest.drafter["kind"] == "mtp" and manifest.drafter["reads_target_cache"] is True
-    assert "method" not in manifest.drafter  # an ExecuTorch method name; Core ML: draft_step
+    assert manifest.drafter.kind == "mtp" and manifest.drafter.reads_target_cache is True
+    assert manifest.drafter.method is None  # an ExecuTorch method name; Core ML: draft_step
     methods = manifest.models["target"].methods
     assert [i["name"] for i in methods["draft_step"]["inputs"]] == ["h", "token", "input_pos"]
     assert methods["draft_step"]["states"] == methods["decode"]["states"]

@@ -13,7 +13,7 @@ from mtp_edge.cli import bench, export, run
 from mtp_edge.errors import UserError
 from mtp_edge.exporter import export as export_module
 from mtp_edge.exporter.export import ExportOptions, export_bundle
-from mtp_edge.manifest import Manifest
+from mtp_edge.manifest import DrafterSpec, Manifest
 
 PROMPT = "the cat the cat the cat"
 
@@ -59,7 +59,7 @@ def test_bundle_layout(bundle):
     assert manifest.target == "android" and manifest.backend == "executorch"
     assert manifest.models["target"].file == "target.pte"
     assert manifest.models["target"].quant["scheme"] == "8da4w"
-    assert manifest.drafter == {"kind": "ngram", "k": 4}
+    assert manifest.drafter == DrafterSpec(kind="ngram", k=4)
     assert manifest.max_seq_len == 96 and manifest.vocab_size == 97
     forward = manifest.models["target"].methods["forward"]
     assert [i["name"] for i in forward["inputs"]] == ["tokens", "input_pos"]
@@ -246,8 +246,8 @@ def mtp_bundle(model_dir, tmp_path_factory, request):
 def test_mtp_bundle_is_lossless_greedy_and_sampled(mtp_bundle):
     manifest = Manifest.load(mtp_bundle)
     in_target = "draft" in manifest.models["target"].methods
-    assert manifest.drafter["kind"] == "mtp" and ("drafter" in manifest.models) != in_target
-    assert in_target == (manifest.drafter.get("method") == "draft")
+    assert manifest.drafter.kind == "mtp" and ("drafter" in manifest.models) != in_target
+    assert in_target == (manifest.drafter.method == "draft")
     outputs = [o["name"] for o in manifest.models["target"].methods["forward"]["outputs"]]
     assert outputs == ["logits", "hidden"]
     args = [
@@ -298,7 +298,7 @@ def test_exported_self_head_drafts_as_the_eager_head(model_dir, tmp_path):
     )
     export_bundle(options, tmp_path / "b", None, progress=lambda _: None)
     manifest = Manifest.load(tmp_path / "b")
-    assert manifest.drafter["own_cache"] and manifest.drafter["max_chunk"] == 8
+    assert manifest.drafter.own_cache and manifest.drafter.max_chunk == 8
     program = ExecuTorchStep(tmp_path / "b" / "drafter.pte", max_chunk=8)
     model = loaded.model
     model.setup_cache(64)
@@ -322,7 +322,7 @@ def test_bundle_carries_its_drafting_policy(mtp_bundle):
     from mtp_edge.runtime.drafters import HybridDrafter
 
     drafter = Manifest.load(mtp_bundle).drafter
-    assert drafter["lookup"] == "2-3" and drafter["draft_confidence"] == 0.5
+    assert drafter.lookup == "2-3" and drafter.draft_confidence == 0.5
     opts = setup_options(mtp_bundle, 96)
     default = setup(opts).drafter
     assert isinstance(default, HybridDrafter) and default.name == "mtp+ngram"

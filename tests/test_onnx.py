@@ -110,7 +110,7 @@ def test_bundle_layout(mtp_bundle, draft_lm_bundle):
     assert manifest.quality["perplexity_ratio"] < 1.01  # fp32: the same model
     int4 = Manifest.load(draft_lm_bundle)
     assert int4.models["target"].quant["scheme"] == "int4"
-    assert int4.drafter["kind"] == "draft-lm"
+    assert int4.drafter.kind == "draft-lm"
     assert "MatMulNBits" in {
         n.op_type for n in onnx.load(draft_lm_bundle / "target.onnx").graph.node
     }
@@ -157,7 +157,7 @@ def test_speculative_equals_plain_with_a_draft_model_int4(draft_lm_bundle):
 
 def test_cache_reading_head_bundle(cache_bundle, cache_bundle_int4):
     manifest = Manifest.load(cache_bundle)
-    assert manifest.drafter["reads_target_cache"] is True
+    assert manifest.drafter.reads_target_cache is True
     forward = manifest.models["drafter"].methods["forward"]
     assert [i["name"] for i in forward["inputs"]] == [
         "h", "token", "input_pos", "past_key", "past_value"
