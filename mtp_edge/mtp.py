@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -52,6 +51,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from mtp_edge.errors import UserError
+from mtp_edge.files import write_with
 from mtp_edge.model import RMSNorm, Transformer
 
 _METADATA_KEY = "mtp_config"
@@ -300,15 +300,8 @@ def save_heads(head: MTPHead, config: MTPConfig, path: str | Path) -> None:
         for name, t in head.state_dict().items()
     }
     text = json.dumps(config.to_dict(), indent=2, sort_keys=True)
-    write_atomically(path, lambda tmp: save_file(state, str(tmp), metadata={_METADATA_KEY: text}))
-    write_atomically(heads_json_path(path), lambda tmp: tmp.write_text(text + "\n"))
-
-
-def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
-    """Write to a temporary name, then rename: an interruption leaves the previous file whole."""
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
+    write_with(path, lambda tmp: save_file(state, str(tmp), metadata={_METADATA_KEY: text}))
+    write_with(heads_json_path(path), lambda tmp: tmp.write_text(text + "\n"))
 
 
 def heads_json_path(path: str | Path) -> Path:

@@ -12,8 +12,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from mtp_edge.files import write_with
 from mtp_edge.model import Transformer
-from mtp_edge.mtp import write_atomically
 from mtp_edge.train.corpus import Sequence
 
 
@@ -134,7 +134,7 @@ def cached_labels(path: Path, sequences, source: str, cache: bool, make, say) ->
         pass
     labels = make()
     tensors = {n: getattr(labels, n).contiguous() for n in names if getattr(labels, n) is not None}
-    write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata={"key": key}))
+    write_with(path, lambda tmp: save_file(tensors, str(tmp), metadata={"key": key}))
     return labels
 
 

@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from mtp_edge.checkpoints import load_model
 from mtp_edge.errors import UserError
+from mtp_edge.files import write_with
 from mtp_edge.model import rope_frequencies
 from mtp_edge.mtp import (
     MTPConfig,
@@ -29,7 +30,6 @@ from mtp_edge.mtp import (
     save_heads,
     target_fingerprint,
     target_lm_head,
-    write_atomically,
 )
 from mtp_edge.train.context import TrainContext
 from mtp_edge.train.labels import (
@@ -223,8 +223,8 @@ def save_checkpoint(path_st: Path, path_json: Path, head, optimizer, state: dict
     for i, p in enumerate(params):
         for key, value in optimizer.state.get(p, {}).items():
             tensors[f"optim.{i}.{key}"] = torch.as_tensor(value).contiguous()
-    write_atomically(path_st, lambda tmp: save_file(tensors, str(tmp)))
-    write_atomically(path_json, lambda tmp: tmp.write_text(json.dumps(state, indent=2) + "\n"))
+    write_with(path_st, lambda tmp: save_file(tensors, str(tmp)))
+    write_with(path_json, lambda tmp: tmp.write_text(json.dumps(state, indent=2) + "\n"))
 
 
 def load_checkpoint(path_st: Path, path_json: Path, head, optimizer) -> dict:
