@@ -16,6 +16,7 @@ from click.testing import CliRunner
 from tiny import hf_reference, save_hf_dir
 
 from mtp_edge.cli import bench, devices, export, predict, profile
+from mtp_edge.devices import cost as cost_module
 from mtp_edge.devices import predict as roofline
 from mtp_edge.devices.catalog import Device, catalog, find_device, host_device
 from mtp_edge.devices.profile import merge_reports, runner_abi
@@ -113,19 +114,19 @@ def test_unknown_device_is_one_line_error(bundle):
 
 def test_program_shape_is_read_from_the_pte(bundle, bundle_8bit):
     """The tiny llama: 2 layers, 4 query heads and 2 KV heads of 16 dims, cache of 96."""
-    cost = roofline.bundle_cost(bundle)
+    cost = cost_module.bundle_cost(bundle)
     t = cost.target
     assert (t.layers, t.q_heads, t.kv_heads, t.head_dim, t.cache_len) == (2, 4, 2, 16, 96)
     assert 0 < t.embedding_bytes < t.file_bytes
     assert cost.vocab == 97 and cost.hidden == 64
     # 8-bit weights stream more bytes than 4-bit ones (a tiny program is mostly structure)
-    cost8 = roofline.bundle_cost(bundle_8bit)
+    cost8 = cost_module.bundle_cost(bundle_8bit)
     assert cost8.target_bits == 8 and cost.target_bits == 4 + 16 / 32
     assert cost8.target.streamed_bytes > 1.25 * t.streamed_bytes
 
 
 def test_cost_grows_with_tokens_and_context(bundle):
-    cost = roofline.bundle_cost(bundle)
+    cost = cost_module.bundle_cost(bundle)
     t = cost.target
     b1, f1 = cost.target_call(1, 0)
     b5, f5 = cost.target_call(5, 0)
@@ -136,8 +137,8 @@ def test_cost_grows_with_tokens_and_context(bundle):
     assert b5 > b1 and f5 > 4.9 * f1 - 1  # weights are read once, the math is per token
 
 
-def synthetic_cost() -> roofline.BundleCost:
-    shape = roofline.ProgramShape(
+def synthetic_cost() -> cost_module.BundleCost:
+    shape = cost_module.ProgramShape(
         file_bytes=110_000_000,
         embedding_bytes=10_000_000,
         embedding_rows=10_000,
@@ -148,7 +149,7 @@ def synthetic_cost() -> roofline.BundleCost:
         q_heads=8,
         cache_len=1024,
     )
-    return roofline.BundleCost("synthetic", shape, 4.0, 32.0, 10_000, 512, "ngram", None, 4)
+    return cost_module.BundleCost("synthetic", shape, 4.0, 32.0, 10_000, 512, "ngram", None, 4)
 
 
 def device(bandwidth_gbs: float, int8_gops: float) -> Device:
