@@ -86,7 +86,7 @@ def test_each_scheme_runs_what_the_quantized_model_computes(name):
     reference = exportable_copy(model(tied), QuantScheme(linear, group, embedding), MAX_SEQ_LEN)
     program = session(name)
     for tokens, start in ((PROMPT[:CHUNK], 0), (PROMPT[CHUNK:], CHUNK), ([8], len(PROMPT))):
-        logits = program.forward(tokens, start)
+        logits = program.forward(tokens, start).logits
         with torch.no_grad():
             expected = reference(torch.tensor([tokens]), torch.tensor([start]))[0]
         assert logits.shape == (len(tokens), VOCAB) and logits.dtype == torch.float32
@@ -103,12 +103,17 @@ def test_fp32_export_matches_eager_tokens_and_logits():
         == generate(eager, PROMPT, None, config).token_ids
     )
     # Prefill in chunks, then calls of every verify width at later positions.
-    torch.testing.assert_close(prefill(program, PROMPT), prefill(eager, PROMPT), atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        prefill(program, PROMPT).logits, prefill(eager, PROMPT).logits, atol=1e-4, rtol=0
+    )
     start = len(PROMPT)
     for width in (1, 2, 5, CHUNK):
         tokens = [(7 * i + width) % VOCAB for i in range(width)]
         torch.testing.assert_close(
-            program.forward(tokens, start), eager.forward(tokens, start), atol=1e-4, rtol=0
+            program.forward(tokens, start).logits,
+            eager.forward(tokens, start).logits,
+            atol=1e-4,
+            rtol=0,
         )
         start += width
 
@@ -132,7 +137,9 @@ def test_qwen_style_attention_exports(tmp_path):
     )
     program = ExecuTorchSession(path, MAX_SEQ_LEN, VOCAB, CHUNK)
     eager = EagerSession(reference, MAX_SEQ_LEN, CHUNK)
-    torch.testing.assert_close(prefill(program, PROMPT), prefill(eager, PROMPT), atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        prefill(program, PROMPT).logits, prefill(eager, PROMPT).logits, atol=1e-4, rtol=0
+    )
 
 
 def test_session_refuses_calls_outside_its_limits():
@@ -146,7 +153,7 @@ def test_session_refuses_calls_outside_its_limits():
 
 
 def one_token_steps(program, start: int, tokens: list[int]) -> torch.Tensor:
-    return torch.cat([program.forward([t], start + i) for i, t in enumerate(tokens)])
+    return torch.cat([program.forward([t], start + i).logits for i, t in enumerate(tokens)])
 
 
 @pytest.mark.parametrize(
@@ -165,13 +172,13 @@ def test_verify_rows_are_bitwise_one_token_steps(name, kernel):
     prefill(wide_session, PROMPT * 2)
     done = 0
     for width in (2, 5, 3, 2):  # 12 tokens in calls of these widths
-        rows = wide_session.forward(tokens[done : done + width], 2 * len(PROMPT) + done)
+        rows = wide_session.forward(tokens[done : done + width], 2 * len(PROMPT) + done).logits
         assert torch.equal(rows, steps[done : done + width])
         done += width
     fresh_steps, fresh_wide = session(name, kernel), session(name, kernel)  # earlier slots empty
     end = MAX_SEQ_LEN - 3
     assert torch.equal(
-        fresh_wide.forward(tokens[:3], end), one_token_steps(fresh_steps, end, tokens[:3])
+        fresh_wide.forward(tokens[:3], end).logits, one_token_steps(fresh_steps, end, tokens[:3])
     )
 
 
@@ -242,10 +249,10 @@ def test_verify_after_rejection_equals_fresh_run():
     start = len(PROMPT)
     prefill(used, PROMPT)
     used.forward([4, 50, 51, 52, 53], start)  # a verify whose drafts all get rejected
-    accepted = used.forward([4, 8, 12], start)  # overwrites their slots
+    accepted = used.forward([4, 8, 12], start).logits  # overwrites their slots
     prefill(fresh, PROMPT)
-    torch.testing.assert_close(accepted, fresh.forward([4, 8, 12], start), atol=0, rtol=0)
-    assert used.forward([6], start + 3).shape == (1, VOCAB)
+    torch.testing.assert_close(accepted, fresh.forward([4, 8, 12], start).logits, atol=0, rtol=0)
+    assert used.forward([6], start + 3).logits.shape == (1, VOCAB)
 
 
 def test_metadata_methods():

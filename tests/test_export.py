@@ -207,13 +207,13 @@ def test_exported_fp32_logits_match_eager(model_dir, tmp_path):
     eager = EagerSession(load_model(str(model_dir)).model, 64)
     prompt = [5, 9, 2, 7, 7, 1, 30, 4]
     torch.testing.assert_close(
-        program.forward(prompt, 0), eager.forward(prompt, 0), atol=1e-4, rtol=1e-4
+        program.forward(prompt, 0).logits, eager.forward(prompt, 0).logits, atol=1e-4, rtol=1e-4
     )
     program.forward([3, 11, 12, 13, 14], len(prompt))  # a draft, rejected after 2 tokens
     eager.forward([3, 11, 12, 13, 14], len(prompt))
-    after = program.forward([30, 31, 32], len(prompt) + 2)
+    after = program.forward([30, 31, 32], len(prompt) + 2).logits
     torch.testing.assert_close(
-        after, eager.forward([30, 31, 32], len(prompt) + 2), atol=1e-4, rtol=1e-4
+        after, eager.forward([30, 31, 32], len(prompt) + 2).logits, atol=1e-4, rtol=1e-4
     )
 
 
@@ -318,19 +318,21 @@ def test_exported_self_head_drafts_as_the_eager_head(model_dir, tmp_path):
 def test_bundle_carries_its_drafting_policy(mtp_bundle):
     """The exporter stores how the runtime drafts with the bundle's model drafter (lookup first,
     a first-token confidence floor); the runtime applies it unless told otherwise."""
-    from mtp_edge.cli import setup
+    from dataclasses import replace
+
+    from mtp_edge.runtime.assemble import assemble
     from mtp_edge.runtime.drafters import HybridDrafter
 
     drafter = Manifest.load(mtp_bundle).drafter
     assert drafter.lookup == "2-3" and drafter.draft_confidence == 0.5
     opts = setup_options(mtp_bundle, 96)
-    default = setup(opts).drafter
+    default = assemble(opts).drafter
     assert isinstance(default, HybridDrafter) and default.name == "mtp+ngram"
     assert (default.lookup.min_n, default.lookup.max_n) == (2, 3)
     assert default.model.min_confidence == 0.5
-    told = setup(dict(opts, drafter="mtp", draft_confidence=0.0)).drafter
+    told = assemble(replace(opts, drafter="mtp", draft_confidence=0.0)).drafter
     assert told.name == "mtp" and told.min_confidence == 0.0
-    sizes = setup(dict(opts, ngram_sizes="1-4")).drafter
+    sizes = assemble(replace(opts, ngram_sizes="1-4")).drafter
     assert (sizes.lookup.min_n, sizes.lookup.max_n) == (1, 4)
 
 
