@@ -210,7 +210,7 @@ def test_draft_program_computes_the_eager_step_on_the_shared_cache():
     program, _ = torch_program_session(model, head, modules)
     eager = EagerSession(model, MAX_SEQ_LEN, CHUNK)
     program.forward(PROMPT[:CHUNK], 0)
-    _, hidden = program.forward(PROMPT[CHUNK:], CHUNK, return_hidden=True)
+    hidden = program.forward(PROMPT[CHUNK:], CHUNK, return_hidden=True).hidden
     eager.forward(PROMPT, 0)
     caches = [modules["decode"].get_buffer(f"{kv}_cache_{i}") for i in (0, 1) for kv in "kv"]
     before = [c.clone() for c in caches]
@@ -244,9 +244,9 @@ def test_dispatch_pads_to_the_narrowest_function_and_respects_the_cache_end():
         return torch.zeros(len(tokens), VOCAB), None
 
     session = FixedWidthSession(call, widths(CHUNK, K), MAX_SEQ_LEN, VOCAB, hidden=False)
-    assert session.forward([1, 2, 3], 10).shape == (3, VOCAB)
-    assert session.forward([1], 13).shape == (1, VOCAB)
-    assert session.forward(list(range(9)), 14).shape == (9, VOCAB)
+    assert session.forward([1, 2, 3], 10).logits.shape == (3, VOCAB)
+    assert session.forward([1], 13).logits.shape == (1, VOCAB)
+    assert session.forward(list(range(9)), 14).logits.shape == (9, VOCAB)
     session.forward([1, 2, 3], MAX_SEQ_LEN - 3)  # a padded verify would write past the cache
     assert calls == [("verify", 5, 10), ("decode", 1, 13), ("prefill", 16, 14)] + [
         ("decode", 1, MAX_SEQ_LEN - 3 + i) for i in range(3)

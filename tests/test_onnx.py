@@ -128,13 +128,16 @@ def test_fp32_export_gives_the_eager_tokens(mtp_bundle, model_dir):
     )
     # Logits and hidden states of prefill and of every verify width, also after a rollback.
     ours, theirs = prefill(session, PROMPT, 0, True), prefill(eager, PROMPT, 0, True)
-    for a, b in zip(ours, theirs, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+    torch.testing.assert_close(ours.logits, theirs.logits, atol=1e-4, rtol=0)
+    torch.testing.assert_close(ours.hidden, theirs.hidden, atol=1e-4, rtol=0)
     start = len(PROMPT)
     for width in (5, 1, 2, 16):
         tokens = [(7 * i + width) % 97 for i in range(width)]
         torch.testing.assert_close(
-            session.forward(tokens, start), eager.forward(tokens, start), atol=1e-4, rtol=0
+            session.forward(tokens, start).logits,
+            eager.forward(tokens, start).logits,
+            atol=1e-4,
+            rtol=0,
         )
         start += width // 2 + 1  # the next call overwrites the rejected tail
 
@@ -212,8 +215,8 @@ def test_cache_reading_draft_step_equals_the_eager_step(cache_bundle, model_dir)
     eager = EagerSession(loaded.model, MAX_SEQ_LEN, session.max_chunk)
     eager_step = eager_step_fn(head, loaded.model)
     ours, theirs = prefill(session, PROMPT, 0, True), prefill(eager, PROMPT, 0, True)
-    torch.testing.assert_close(ours[1], theirs[1], atol=1e-4, rtol=0)
-    h, token = theirs[1][-1:], torch.tensor([int(theirs[0][-1].argmax())])
+    torch.testing.assert_close(ours.hidden, theirs.hidden, atol=1e-4, rtol=0)
+    h, token = theirs.hidden[-1:], torch.tensor([int(theirs.logits[-1].argmax())])
     ort_cache, eager_cache = session.caches, loaded.model.layers[-1].self_attn.cache
     for position in range(len(PROMPT), len(PROMPT) + 4):
         logits, next_h = drafter.step_fn(h, token, position)
@@ -231,7 +234,8 @@ def test_the_draft_step_writes_the_target_cache_in_place(cache_bundle_int4):
     session = target_session(bundle)
     drafter = bundle_drafter(bundle)
     pointers = {name: cache.data_ptr() for name, cache in session.caches.items()}
-    logits, hidden = prefill(session, PROMPT, 0, True)
+    out = prefill(session, PROMPT, 0, True)
+    logits, hidden = out.logits, out.hidden
     written = len(PROMPT)
     key = session.caches["past_key_1"].numpy()
     assert not key[:, :, written:].any()
@@ -289,7 +293,7 @@ def test_quantized_graphs_run_and_stay_lossless(tmp_path, quant, bits):
     assert attributes["bits"] == bits and attributes["block_size"] == 32
     session = OnnxSession(path, methods["forward"], MAX_SEQ_LEN, VOCAB, CHUNK)
     eager = EagerSession(model, MAX_SEQ_LEN, CHUNK)
-    logits, expected = prefill(session, PROMPT), prefill(eager, PROMPT)
+    logits, expected = prefill(session, PROMPT).logits, prefill(eager, PROMPT).logits
     error = float((logits - expected).abs().max()) / float(expected.abs().max())
     assert error < (0.35 if bits == 4 else 0.05)
     # A token's logits do not depend on the other tokens of its call: verifying 5 tokens gives
@@ -298,10 +302,11 @@ def test_quantized_graphs_run_and_stay_lossless(tmp_path, quant, bits):
     assert session.min_tokens == 2
     assert session.caches["past_key_0"].shape()[2] == MAX_SEQ_LEN + 1
     start = len(PROMPT)
-    verify = session.forward([3, 30, 41, 7, 12], start)
-    steps = torch.cat([session.forward([t], start + i) for i, t in enumerate([3, 30, 41, 7, 12])])
+    verify = session.forward([3, 30, 41, 7, 12], start).logits
+    steps = [session.forward([t], start + i).logits for i, t in enumerate([3, 30, 41, 7, 12])]
+    steps = torch.cat(steps)
     torch.testing.assert_close(verify, steps, atol=1e-4, rtol=0)
-    assert session.forward([3], MAX_SEQ_LEN - 1).shape == (1, VOCAB)
+    assert session.forward([3], MAX_SEQ_LEN - 1).logits.shape == (1, VOCAB)
     config = GenerationConfig(max_new_tokens=40, k=4)
     plain = generate(session, PROMPT, None, config)
     spec = generate(session, PROMPT, NgramDrafter(), config)
@@ -349,10 +354,12 @@ def test_qwen_style_attention_and_tied_head_export(tmp_path, qk_norm, head_dim):
     )
     session = OnnxSession(path, methods["forward"], MAX_SEQ_LEN, VOCAB, CHUNK)
     eager = EagerSession(model, MAX_SEQ_LEN, CHUNK)
-    torch.testing.assert_close(prefill(session, PROMPT), prefill(eager, PROMPT), atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        prefill(session, PROMPT).logits, prefill(eager, PROMPT).logits, atol=1e-4, rtol=0
+    )
     for tokens, at in (([3, 30, 41], len(PROMPT)), ([7], len(PROMPT) + 3)):
         torch.testing.assert_close(
-            session.forward(tokens, at), eager.forward(tokens, at), atol=1e-4, rtol=0
+            session.forward(tokens, at).logits, eager.forward(tokens, at).logits, atol=1e-4, rtol=0
         )
 
 
