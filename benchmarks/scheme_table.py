@@ -234,7 +234,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--work", type=Path, help="keep and reuse the .pte files here")
     parser.add_argument("--schemes", help="comma-separated scheme names (default: all)")
-    parser.add_argument("--out", default="scheme_x_T", help="results/verification/<OUT>.json and .md")
+    parser.add_argument(
+        "--out", default="scheme_x_T", help="results/verification/<OUT>.json and .md"
+    )
     args = parser.parse_args()
     schemes = SCHEMES
     if args.schemes:
