@@ -13,7 +13,7 @@ import torch
 from mtp_edge.checkpoints import LoadedModel, load_model
 from mtp_edge.errors import UserError
 from mtp_edge.exporter.platform import ExportJob, ExportOptions, Platform
-from mtp_edge.manifest import PLATFORMS, DrafterSpec, Manifest
+from mtp_edge.manifest import PLATFORMS, TOKENIZER_FILES, DrafterSpec, Manifest, ModelFile
 from mtp_edge.quantize.quality import heldout_text, perplexity, verify_step_discrepancy
 
 # forward(tokens, start) -> logits [T, V]: how the exporter runs what it exported. The CLI passes
@@ -164,6 +164,8 @@ def export_bundle(
             )
         progress("[write] tokenizer and manifest")
         tokenizer.save(tmp)
+        for role, file in TOKENIZER_FILES.items():  # hashed and checked like the programs
+            models[role] = ModelFile(file, "", {}, {})
         return Manifest(
             target=options.platform,
             backend=PLATFORMS[options.platform],

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import types
 import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields
@@ -25,6 +26,9 @@ MANIFEST = "manifest.json"
 # `mtp-export --target NAME` (the platform) -> the backend that runs its bundles.
 PLATFORMS = {"android": "executorch", "coreml": "coreml", "onnx": "onnxruntime"}
 DRAFTER_KINDS = ("none", "ngram", "mtp", "draft-lm")
+# The tokenizer's files, entries of `models` like the programs (role -> file name), so that every
+# file the runtime reads is hashed; the tokenizer loads them under these names.
+TOKENIZER_FILES = {"tokenizer": "tokenizer.json", "tokenizer_meta": "tokenizer_meta.json"}
 
 
 @dataclass
@@ -122,6 +126,19 @@ class Manifest:
             name: ModelFile(**_checked(ModelFile, entry, f"{where}: models.{name}"))
             for name, entry in models.items()
         }
+        for name, entry in values["models"].items():
+            if not _plain_name(entry.file):
+                raise UserError(
+                    f"{where}: models.{name}.file '{entry.file}' is not a plain file name inside "
+                    "the bundle: re-export the bundle"
+                )
+        for role, file in TOKENIZER_FILES.items():
+            entry = values["models"].get(role)
+            if entry is None or entry.file != file:
+                raise UserError(
+                    f"{where}: no sha256 for {file} (models.{role}; exported by an older "
+                    "mtp-export): re-export the bundle"
+                )
         values["drafter"] = DrafterSpec(
             **_checked(DrafterSpec, data.get("drafter"), where, "drafter")
         )
@@ -151,17 +168,90 @@ class Manifest:
                 f"{FORMAT_VERSION}: re-export it with this version of mtp-export"
             )
         manifest = cls.from_json(data, str(path))
+        for name, entry in manifest.models.items():
+            if (directory / entry.file).is_symlink() and not _inside(directory, entry.file):
+                raise UserError(
+                    f"{path}: models.{name}.file '{entry.file}' links outside the bundle: "
+                    "re-export the bundle"
+                )
         if verify:
-            for entry in manifest.models.values():
-                file = directory / entry.file
-                if not file.exists():
-                    raise UserError(f"bundle {directory} is missing {entry.file}: re-export it")
-                if sha256(file) != entry.sha256:
-                    raise UserError(
-                        f"bundle {directory}: {entry.file} does not match its sha256 in "
-                        f"{MANIFEST} (modified or corrupted): re-export the bundle"
-                    )
+            verify_files(directory, manifest)
         return manifest
+
+
+def _plain_name(name: str) -> bool:
+    return bool(name) and name not in (".", "..") and not any(c in name for c in "/\\\0")
+
+
+def _inside(directory: Path, name: str) -> bool:
+    root = directory.resolve()
+    return (directory / name).resolve().is_relative_to(root)
+
+
+def verify_files(directory: Path, manifest: Manifest) -> None:
+    """Every file of the bundle against its sha256 in the manifest. A file whose size and
+    modification time match what a previous check recorded for this bundle (the verified-once
+    stamp, in the user's cache) is not hashed again: hashing a 1 GB program costs seconds on a
+    phone. MTP_EDGE_VERIFY=always hashes every file every time."""
+    stamp_path = _stamp_path(directory)
+    stamp = {} if os.environ.get("MTP_EDGE_VERIFY") == "always" else _read_stamp(stamp_path)
+    seen, changed = {}, False
+    for entry in manifest.models.values():
+        file = directory / entry.file
+        if not file.exists():
+            raise UserError(f"bundle {directory} is missing {entry.file}: re-export it")
+        stat = file.stat()
+        known = stamp.get(entry.file, {})
+        if (
+            file.is_file()
+            and known.get("size") == stat.st_size
+            and known.get("mtime_ns") == stat.st_mtime_ns
+            and known.get("sha256") == entry.sha256
+        ):
+            seen[entry.file] = known
+            continue
+        if sha256(file) != entry.sha256:
+            raise UserError(
+                f"bundle {directory}: {entry.file} does not match its sha256 in "
+                f"{MANIFEST} (modified or corrupted): re-export the bundle"
+            )
+        changed = True
+        if file.is_file():  # a Core ML package (a directory) is hashed every time
+            seen[entry.file] = {
+                "size": stat.st_size,
+                "mtime_ns": stat.st_mtime_ns,
+                "sha256": entry.sha256,
+            }
+    if changed and stamp_path is not None:
+        _write_stamp(stamp_path, directory, seen)
+
+
+def _stamp_path(directory: Path) -> Path | None:
+    base = os.environ.get("XDG_CACHE_HOME") or (
+        str(Path.home() / ".cache") if os.environ.get("HOME") else None
+    )
+    if base is None:
+        return None
+    key = hashlib.sha256(str(directory.resolve()).encode()).hexdigest()[:32]
+    return Path(base) / "mtp-edge" / "verified" / f"{key}.json"
+
+
+def _read_stamp(path: Path | None) -> dict:
+    try:
+        files = json.loads(path.read_text())["files"]
+        return files if isinstance(files, dict) else {}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}  # no stamp, or an unreadable one: hash everything
+
+
+def _write_stamp(path: Path, directory: Path, files: dict) -> None:
+    from mtp_edge.files import write_atomic
+
+    body = {"bundle": str(directory.resolve()), "files": files}
+    try:
+        write_atomic(path, json.dumps(body, indent=1) + "\n")
+    except OSError:
+        pass  # a read-only cache only costs the next start a full check
 
 
 def _checked(cls, data, where: str, section: str | None = None, skip=()) -> dict:

@@ -289,7 +289,7 @@ def test_bundle_with_heads_that_read_the_target_cache(model_dir, tmp_path):
     result = CliRunner().invoke(export, [*args, "--quality-tokens", "0"])
     assert result.exit_code == 0, result.output
     manifest = Manifest.load(out)
-    assert set(manifest.models) == {"target", "drafter_vocab"}
+    assert set(manifest.models) == {"target", "drafter_vocab", "tokenizer", "tokenizer_meta"}
     assert manifest.drafter.kind == "mtp" and manifest.drafter.reads_target_cache is True
     assert manifest.drafter.method is None  # an ExecuTorch method name; Core ML: draft_step
     methods = manifest.models["target"].methods
