@@ -29,11 +29,12 @@ import torch
 from mtp_edge.checkpoints import load_model
 from mtp_edge.devices.harness import load_prompts
 from mtp_edge.exporter.executorch import export_program
-from mtp_edge.quantize.quality import heldout_text, perplexity
+from mtp_edge.quantize.quality import perplexity
 from mtp_edge.runtime.drafters import NgramDrafter
 from mtp_edge.runtime.executorch_session import ExecuTorchSession
 from mtp_edge.runtime.loop import GenerationConfig, first_divergence, generate
 from mtp_edge.runtime.session import EagerSession, prefill
+from mtp_edge.texts import heldout_text
 
 WIDTHS = (1, 2, 5, 8, 16)
 PREFILL = 64  # tokens in the cache when the widths are timed

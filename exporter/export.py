@@ -14,7 +14,8 @@ from mtp_edge.checkpoints import LoadedModel, load_model
 from mtp_edge.errors import UserError
 from mtp_edge.exporter.platform import ExportJob, ExportOptions, Platform
 from mtp_edge.manifest import PLATFORMS, TOKENIZER_FILES, DrafterSpec, Manifest, ModelFile
-from mtp_edge.quantize.quality import heldout_text, perplexity, verify_step_discrepancy
+from mtp_edge.quantize.quality import perplexity, verify_step_discrepancy
+from mtp_edge.texts import heldout_text
 
 # forward(tokens, start) -> logits [T, V]: how the exporter runs what it exported. The CLI passes
 # the runtime's session for the target's backend, so exporter/ never imports runtime/.

@@ -7,8 +7,6 @@ from collections.abc import Callable
 
 import torch
 
-from mtp_edge.texts import HELDOUT_TOPICS, heldout_text  # noqa: F401  (callers move to texts)
-
 
 def perplexity(
     forward: Callable[[list[int], int], torch.Tensor],
