@@ -7,11 +7,12 @@ nothing changed); then the runner binary takes over the process with the same ar
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from mtp_edge.errors import UserError
@@ -20,10 +21,36 @@ SOURCE_DIR = Path(__file__).parent / "native"
 BUILD_DIR = SOURCE_DIR / "build"
 RUNNER = BUILD_DIR / "mtp-runner"
 UNIT_TESTS = BUILD_DIR / "mtp-native-tests"
+# What a configured build directory holds besides CMakeCache.txt: the generator's own file
+# (a configure that failed leaves the cache without it).
+GENERATOR_FILES = ("Makefile", "build.ninja")
 
 
-def build(jobs: int | None = None, progress: Callable[[str], None] | None = None) -> Path:
-    """Configure (once) and build the core, runner and C++ tests; returns the runner's path."""
+def nlohmann_include() -> Path | None:
+    """The pip package nlohmann_json's header directory (the build's fallback for nlohmann/json
+    when the system has none), without importing it."""
+    spec = importlib.util.find_spec("nlohmann_json")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    include = Path(spec.submodule_search_locations[0]) / "include"
+    return include if (include / "nlohmann" / "json.hpp").is_file() else None
+
+
+def configured(build_dir: Path) -> bool:
+    return (build_dir / "CMakeCache.txt").is_file() and any(
+        (build_dir / name).is_file() for name in GENERATOR_FILES
+    )
+
+
+def build(
+    jobs: int | None = None,
+    progress: Callable[[str], None] | None = None,
+    build_dir: Path = BUILD_DIR,
+    configure_args: Sequence[str] = (),
+) -> Path:
+    """Configure (when the build directory has no build system yet) and build the core, runner
+    and C++ tests; returns the runner's path. A configure that fails leaves no build directory
+    behind, so that the next call configures afresh. `configure_args` go to cmake after ours."""
     if not (SOURCE_DIR / "CMakeLists.txt").is_file():
         raise UserError(
             f"the native sources are not at {SOURCE_DIR}: mtp-runner needs a source checkout "
@@ -31,31 +58,44 @@ def build(jobs: int | None = None, progress: Callable[[str], None] | None = None
         )
     if shutil.which("cmake") is None:
         raise UserError("cmake is not installed: install cmake and a C++17 compiler (g++)")
-    steps = []
-    if not (BUILD_DIR / "CMakeCache.txt").is_file():
-        steps.append(
-            [
-                "cmake",
-                "-S",
-                str(SOURCE_DIR),
-                "-B",
-                str(BUILD_DIR),
-                "-DCMAKE_BUILD_TYPE=Release",
-                f"-DMTP_PYTHON={sys.executable}",
-            ]
-        )
-    steps.append(["cmake", "--build", str(BUILD_DIR), "-j", str(jobs or os.cpu_count() or 1)])
-    for command in steps:
-        if progress:
-            progress(f"[native] {' '.join(command)}")
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode != 0:
-            tail = (done.stdout + done.stderr).strip().splitlines()[-15:]
-            raise UserError(
-                "building the native runtime failed (see runtime/native/README.md for the "
-                "requirements):\n" + "\n".join(tail)
-            )
-    return RUNNER
+    build_dir = Path(build_dir)
+    if not configured(build_dir):
+        command = ["cmake", "-S", str(SOURCE_DIR), "-B", str(build_dir)]
+        command += ["-DCMAKE_BUILD_TYPE=Release", f"-DMTP_PYTHON={sys.executable}"]
+        include = nlohmann_include()
+        if include is not None:
+            command.append(f"-DMTP_NLOHMANN_INCLUDE={include}")
+        try:
+            _run([*command, *configure_args], progress)
+        except UserError:
+            shutil.rmtree(build_dir, ignore_errors=True)
+            raise
+    jobs = jobs or os.cpu_count() or 1
+    _run(["cmake", "--build", str(build_dir), "-j", str(jobs)], progress)
+    return build_dir / "mtp-runner"
+
+
+def _run(command: list[str], progress: Callable[[str], None] | None) -> None:
+    if progress:
+        progress(f"[native] {' '.join(command)}")
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode == 0:
+        return
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    # Our CMakeLists says what is missing in one "error: ..." message (CMake indents it and may
+    # wrap it): that line alone, not the screenful around it.
+    for i, line in enumerate(lines):
+        if line.strip().startswith("error: "):
+            message = [line.strip()]
+            for more in lines[i + 1 :]:
+                if not more.strip():
+                    break
+                message.append(more.strip())
+            raise UserError(" ".join(message).removeprefix("error: "))
+    raise UserError(
+        "building the native runtime failed (see runtime/native/README.md for the "
+        "requirements):\n" + "\n".join(lines[-15:])
+    )
 
 
 def main() -> None:

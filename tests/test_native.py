@@ -732,3 +732,39 @@ def test_python_and_native_readers_agree_on_manifests(runner, mlp_mtp_bundle, tm
         assert done.returncode == 2, f"{what}: exit {done.returncode}: {done.stderr[-500:]}"
         last = done.stderr.strip().splitlines()[-1]
         assert last.startswith("error: ") and f"'{key}" in last, f"{what}: {last}"
+
+
+def test_failed_configure_then_fixed_one_builds(tmp_path):
+    """A configure that fails (nlohmann/json not found: the system's made invisible, no pip
+    headers) is one line and leaves nothing behind; so does a half-configured directory left by
+    a plain cmake run (a cache, no Makefile): the next build configures afresh, here with the
+    pip package's headers (the fallback when the system has none), and builds."""
+    from mtp_edge.errors import UserError
+
+    include = native.nlohmann_include()
+    if include is None:
+        pytest.skip("the nlohmann_json pip package is not installed (pip install nlohmann_json)")
+    build_dir = tmp_path / "build"
+    hidden = "-DCMAKE_DISABLE_FIND_PACKAGE_nlohmann_json=TRUE"
+    with pytest.raises(UserError) as refused:
+        native.build(
+            jobs=1, build_dir=build_dir, configure_args=[hidden, "-DMTP_NLOHMANN_INCLUDE="]
+        )
+    assert str(refused.value) == (
+        "the native build needs nlohmann/json: pip install nlohmann_json (or apt-get install "
+        "nlohmann-json3-dev)"
+    )
+    assert not build_dir.exists()
+
+    command = ["cmake", "-S", str(native.SOURCE_DIR), "-B", str(build_dir), hidden]
+    done = subprocess.run(command, capture_output=True, text=True)
+    assert done.returncode != 0
+    assert (build_dir / "CMakeCache.txt").is_file() and not (build_dir / "Makefile").exists()
+
+    runner = native.build(jobs=1, build_dir=build_dir, configure_args=[hidden])
+    cache = (build_dir / "CMakeCache.txt").read_text()
+    assert f"MTP_NLOHMANN_INCLUDE:UNINITIALIZED={include}" in cache
+    flags = (build_dir / "CMakeFiles" / "mtp_edge.dir" / "flags.make").read_text()
+    assert f"-isystem {include}" in flags
+    done = subprocess.run([str(runner), "--help"], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.startswith("usage: mtp-runner")
