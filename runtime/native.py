@@ -3,12 +3,15 @@
 The C++ core is built with CMake against the pip-installed ExecuTorch into runtime/native/build
 the first time it is needed (and brought up to date on later calls, which costs a second when
 nothing changed); then the runner binary takes over the process with the same arguments.
+`mtp-runner --help` and a missing or wrong `--bundle` are answered before anything is built.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,6 +24,7 @@ SOURCE_DIR = Path(__file__).parent / "native"
 BUILD_DIR = SOURCE_DIR / "build"
 RUNNER = BUILD_DIR / "mtp-runner"
 UNIT_TESTS = BUILD_DIR / "mtp-native-tests"
+RUNNER_SOURCE = SOURCE_DIR / "tools" / "mtp_runner.cpp"  # its usage text is the one copy
 # What a configured build directory holds besides CMakeCache.txt: the generator's own file
 # (a configure that failed leaves the cache without it).
 GENERATOR_FILES = ("Makefile", "build.ninja")
@@ -98,11 +102,68 @@ def _run(command: list[str], progress: Callable[[str], None] | None) -> None:
     )
 
 
-def main() -> None:
-    """`mtp-runner ...`: build if needed, then run the native runner with these arguments."""
+def usage() -> str:
+    """mtp-runner's usage text, read from its source (tools/mtp_runner.cpp kUsage)."""
     try:
+        source = RUNNER_SOURCE.read_text()
+    except OSError:
+        raise UserError(
+            f"the native sources are not at {SOURCE_DIR}: mtp-runner needs a source checkout "
+            "installed with pip install -e ."
+        ) from None
+    found = re.search(r'kUsage\s*=\s*((?:"(?:[^"\\\n]|\\.)*"\s*)+);', source)
+    if found is None:
+        raise UserError(f"{RUNNER_SOURCE} has no kUsage text")
+    literals = re.findall(r'"((?:[^"\\\n]|\\.)*)"', found.group(1))
+    return "".join(ast.literal_eval(f'"{literal}"') for literal in literals)
+
+
+def value_flags(text: str) -> set[str]:
+    """The options that take a value, from the usage's synopsis ("--k K", "--drafter a|b")."""
+    synopsis = []
+    for line in text.splitlines():
+        if not (line.startswith("usage:") or line.startswith(" ")):
+            break
+        synopsis.append(line)
+    return set(re.findall(r"(--[\w-]+) [^\s\[\]()|-]", "\n".join(synopsis)))
+
+
+def check_arguments(args: Sequence[str]) -> bool:
+    """What mtp-runner can answer without the native build: True for --help; a missing
+    --bundle, or one that is not a bundle directory, is a UserError (the runner's message)."""
+    takes_value = value_flags(usage())
+    bundle = None
+    i = 0
+    while i < len(args):
+        flag = args[i]
+        if flag in ("--help", "-h"):
+            return True
+        if flag in takes_value:
+            if i + 1 >= len(args):
+                raise UserError(f"{flag} needs a value (see --help)")
+            if flag == "--bundle":
+                bundle = args[i + 1]
+            i += 1
+        i += 1
+    if bundle is None:
+        raise UserError("--bundle DIR is required (see --help)")
+    if not Path(bundle).is_dir():
+        raise UserError(f"bundle {bundle} does not exist: export one with mtp-export")
+    if not (Path(bundle) / "manifest.json").is_file():
+        raise UserError(f"{bundle} is not a bundle: it has no manifest.json")
+    return False
+
+
+def main() -> None:
+    """`mtp-runner ...`: check the arguments, build if needed, then run the native runner with
+    these arguments."""
+    args = sys.argv[1:]
+    try:
+        if check_arguments(args):
+            print(usage(), end="")
+            return
         runner = build(progress=lambda line: print(line, file=sys.stderr))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    os.execv(runner, [str(runner), *sys.argv[1:]])
+    os.execv(runner, [str(runner), *args])

@@ -14,8 +14,11 @@ for speculative vs plain decoding (devices/harness.py NEAR_TIE)."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -732,6 +735,70 @@ def test_python_and_native_readers_agree_on_manifests(runner, mlp_mtp_bundle, tm
         assert done.returncode == 2, f"{what}: exit {done.returncode}: {done.stderr[-500:]}"
         last = done.stderr.strip().splitlines()[-1]
         assert last.startswith("error: ") and f"'{key}" in last, f"{what}: {last}"
+
+
+def refusal(done: subprocess.CompletedProcess) -> str:
+    """The one error line of a run refused as a user error."""
+    assert done.returncode == 2, f"exit {done.returncode}: {done.stderr[-800:]}"
+    lines = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    return lines[0]
+
+
+def mtp_runner_command(*args) -> list[str]:
+    return [sys.executable, "-c", "from mtp_edge.runtime.native import main; main()", *args]
+
+
+def test_mtp_runner_checks_arguments_before_building(runner, tmp_path):
+    """mtp-runner answers --help and a missing or wrong --bundle without running cmake (here a
+    cmake that only records being called), with the runner's own usage and one-line errors."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    called = tmp_path / "cmake-called"
+    (bin_dir / "cmake").write_text(f"#!/bin/sh\ntouch {called}\nexit 1\n")
+    (bin_dir / "cmake").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+    def mtp_runner(*args) -> subprocess.CompletedProcess:
+        return subprocess.run(mtp_runner_command(*args), capture_output=True, text=True, env=env)
+
+    help_text = subprocess.run([str(runner), "--help"], capture_output=True, text=True).stdout
+    for flag in ("--help", "-h"):
+        done = mtp_runner(flag)
+        assert done.returncode == 0 and done.stdout == help_text, done.stderr
+    done = mtp_runner("--bundle", str(tmp_path), "--prompt-ids", "1", "--help")
+    assert done.returncode == 0 and done.stdout == help_text
+    no_bundle = tmp_path / "none"
+    not_a_bundle = tmp_path / "empty"
+    not_a_bundle.mkdir()
+    for args in [
+        ("--bundle", str(no_bundle), "--prompt-ids", "1"),
+        ("--bundle", str(not_a_bundle), "--prompt-ids", "1"),
+        ("--prompt-ids", "1"),
+        ("--prompt-ids", "1", "--bundle"),
+    ]:
+        done = mtp_runner(*args)
+        native_done = subprocess.run([str(runner), *args], capture_output=True, text=True)
+        assert refusal(done) == refusal(native_done), args
+        assert done.stderr.count("\n") == 1, done.stderr
+    assert refusal(mtp_runner("--bundle", str(no_bundle))) == (
+        f"error: bundle {no_bundle} does not exist: export one with mtp-export"
+    )
+    assert not called.exists()
+    # A value that looks like an option is a value, as the runner reads it.
+    done = mtp_runner("--bundle", str(no_bundle), "--prompt", "-h")
+    assert "does not exist" in refusal(done)
+    assert not called.exists()
+
+
+def test_options_taking_values_match_the_runner_source():
+    """mtp-runner reads the options that take a value from the usage text of mtp_runner.cpp;
+    they are the options whose branch in run() reads a value."""
+    source = native.RUNNER_SOURCE.read_text()
+    branches = re.findall(r'flag == "(--[\w-]+)"[^{]*\{(.*?)\n    \}', source, re.S)
+    assert len(branches) > 20
+    reads_value = {flag for flag, body in branches if "value()" in body}
+    assert native.value_flags(native.usage()) == reads_value
 
 
 def test_failed_configure_then_fixed_one_builds(tmp_path):
