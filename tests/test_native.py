@@ -13,6 +13,7 @@ for speculative vs plain decoding (devices/harness.py NEAR_TIE)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -61,7 +62,23 @@ def export_bundle(tmp_path_factory, *extra) -> str:
     args += ["--quality-tokens", "0", "--lookup", "none", "--draft-confidence", "0", *extra]
     result = CliRunner().invoke(export, args)
     assert result.exit_code == 0, result.output
+    add_tokenizer_entries(out)
     return str(out)
+
+
+def add_tokenizer_entries(bundle: Path) -> None:
+    """The tokenizer's files as entries of the manifest's models, with their sha256, as
+    mtp-export writes them now (the readers refuse a bundle without them); nothing to do on a
+    bundle that has them."""
+    path = bundle / "manifest.json"
+    manifest = json.loads(path.read_text())
+    files = {"tokenizer": "tokenizer.json", "tokenizer_meta": "tokenizer_meta.json"}
+    missing = {role: file for role, file in files.items() if role not in manifest["models"]}
+    for role, file in missing.items():
+        digest = sha256_of(bundle / file)
+        manifest["models"][role] = {"file": file, "sha256": digest, "quant": {}, "methods": {}}
+    if missing:
+        path.write_text(json.dumps(manifest, indent=2) + "\n")
 
 
 def export_mtp_bundle(tmp_path_factory, attention: str, *extra) -> str:
@@ -737,12 +754,113 @@ def test_python_and_native_readers_agree_on_manifests(runner, mlp_mtp_bundle, tm
         assert last.startswith("error: ") and f"'{key}" in last, f"{what}: {last}"
 
 
+def sha256_of(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def run_runner(runner, bundle, env=None) -> subprocess.CompletedProcess:
+    """A short plain run of the runner on `bundle` (the model drafter not loaded)."""
+    args = [str(runner), "--bundle", str(bundle), "--prompt-ids", "1,2,3"]
+    args += ["--max-new-tokens", "2", "--drafter", "none"]
+    return subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
+
+
 def refusal(done: subprocess.CompletedProcess) -> str:
     """The one error line of a run refused as a user error."""
     assert done.returncode == 2, f"exit {done.returncode}: {done.stderr[-800:]}"
     lines = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
     return lines[0]
+
+
+def edited_copy(bundle, to: Path, edit) -> Path:
+    shutil.copytree(bundle, to)
+    manifest = json.loads((to / "manifest.json").read_text())
+    edit(manifest)
+    (to / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    return to
+
+
+def swap_two_tokens(tokenizer_json: Path) -> None:
+    """Swap the ids of two vocabulary entries: the file still loads, but encodes and decodes
+    those two tokens wrongly."""
+    data = json.loads(tokenizer_json.read_text())
+    vocab = data["model"]["vocab"]
+    a, b = [token for token, i in vocab.items() if 10 <= i < 100][:2]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    tokenizer_json.write_text(json.dumps(data, ensure_ascii=False))
+
+
+def test_tampered_tokenizer_is_refused(runner, mlp_mtp_bundle, tmp_path):
+    """tokenizer.json is hashed and checked like the programs: two vocabulary entries swapped
+    is one error line naming it."""
+    bundle = tmp_path / "bundle"
+    shutil.copytree(mlp_mtp_bundle, bundle)
+    swap_two_tokens(bundle / "tokenizer.json")
+    line = refusal(run_runner(runner, bundle))
+    assert line == (
+        f"error: bundle {bundle}: tokenizer.json does not match its sha256 in manifest.json "
+        "(modified or corrupted): re-export the bundle"
+    )
+
+
+@pytest.mark.parametrize("role, file", [("tokenizer", "tokenizer.json"),
+                                        ("tokenizer_meta", "tokenizer_meta.json")])  # fmt: skip
+def test_bundle_without_tokenizer_hashes_is_refused(runner, mlp_mtp_bundle, tmp_path, role, file):
+    bundle = edited_copy(mlp_mtp_bundle, tmp_path / "old", lambda m: m["models"].pop(role))
+    assert refusal(run_runner(runner, bundle)) == (
+        f"error: bundle {bundle} has no sha256 for {file} in manifest.json (exported by an "
+        "older mtp-export): re-export it"
+    )
+
+
+def test_file_names_that_leave_the_bundle_are_refused(runner, mlp_mtp_bundle, tmp_path):
+    """models.*.file must name an entry of the bundle directory. Each name below points at a
+    file whose sha256 the manifest gives (a copy of target.pte, or /etc/passwd), so a reader that
+    opened it would pass the hash check: the refusal comes from the name alone."""
+    target = Path(mlp_mtp_bundle) / "target.pte"
+    (tmp_path / "x").mkdir()
+    shutil.copy(target, tmp_path / "x" / "target.pte")
+    cases = {
+        "../x/target.pte": sha256_of(target),
+        "/etc/passwd": sha256_of(Path("/etc/passwd")),
+        "a/b": sha256_of(target),
+        "..": sha256_of(target),
+        ".": sha256_of(target),
+        "": sha256_of(target),
+        "a\\b": sha256_of(target),
+    }
+    for i, (name, digest) in enumerate(cases.items()):
+        bundle = edited_copy(
+            mlp_mtp_bundle,
+            tmp_path / f"case{i}" / "bundle",
+            lambda m, name=name, digest=digest: m["models"]["target"].update(
+                file=name, sha256=digest
+            ),
+        )
+        (bundle / "a").mkdir()
+        shutil.copy(target, bundle / "a" / "b")
+        line = refusal(run_runner(runner, bundle))
+        assert line == (
+            f"error: {bundle}/manifest.json: models.target.file '{name}' is not a plain file name "
+            "inside the bundle: re-export the bundle"
+        ), name
+
+    # A symlink to a file outside the bundle: refused, though the file it reaches is intact.
+    bundle = tmp_path / "linked"
+    shutil.copytree(mlp_mtp_bundle, bundle)
+    (bundle / "target.pte").unlink()
+    (bundle / "target.pte").symlink_to(tmp_path / "x" / "target.pte")
+    assert refusal(run_runner(runner, bundle)) == (
+        f"error: {bundle}/manifest.json: models.target.file 'target.pte' links outside the "
+        "bundle: re-export the bundle"
+    )
+    # ... and one to a file inside it is followed.
+    (bundle / "target.pte").unlink()
+    shutil.copy(target, bundle / "program.pte")
+    (bundle / "target.pte").symlink_to("program.pte")
+    done = run_runner(runner, bundle)
+    assert done.returncode == 0, done.stderr[-800:]
 
 
 def mtp_runner_command(*args) -> list[str]:

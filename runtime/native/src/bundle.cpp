@@ -1,8 +1,12 @@
 #include "bundle.h"
 
 #include <algorithm>
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
+#include <dirent.h>
 #include <sys/stat.h>
 
 #include "errors.h"
@@ -159,6 +163,146 @@ DrafterSpec read_drafter(const nlohmann::json& d, const std::string& where) {
   return spec;
 }
 
+// The name a manifest gives for a value in a message, on one line whatever it holds.
+std::string shown(const std::string& value) {
+  std::string out;
+  for (unsigned char c : value) {
+    if (c < 0x20 || c == 0x7f) {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\x%02x", c);
+      out += buf;
+    } else {
+      out += char(c);
+    }
+  }
+  return out;
+}
+
+// models.*.file names one entry of the bundle directory: no separators, no "." or "..", nothing
+// absolute, no NUL (which would cut the name short when opened).
+bool plain_file_name(const std::string& name) {
+  return !name.empty() && name != "." && name != ".." &&
+         name.find_first_of(std::string("/\\\0", 3)) == std::string::npos;
+}
+
+std::optional<std::string> real_path(const std::string& path) {
+  char* resolved = ::realpath(path.c_str(), nullptr);
+  if (!resolved) return std::nullopt;
+  std::string out(resolved);
+  std::free(resolved);
+  return out;
+}
+
+bool inside(const std::string& path, const std::string& real_dir) {
+  const std::string prefix = real_dir == "/" ? real_dir : real_dir + "/";
+  return path.size() > prefix.size() && path.compare(0, prefix.size(), prefix) == 0;
+}
+
+// Every models.*.file a plain name, and the tokenizer's files among them (what the runtime reads
+// is what the manifest hashes): checked before any file is opened, as mtp_edge/manifest.py does.
+const std::vector<std::pair<std::string, std::string>> kTokenizerFiles = {
+    {"tokenizer", "tokenizer.json"}, {"tokenizer_meta", "tokenizer_meta.json"}};
+
+void check_file_names(const Manifest& m, const std::string& where) {
+  for (const auto& [name, entry] : m.models)
+    if (!plain_file_name(entry.file))
+      throw UserError(where + ": models." + name + ".file '" + shown(entry.file) +
+                      "' is not a plain file name inside the bundle: re-export the bundle");
+  for (const auto& [role, file] : kTokenizerFiles) {
+    const auto it = m.models.find(role);
+    if (it == m.models.end() || it->second.file != file)
+      throw UserError("bundle " + m.dir + " has no sha256 for " + file +
+                      " in manifest.json (exported by an older mtp-export): re-export it");
+  }
+}
+
+// A models.*.file that is a symlink resolves inside the bundle directory.
+void check_links(const Manifest& m, const std::string& where) {
+  std::optional<std::string> real_dir;
+  for (const auto& [name, entry] : m.models) {
+    struct stat s;
+    if (lstat((m.dir + "/" + entry.file).c_str(), &s) != 0 || !S_ISLNK(s.st_mode)) continue;
+    if (!real_dir) real_dir = real_path(m.dir);
+    const auto target = real_path(m.dir + "/" + entry.file);
+    // A dangling link is a missing file, refused as such when the files are checked.
+    if (target && !(real_dir && inside(*target, *real_dir)))
+      throw UserError(where + ": models." + name + ".file '" + shown(entry.file) +
+                      "' links outside the bundle: re-export the bundle");
+  }
+}
+
+// The sha256 of a directory (a Core ML .mlpackage), as mtp_edge/manifest.py sha256 computes it:
+// its files (symlinks to files too, symlinked directories not entered) in the order of their
+// relative paths' components, each as "relative/path\0" then its bytes.
+void list_files(const std::string& root, std::vector<std::string>& parts,
+                std::vector<std::vector<std::string>>& out) {
+  std::string dir = root;
+  for (const auto& p : parts) dir += "/" + p;
+  DIR* d = opendir(dir.c_str());
+  if (!d) throw UserError("cannot read the directory " + dir);
+  std::vector<std::string> names;
+  while (dirent* e = readdir(d)) {
+    const std::string name = e->d_name;
+    if (name != "." && name != "..") names.push_back(name);
+  }
+  closedir(d);
+  for (const auto& name : names) {
+    const std::string path = dir + "/" + name;
+    struct stat ls, s;
+    if (lstat(path.c_str(), &ls) != 0) continue;
+    parts.push_back(name);
+    if (S_ISDIR(ls.st_mode))
+      list_files(root, parts, out);
+    else if (stat(path.c_str(), &s) == 0 && S_ISREG(s.st_mode))
+      out.push_back(parts);
+    parts.pop_back();
+  }
+}
+
+std::string sha256_dir(const std::string& root) {
+  std::vector<std::vector<std::string>> files;
+  std::vector<std::string> parts;
+  list_files(root, parts, files);
+  std::sort(files.begin(), files.end());
+  Sha256 digest;
+  std::vector<char> buf(1 << 20);
+  for (const auto& file : files) {
+    std::string relative;
+    for (const auto& p : file) relative += (relative.empty() ? "" : "/") + p;
+    digest.update(relative.data(), relative.size());
+    digest.update("", 1);
+    std::FILE* f = std::fopen((root + "/" + relative).c_str(), "rb");
+    if (!f) throw UserError("cannot read " + root + "/" + relative);
+    size_t n;
+    while ((n = std::fread(buf.data(), 1, buf.size(), f)) > 0) digest.update(buf.data(), n);
+    std::fclose(f);
+  }
+  return digest.hex_digest();
+}
+
+// Each file of the manifest present and of its sha256.
+void verify_files(const Manifest& m) {
+  for (const auto& [name, entry] : m.models) {
+    const std::string file = m.dir + "/" + entry.file;
+    std::string digest;
+    if (is_dir(file)) {  // a Core ML .mlpackage
+      digest = sha256_dir(file);
+    } else if (!is_file(file)) {
+      throw UserError("bundle " + m.dir + " is missing " + entry.file + ": re-export it");
+    } else {
+      try {
+        digest = sha256_file(file);
+      } catch (const std::runtime_error&) {
+        throw UserError("bundle " + m.dir + ": cannot read " + entry.file + ": re-export it");
+      }
+    }
+    if (digest != entry.sha256)
+      throw UserError("bundle " + m.dir + ": " + entry.file +
+                      " does not match its sha256 in manifest.json (modified or corrupted): "
+                      "re-export the bundle");
+  }
+}
+
 }  // namespace
 
 std::string Manifest::path(const std::string& model) const {
@@ -196,6 +340,7 @@ Manifest Manifest::load(const std::string& dir, bool verify) {
       m.models[name] = {entry["file"].get<std::string>(), entry["sha256"].get<std::string>(),
                         entry["quant"].value("attention", std::string())};
     }
+    check_file_names(m, path);
     m.drafter = read_drafter(data["drafter"], path);
     m.has_chat_template = !data["chat_template"].is_null();
     if (data.contains("chat_format") && !data["chat_format"].is_null())
@@ -204,17 +349,15 @@ Manifest Manifest::load(const std::string& dir, bool verify) {
   } catch (const nlohmann::json::exception& e) {
     throw UserError(path + " does not match the manifest schema (" + e.what() + ")");
   }
-  const std::string meta = dir + "/tokenizer_meta.json";
-  if (is_file(meta)) m.add_bos = read_json(meta).value("add_bos", false) && m.bos_id.has_value();
-  if (verify) {
-    for (const auto& [name, entry] : m.models) {
-      const std::string file = dir + "/" + entry.file;
-      if (!is_file(file)) throw UserError("bundle " + dir + " is missing " + entry.file + ": re-export it");
-      if (sha256_file(file) != entry.sha256)
-        throw UserError("bundle " + dir + ": " + entry.file +
-                        " does not match its sha256 in manifest.json (modified or corrupted): "
-                        "re-export the bundle");
-    }
+  check_links(m, path);
+  if (verify) verify_files(m);
+  // Read through its manifest entry, so that what is read is what was checked.
+  const std::string meta = m.path("tokenizer_meta");
+  if (is_file(meta)) {
+    const nlohmann::json data = read_json(meta);
+    if (!data.is_object() || (data.contains("add_bos") && !data["add_bos"].is_boolean()))
+      throw UserError(meta + ": 'add_bos' must be true or false: re-export the bundle");
+    m.add_bos = data.value("add_bos", false) && m.bos_id.has_value();
   }
   return m;
 }

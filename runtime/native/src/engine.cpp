@@ -7,7 +7,6 @@
 #include <functional>
 #include <sstream>
 #include <tuple>
-#include <sys/stat.h>
 
 #include "errors.h"
 
@@ -153,14 +152,12 @@ Engine::Engine(const std::string& bundle_dir, const EngineOptions& options)
                                   m.models.at("target").attention == "mtp");
   drafter_ = drafter(options);
 #ifdef MTP_HAVE_TOKENIZER
-  const std::string tokenizer_json = m.dir + "/tokenizer.json";
-  struct stat s;
-  if (stat(tokenizer_json.c_str(), &s) == 0) {
-    try {
-      tokenizer_.emplace(Tokenizer::load(tokenizer_json));
-    } catch (const std::exception& e) {
-      throw UserError("cannot load " + tokenizer_json + ": " + e.what());
-    }
+  // Through its manifest entry (every bundle has one), so that what is read is what was checked.
+  const std::string tokenizer_json = m.path("tokenizer");
+  try {
+    tokenizer_.emplace(Tokenizer::load(tokenizer_json));
+  } catch (const std::exception& e) {
+    throw UserError("cannot load " + tokenizer_json + ": " + e.what());
   }
 #endif
 }
