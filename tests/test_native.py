@@ -45,6 +45,15 @@ def runner():
     return native.build(jobs=1)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def verified_stamps(tmp_path_factory):
+    """The readers' verified-once stamps go to a cache of the tests' own, not the user's."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+        patch.delenv("MTP_EDGE_VERIFY", raising=False)
+        yield
+
+
 def tiny_dir(root, seed: int, **overrides):
     model_dir = save_hf_dir(hf_reference("llama", seed=seed, **overrides), root)
     config = {"bos_token": "<|im_start|>", "add_bos_token": True, "chat_template": TEMPLATE}
@@ -861,6 +870,70 @@ def test_file_names_that_leave_the_bundle_are_refused(runner, mlp_mtp_bundle, tm
     (bundle / "target.pte").symlink_to("program.pte")
     done = run_runner(runner, bundle)
     assert done.returncode == 0, done.stderr[-800:]
+
+
+def test_verified_once_stamp(runner, mlp_mtp_bundle, tmp_path):
+    """After a full check the runtime records each file's size, mtime and sha256 in the user's
+    cache and does not hash a file again while they match: a file changed behind the runtime's
+    back with its size and mtime restored goes unnoticed (which shows the stamp is used), is
+    refused with MTP_EDGE_VERIFY=always, once its mtime differs, or once the stamp's sha256 is
+    not the manifest's."""
+    bundle = tmp_path / "bundle"
+    shutil.copytree(mlp_mtp_bundle, bundle)
+    cache = tmp_path / "cache"
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache)}
+    env.pop("MTP_EDGE_VERIFY", None)
+    assert run_runner(runner, bundle, env).returncode == 0
+
+    real = os.path.realpath(bundle)
+    stamp = (
+        cache / "mtp-edge" / "verified" / f"{hashlib.sha256(real.encode()).hexdigest()[:32]}.json"
+    )
+    written = json.loads(stamp.read_text())
+    models = json.loads((bundle / "manifest.json").read_text())["models"]
+    assert written["bundle"] == real
+    assert set(written["files"]) == {entry["file"] for entry in models.values()}
+    for entry in models.values():
+        st = (bundle / entry["file"]).stat()
+        assert written["files"][entry["file"]] == {
+            "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": entry["sha256"]
+        }  # fmt: skip
+    assert [p.name for p in stamp.parent.iterdir()] == [stamp.name]  # no temporary left
+
+    # One bit of target.pte changed, size and mtime as they were: the lowest bit of the last
+    # float of the program's data (a quantization scale), so that the program still runs.
+    program = bundle / "target.pte"
+    st = program.stat()
+    data = bytearray(program.read_bytes())
+    data[-4] ^= 1
+    program.write_bytes(bytes(data))
+    os.utime(program, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert program.stat().st_mtime_ns == st.st_mtime_ns
+    done = run_runner(runner, bundle, env)
+    assert done.returncode == 0, f"the stamp was not used: {done.stderr[-800:]}"
+
+    mismatch = (
+        f"error: bundle {bundle}: target.pte does not match its sha256 in manifest.json "
+        "(modified or corrupted): re-export the bundle"
+    )
+    assert refusal(run_runner(runner, bundle, {**env, "MTP_EDGE_VERIFY": "always"})) == mismatch
+    os.utime(program, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    assert refusal(run_runner(runner, bundle, env)) == mismatch
+    os.utime(program, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert run_runner(runner, bundle, env).returncode == 0  # a refusal writes no stamp
+    written["files"]["target.pte"]["sha256"] = "0" * 64
+    stamp.write_text(json.dumps(written))
+    assert refusal(run_runner(runner, bundle, env)) == mismatch
+
+    # No cache to write to (no HOME, as on a phone; or a cache path that is a file): checked,
+    # run, nothing written.
+    clean = tmp_path / "clean"
+    shutil.copytree(mlp_mtp_bundle, clean)
+    bare = {k: v for k, v in env.items() if k not in ("HOME", "XDG_CACHE_HOME")}
+    assert run_runner(runner, clean, bare).returncode == 0
+    (tmp_path / "file").write_text("")
+    blocked = {**env, "XDG_CACHE_HOME": str(tmp_path / "file")}
+    assert run_runner(runner, clean, blocked).returncode == 0
 
 
 def mtp_runner_command(*args) -> list[str]:

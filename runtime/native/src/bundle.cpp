@@ -1,6 +1,7 @@
 #include "bundle.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
@@ -8,6 +9,7 @@
 #include <sstream>
 #include <dirent.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "errors.h"
 #include "sha256.h"
@@ -280,27 +282,134 @@ std::string sha256_dir(const std::string& root) {
   return digest.hex_digest();
 }
 
-// Each file of the manifest present and of its sha256.
+// The verified-once stamp: <cache>/mtp-edge/verified/<32 hex of sha256(realpath)>.json, written
+// after a full check passes, {"bundle": realpath, "files": {name: {size, mtime_ns, sha256}}}; a
+// file whose size and mtime match its entry, and whose entry's sha256 is the manifest's, is not
+// hashed again. mtp_edge/manifest.py reads and writes the same file. Nothing depends on it being
+// there or writable.
+struct Seen {
+  int64_t size = 0, mtime_ns = 0;
+  std::string sha256;
+};
+
+std::optional<Seen> seen_now(const std::string& path) {
+  struct stat s;
+  if (stat(path.c_str(), &s) != 0 || !S_ISREG(s.st_mode)) return std::nullopt;
+#ifdef __APPLE__
+  const auto& t = s.st_mtimespec;
+#else
+  const auto& t = s.st_mtim;
+#endif
+  return Seen{int64_t(s.st_size), int64_t(t.tv_sec) * 1000000000 + int64_t(t.tv_nsec), ""};
+}
+
+std::optional<std::string> stamp_path(const std::string& real_dir) {
+  const char* xdg = std::getenv("XDG_CACHE_HOME");
+  const char* home = std::getenv("HOME");
+  std::string cache;
+  if (xdg && *xdg)
+    cache = xdg;
+  else if (home && *home)
+    cache = std::string(home) + "/.cache";
+  else
+    return std::nullopt;
+  return cache + "/mtp-edge/verified/" + sha256_hex(real_dir).substr(0, 32) + ".json";
+}
+
+std::map<std::string, Seen> read_stamp(const std::string& path, const std::string& real_dir) {
+  std::map<std::string, Seen> files;
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return files;
+  const nlohmann::json data = nlohmann::json::parse(in, nullptr, false);
+  if (!data.is_object() || !data.contains("bundle") || data["bundle"] != real_dir ||
+      !data.contains("files") || !data["files"].is_object())
+    return files;
+  for (const auto& [name, entry] : data["files"].items()) {
+    if (!entry.is_object() || !entry.contains("size") || !entry["size"].is_number_integer() ||
+        !entry.contains("mtime_ns") || !entry["mtime_ns"].is_number_integer() ||
+        !entry.contains("sha256") || !entry["sha256"].is_string())
+      continue;
+    files[name] = {entry["size"].get<int64_t>(), entry["mtime_ns"].get<int64_t>(),
+                   entry["sha256"].get<std::string>()};
+  }
+  return files;
+}
+
+bool make_dirs(const std::string& path) {
+  struct stat s;
+  if (stat(path.c_str(), &s) == 0) return S_ISDIR(s.st_mode);
+  const auto slash = path.find_last_of('/');
+  if (slash != std::string::npos && slash > 0 && !make_dirs(path.substr(0, slash))) return false;
+  return mkdir(path.c_str(), 0755) == 0 || errno == EEXIST;
+}
+
+// Atomically (a unique temporary name, then rename); silently nothing when it cannot.
+void write_stamp(const std::string& path, const std::string& real_dir,
+                 const std::map<std::string, Seen>& files) {
+  const auto slash = path.find_last_of('/');
+  if (!make_dirs(path.substr(0, slash))) return;
+  nlohmann::json data = {{"bundle", real_dir}, {"files", nlohmann::json::object()}};
+  for (const auto& [name, seen] : files)
+    data["files"][name] = {{"size", seen.size}, {"mtime_ns", seen.mtime_ns},
+                           {"sha256", seen.sha256}};
+  const std::string text = data.dump(2, ' ', false, nlohmann::json::error_handler_t::replace);
+  std::string tmp = path + ".XXXXXX";
+  const int fd = mkstemp(tmp.data());
+  if (fd < 0) return;
+  bool ok = true;
+  for (size_t done = 0; ok && done < text.size();) {
+    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    ok = n > 0;
+    if (ok) done += size_t(n);
+  }
+  ok = ::close(fd) == 0 && ok;
+  if (!ok || std::rename(tmp.c_str(), path.c_str()) != 0) ::unlink(tmp.c_str());
+}
+
+// Each file of the manifest present and of its sha256; files the stamp vouches for are not
+// hashed again (MTP_EDGE_VERIFY=always: all are).
 void verify_files(const Manifest& m) {
+  const auto real_dir = real_path(m.dir);
+  const char* mode = std::getenv("MTP_EDGE_VERIFY");
+  const bool always = mode && std::string(mode) == "always";
+  const auto stamp = real_dir ? stamp_path(*real_dir) : std::nullopt;
+  const auto stamped =
+      stamp && !always ? read_stamp(*stamp, *real_dir) : std::map<std::string, Seen>();
+  std::map<std::string, Seen> verified;
+  bool hashed = false;
   for (const auto& [name, entry] : m.models) {
     const std::string file = m.dir + "/" + entry.file;
+    if (is_dir(file)) {  // a Core ML .mlpackage: hashed every time, never stamped
+      if (sha256_dir(file) != entry.sha256)
+        throw UserError("bundle " + m.dir + ": " + entry.file +
+                        " does not match its sha256 in manifest.json (modified or corrupted): "
+                        "re-export the bundle");
+      continue;
+    }
+    const auto before = seen_now(file);
+    if (!before) throw UserError("bundle " + m.dir + " is missing " + entry.file + ": re-export it");
+    const auto it = stamped.find(entry.file);
+    if (it != stamped.end() && it->second.size == before->size &&
+        it->second.mtime_ns == before->mtime_ns && it->second.sha256 == entry.sha256) {
+      verified[entry.file] = it->second;
+      continue;
+    }
+    hashed = true;
     std::string digest;
-    if (is_dir(file)) {  // a Core ML .mlpackage
-      digest = sha256_dir(file);
-    } else if (!is_file(file)) {
-      throw UserError("bundle " + m.dir + " is missing " + entry.file + ": re-export it");
-    } else {
-      try {
-        digest = sha256_file(file);
-      } catch (const std::runtime_error&) {
-        throw UserError("bundle " + m.dir + ": cannot read " + entry.file + ": re-export it");
-      }
+    try {
+      digest = sha256_file(file);
+    } catch (const std::runtime_error&) {
+      throw UserError("bundle " + m.dir + ": cannot read " + entry.file + ": re-export it");
     }
     if (digest != entry.sha256)
       throw UserError("bundle " + m.dir + ": " + entry.file +
                       " does not match its sha256 in manifest.json (modified or corrupted): "
                       "re-export the bundle");
+    const auto after = seen_now(file);  // changed while hashed: checked, but not stamped
+    if (after && after->size == before->size && after->mtime_ns == before->mtime_ns)
+      verified[entry.file] = {before->size, before->mtime_ns, digest};
   }
+  if (stamp && hashed) write_stamp(*stamp, *real_dir, verified);
 }
 
 }  // namespace
