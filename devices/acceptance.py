@@ -56,9 +56,14 @@ def measure_bundle_acceptance(directory, target, draft, heldout: list[int], prog
     kind, k = m.drafter.kind, m.drafter.k
     if kind == "none" or not backend(m.backend).available():
         return {}
+    # 64-token snippets and 48 new tokens, or less where the bundle's context is shorter.
+    length = min(64, m.max_seq_len // 2)
+    new_tokens = min(ACCEPTANCE_TOKENS, m.max_seq_len - length - k - 1)
+    if new_tokens < 1:
+        return {}
     progress(f"[quality] {kind} drafter acceptance, fp32 eager vs exported")
-    prompts = [heldout[i * 256 : i * 256 + 64] for i in range(ACCEPTANCE_PROMPTS)]
-    seq_len = 64 + ACCEPTANCE_TOKENS + k + 1
+    prompts = [heldout[i * 256 : i * 256 + length] for i in range(ACCEPTANCE_PROMPTS)]
+    seq_len = length + new_tokens + k + 1
     if kind == "mtp":
         before = mtp_drafter(draft.to(target.model.dtype), target.model)
     elif kind == "draft-lm":
@@ -69,11 +74,9 @@ def measure_bundle_acceptance(directory, target, draft, heldout: list[int], prog
     eager = EagerSession(target.model, seq_len)
     return {
         "drafter_acceptance": {
-            "prompts": f"{ACCEPTANCE_PROMPTS} held-out snippets of 64 tokens, "
-            f"{ACCEPTANCE_TOKENS} greedy tokens each, k={k}",
-            "fp32": measure_acceptance(eager, before, prompts, k, ACCEPTANCE_TOKENS),
-            "exported": measure_acceptance(
-                target_session(bundle), after, prompts, k, ACCEPTANCE_TOKENS
-            ),
+            "prompts": f"{ACCEPTANCE_PROMPTS} held-out snippets of {length} tokens, "
+            f"{new_tokens} greedy tokens each, k={k}",
+            "fp32": measure_acceptance(eager, before, prompts, k, new_tokens),
+            "exported": measure_acceptance(target_session(bundle), after, prompts, k, new_tokens),
         }
     }

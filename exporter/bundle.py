@@ -7,26 +7,22 @@ directory is removed.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 from mtp_edge.errors import UserError
-from mtp_edge.files import atomic_directory
+from mtp_edge.files import atomic_directory, check_output, remove_stale_partials
 from mtp_edge.manifest import Manifest, sha256
 
 
 def check_writable(out: Path) -> None:
-    """Fail before hours of work, not after: the parent must exist or be creatable, and writable."""
-    parent = out.resolve().parent
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"cannot create {parent} for --out: {e.strerror}") from None
-    if not os.access(parent, os.W_OK):
-        raise UserError(f"--out {out}: {parent} is not writable; choose another directory")
+    """Fail before hours of work, not after: `--out` must be creatable where it is, and not
+    something else than a bundle. Temporary directories that dead exports to the same `--out`
+    left (killed without a chance to clean up) are removed."""
+    check_output(out, "--out", directory=True)
     if out.exists() and not (out / "manifest.json").exists():
         raise UserError(f"--out {out} exists and is not a bundle: choose another path")
+    remove_stale_partials(out)
 
 
 def write_bundle(

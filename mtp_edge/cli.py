@@ -4,20 +4,26 @@ errors print one line and exit 2; nothing prints a traceback."""
 from __future__ import annotations
 
 import json
+import signal
 import sys
+from pathlib import Path
 
 import click
 
-from mtp_edge.errors import UserError
-from mtp_edge.files import write_atomic
+from mtp_edge.errors import Fault, Terminated, UserError
+from mtp_edge.files import check_output, write_atomic
 from mtp_edge.logs import quiet_library_noise
 
 
 class OneLineErrors(click.Command):
-    """A click command whose usage errors and UserErrors print as one `error: ...` line."""
+    """A click command whose usage errors, UserErrors and Faults print as one `error: ...` line:
+    exit 2 for a user's mistake, 1 for a fault of ours, 128 + N for signal N. SIGTERM and SIGHUP
+    unwind like Ctrl-C, so that nothing half-written is left behind."""
 
     def main(self, *args, **kwargs):
         quiet_library_noise()
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, _terminate)
         try:
             code = super().main(*args, standalone_mode=False, **kwargs)
         except click.exceptions.Exit as e:
@@ -28,10 +34,20 @@ class OneLineErrors(click.Command):
         except UserError as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(2)
+        except Fault as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(1)
         except (KeyboardInterrupt, click.exceptions.Abort):
             click.echo("error: interrupted", err=True)
             sys.exit(130)
+        except Terminated as e:
+            click.echo(f"error: stopped by {signal.Signals(e.signum).name}", err=True)
+            sys.exit(128 + e.signum)
         sys.exit(code if isinstance(code, int) else 0)
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated(signum)
 
 
 def say(line: str) -> None:
@@ -216,6 +232,9 @@ def bench(
         raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if compare and opts["bundle"] is None:
         raise UserError("--compare puts bundles side by side: give the first one with --bundle")
+    check_output(json_out, "--json")
+    check_output(markdown_out, "--markdown")
+    check_output(report_dir, "--report", directory=True)
     prompts = load_prompts(prompts_path)
     first = load_options(opts)
     setups = [first] + [dataclasses.replace(first, **compare_spec(c)) for c in compare]
@@ -237,7 +256,10 @@ def bench(
         say(f"[report] {write_report(report_dir, reports, command, machine)}")
     click.echo(markdown)
     if not all(r["summary"]["lossless"] for r in reports):
-        raise UserError("speculative output diverged from plain output beyond a near-tie: a bug")
+        raise Fault(
+            "speculative output diverged from plain output beyond a near-tie: a bug in "
+            "mtp-edge; please report it with the JSON report"
+        )
 
 
 @click.command(cls=OneLineErrors)
@@ -316,6 +338,10 @@ def export(quant, group_size, draft_quant, **options):
     from mtp_edge.quantize.schemes import DEFAULT_SCHEME, default_group_size
 
     platform, out = options["platform"], options.pop("out")
+    if out is not None:  # the default (bundles/<model>-<target>) is checked once it is known
+        from mtp_edge.exporter.bundle import check_writable
+
+        check_writable(Path(out))
     quant = quant or DEFAULT_SCHEME.get(platform, DEFAULT_SCHEME["android"])
     if group_size is None:
         group_size = default_group_size(quant, platform)
@@ -439,6 +465,7 @@ def train(data, freeze_lm_head, writer, **options):
     """Train MTP draft heads for a target by self-distillation (runs under torchrun too)."""
     from mtp_edge.train import TrainOptions, train_heads
 
+    check_output(options["out"], "--out")
     options = TrainOptions(
         data=tuple(data), train_lm_head=not freeze_lm_head, writer=writer or "", **options
     )
@@ -491,6 +518,8 @@ def predict(bundle, device_names, from_bench, json_out, markdown_out):
     """Roofline prediction of plain and speculative tokens/s and the speedup on a device."""
     from mtp_edge.devices.predict import predict_bundle
 
+    check_output(json_out, "--json")
+    check_output(markdown_out, "--markdown")
     command = " ".join(["mtp-predict", *sys.argv[1:]])
     out, markdown = predict_bundle(bundle, device_names, from_bench, command, say)
     write_atomic(json_out, json.dumps(out, indent=2) + "\n")
@@ -528,6 +557,7 @@ def profile(device, bundle, prompts_path, max_new_tokens, repeat, json_out, runn
         raise UserError(f"--repeat must be >= 1, got {repeat}")
     if max_new_tokens is not None and max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    check_output(json_out, "--json")
     report = profile_device(
         device,
         bundle,

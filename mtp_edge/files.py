@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from mtp_edge.errors import UserError
+
 
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -67,7 +69,8 @@ def atomic_directory(out: str | Path, suffix: str = ".partial") -> Iterator[Path
     out = Path(out)
     parent = out.resolve().parent
     parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=suffix, dir=parent))
+    # The writer's process id in the name: a later writer removes what a dead one left.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.{os.getpid()}.", suffix=suffix, dir=parent))
     _readable(tmp, directory=True)
     try:
         yield tmp
@@ -85,3 +88,52 @@ def atomic_directory(out: str | Path, suffix: str = ".partial") -> Iterator[Path
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_output(path: str | Path | None, flag: str, directory: bool = False) -> None:
+    """Fail before the work, not after it: `path` (a file, or with `directory` a directory that
+    will be replaced) must be creatable where it is. The parent is created and a probe file
+    written and removed there, which also catches what permissions alone do not show (a
+    read-only or virtual filesystem, root on /proc)."""
+    if path is None or str(path) == "-":
+        return
+    path = Path(path)
+    if path.is_dir() and not directory:
+        raise UserError(f"{flag} {path} is a directory: give a file name")
+    if path.exists() and directory and not path.is_dir():
+        raise UserError(f"{flag} {path} is a file: give a directory name")
+    parent = path.resolve().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=parent)
+        os.write(fd, b"probe")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        reason = e.strerror or str(e)
+        raise UserError(
+            f"{flag} {path}: cannot write in {parent} ({reason}): choose another path"
+        ) from None
+
+
+def remove_stale_partials(out: str | Path, suffix: str = ".partial") -> list[Path]:
+    """Remove temporary directories that dead writers left next to `out` (their names carry
+    the writer's process id: see atomic_directory); a live writer's are kept."""
+    out = Path(out)
+    removed = []
+    for tmp in out.resolve().parent.glob(f".{out.name}.*{suffix}"):
+        pid = tmp.name[len(out.name) + 2 :].split(".", 1)[0]
+        if tmp.is_dir() and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed.append(tmp)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

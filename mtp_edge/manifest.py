@@ -161,7 +161,11 @@ class Manifest:
             raise UserError(f"{directory} is not a bundle: it has no {MANIFEST}") from None
         except ValueError as e:
             raise UserError(f"{path} is not valid JSON ({e}): re-export the bundle") from None
-        version = data.get("format_version") if isinstance(data, dict) else None
+        if not isinstance(data, dict):
+            raise UserError(
+                f"{path} holds {type(data).__name__}, not a manifest object: re-export the bundle"
+            )
+        version = data.get("format_version")
         if version != FORMAT_VERSION:
             raise UserError(
                 f"bundle {directory} has format version {version}, this runtime reads "
