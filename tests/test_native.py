@@ -900,14 +900,10 @@ def test_verified_once_stamp(runner, mlp_mtp_bundle, tmp_path):
         }  # fmt: skip
     assert [p.name for p in stamp.parent.iterdir()] == [stamp.name]  # no temporary left
 
-    # One bit of target.pte changed, size and mtime as they were: the lowest bit of the last
-    # float of the program's data (a quantization scale), so that the program still runs.
+    # One bit of target.pte changed, size and mtime as they were.
     program = bundle / "target.pte"
     st = program.stat()
-    data = bytearray(program.read_bytes())
-    data[-4] ^= 1
-    program.write_bytes(bytes(data))
-    os.utime(program, ns=(st.st_atime_ns, st.st_mtime_ns))
+    flip_bit_keeping_mtime(program)
     assert program.stat().st_mtime_ns == st.st_mtime_ns
     done = run_runner(runner, bundle, env)
     assert done.returncode == 0, f"the stamp was not used: {done.stderr[-800:]}"
@@ -934,6 +930,40 @@ def test_verified_once_stamp(runner, mlp_mtp_bundle, tmp_path):
     (tmp_path / "file").write_text("")
     blocked = {**env, "XDG_CACHE_HOME": str(tmp_path / "file")}
     assert run_runner(runner, clean, blocked).returncode == 0
+
+
+def flip_bit_keeping_mtime(program: Path) -> None:
+    """The lowest bit of the program's last float (a quantization scale) flipped, its size and
+    mtime as they were: the program still runs, and only hashing notices."""
+    st = program.stat()
+    data = bytearray(program.read_bytes())
+    data[-4] ^= 1
+    program.write_bytes(bytes(data))
+    os.utime(program, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_python_and_native_readers_share_the_stamp(runner, mlp_mtp_bundle, tmp_path, monkeypatch):
+    """Each reader trusts the stamp the other wrote: a change behind their back with size and
+    mtime restored goes unnoticed by the second reader."""
+    from mtp_edge.errors import UserError
+    from mtp_edge.manifest import Manifest
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    by_python = tmp_path / "by_python"
+    shutil.copytree(mlp_mtp_bundle, by_python)
+    Manifest.load(by_python)
+    flip_bit_keeping_mtime(by_python / "target.pte")
+    done = run_runner(runner, by_python)
+    assert done.returncode == 0, f"Python's stamp was not used: {done.stderr[-800:]}"
+
+    by_native = tmp_path / "by_native"
+    shutil.copytree(mlp_mtp_bundle, by_native)
+    assert run_runner(runner, by_native).returncode == 0
+    flip_bit_keeping_mtime(by_native / "target.pte")
+    Manifest.load(by_native)  # the native runner's stamp trusted
+    monkeypatch.setenv("MTP_EDGE_VERIFY", "always")
+    with pytest.raises(UserError, match="target.pte does not match its sha256"):
+        Manifest.load(by_native)
 
 
 def mtp_runner_command(*args) -> list[str]:
