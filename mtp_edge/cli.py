@@ -50,6 +50,12 @@ def _terminate(signum, frame) -> None:
     raise Terminated(signum)
 
 
+def _non_empty(flag: str, values: tuple[str, ...]) -> tuple[str, ...]:
+    if any(v == "" for v in values):
+        raise click.BadParameter("takes a non-empty text (an empty one would match at once)")
+    return values
+
+
 def say(line: str) -> None:
     """Progress, on stderr: stdout carries only the result."""
     click.echo(line, err=True)
@@ -76,7 +82,10 @@ def drafter_options(f):
             "itself, the model elsewhere) (default: the bundle's drafter, else ngram).",
         ),
         click.option(
-            "--k", default=None, type=int, help="Most tokens drafted per step (default: 4)."
+            "--k",
+            default=None,
+            type=click.IntRange(1, 15),
+            help="Most tokens drafted per step, 1..15 (default: 4, or the bundle's).",
         ),
         click.option(
             "--heads", default=None, help="MTP heads file for --drafter mtp (default: shipped)."
@@ -139,7 +148,13 @@ def load_options(opts: dict):
 @click.option("--top-k", default=0, show_default=True, help="0 = off.")
 @click.option("--top-p", default=1.0, show_default=True, help="1 = off.")
 @click.option("--seed", default=0, show_default=True)
-@click.option("--stop", "stop_strings", multiple=True, help="Stop at this text (repeatable).")
+@click.option(
+    "--stop",
+    "stop_strings",
+    multiple=True,
+    callback=lambda ctx, param, values: _non_empty("--stop", values),
+    help="Stop at this text (repeatable).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 def run(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_strings, as_json, **opts):
     """Generate text with speculative decoding."""

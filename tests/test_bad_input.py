@@ -307,3 +307,13 @@ def test_sighup_is_handled_like_sigterm(tmp_path):
     _, err = process.communicate(timeout=30)
     assert process.returncode == 128 + signal.SIGHUP
     assert err.strip().splitlines()[-1] == "error: stopped by SIGHUP"
+
+
+@pytest.mark.parametrize("k", ["0", "100"])
+def test_k_outside_what_a_bundle_verifies_is_refused(bundle, k):
+    assert "--k" in error_line(run_bundle(bundle, "--k", k))
+
+
+def test_an_empty_stop_string_is_refused(bundle):
+    line = error_line(run_bundle(bundle, "--stop", ""))
+    assert "--stop" in line and "non-empty" in line
