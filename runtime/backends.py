@@ -36,3 +36,12 @@ def backend(name: str) -> types.ModuleType:
             f"{', '.join(MODULES)}): re-export the bundle"
         )
     return importlib.import_module(MODULES[name])
+
+
+def refuse_self_heads(manifest, name: str) -> None:
+    """Self-attending (EAGLE) heads, with a cache of their own, run on ExecuTorch only."""
+    if manifest.drafter.own_cache:
+        raise UserError(
+            f"this bundle's self-attending MTP heads run on ExecuTorch only, not on {name}: "
+            "re-export it with --target android"
+        )

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from mtp_edge.errors import UserError
+from mtp_edge.runtime.backends import refuse_self_heads
 from mtp_edge.runtime.session import Output
 
 # call(function, tokens padded to its width, start) -> (logits [W, V], hidden [W, D] | None)
@@ -183,11 +184,7 @@ def open_program(path: Path, max_seq_len: int, max_chunk: int) -> CoreMLSession 
 def open_mtp_step(bundle, target) -> tuple[CoreMLStep, int | None]:
     """The package's draft step, and the cache length that bounds drafting (None: no cache)."""
     m = bundle.manifest
-    if m.drafter.own_cache:
-        raise UserError(
-            "this bundle's self-attending MTP heads run on ExecuTorch only, not on "
-            "coreml: re-export it with --target android"
-        )
+    refuse_self_heads(m, "coreml")
     shared = target() if m.drafter.reads_target_cache else None
     step = CoreMLStep(bundle.path / m.models["target"].file, shared)
     return step, None if shared is None else shared.max_seq_len

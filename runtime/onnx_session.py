@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from mtp_edge.errors import UserError
+from mtp_edge.runtime.backends import refuse_self_heads
 from mtp_edge.runtime.session import Output, claim_cores
 
 _ORT_DTYPES = {"tensor(float)": "float32", "tensor(int64)": "int64", "tensor(float16)": "float16"}
@@ -267,11 +268,7 @@ def open_program(path: Path, max_seq_len: int, max_chunk: int) -> OnnxSession:
 def open_mtp_step(bundle, target) -> tuple[OnnxStep, int | None]:
     """The MTP head's step, and the cache length that bounds drafting (None: no cache)."""
     m = bundle.manifest
-    if m.drafter.own_cache:
-        raise UserError(
-            "this bundle's self-attending MTP heads run on ExecuTorch only, not on "
-            "onnxruntime: re-export it with --target android"
-        )
+    refuse_self_heads(m, "onnxruntime")
     # A head that reads the target's cache is bound to the target session's buffers.
     shared = target() if m.drafter.reads_target_cache else None
     entry = m.models["drafter"]
