@@ -1,7 +1,8 @@
 """The native C++ runtime (one file past 600 lines: every test shares the module's runner build
-and exported bundles, minutes to make). runtime/native builds with cmake here, its C++ unit tests pass,
-and on real exported bundles its runner produces the same tokens as the Python runtime, for
-every drafter (none, ngram, mtp, draft-lm, and the hybrids mtp+ngram / draft-lm+ngram), greedy,
+and exported bundles, minutes to make). runtime/native builds with cmake here, its C++ unit
+tests pass, and on real exported bundles its runner produces the same tokens as the Python
+runtime, for every drafter (none, ngram, mtp, draft-lm, and the hybrids mtp+ngram /
+draft-lm+ngram), greedy,
 over the built-in prompt suite; MTP heads of all three kinds: heads that read the target's cache
 (the `draft` method of the target's program, on its cache), MLP heads (a drafter program of their
 own) and self-attending heads (a drafter program with a cache of its own, fed the verified rows);
