@@ -51,9 +51,14 @@ class GenerationStats:
     verify_seconds: float = 0.0
 
     @property
+    def decoded_tokens(self) -> int:
+        """Tokens after the first (which prefill gives); 0 when nothing was generated."""
+        return max(self.generated_tokens - 1, 0)
+
+    @property
     def tau(self) -> float:
         """Tokens emitted per verify step, the bonus token included (1.0 for plain decoding)."""
-        return (self.generated_tokens - 1) / self.verify_steps if self.verify_steps else 0.0
+        return self.decoded_tokens / self.verify_steps if self.verify_steps else 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -61,8 +66,7 @@ class GenerationStats:
 
     @property
     def decode_tokens_per_s(self) -> float:
-        steps = self.generated_tokens - 1
-        return steps / self.decode_seconds if self.decode_seconds > 0 else 0.0
+        return self.decoded_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
     def to_dict(self) -> dict:
         return {
@@ -143,7 +147,7 @@ def generate(
     start = time.perf_counter()
     out = prefill(target, prompt, 0, return_hidden=wants_hidden)
     logits, hidden = out.logits, out.hidden
-    first = sampler.pick(logits[-1])
+    first = sampler.pick(logits[-1], len(prompt) - 1)
     stats.ttft_ms = (time.perf_counter() - start) * 1e3
     decode_start = time.perf_counter()
     stop = emit([first], logits[-1:])
@@ -164,10 +168,10 @@ def generate(
         out = target.forward([context[-1]] + draft_tokens, pos, return_hidden=wants_hidden)
         logits, hidden = out.logits, out.hidden
         if sampler.greedy:
-            n, next_token = accept_greedy(logits, draft_tokens)
+            n, next_token = accept_greedy(logits, draft_tokens, pos)
         else:
             probs = None if draft.probs is None else draft.probs[: len(draft_tokens)]
-            n, next_token = accept_sampling(logits, draft_tokens, probs, sampler)
+            n, next_token = accept_sampling(logits, draft_tokens, probs, sampler, pos)
         t2 = time.perf_counter()
 
         stats.draft_seconds += t1 - t0

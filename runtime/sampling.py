@@ -9,11 +9,43 @@ that proposes deterministically (n-gram) has a one-hot q.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from mtp_edge.errors import UserError
+
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed and the native core take 64 bits
+
+
+def check_logits(maxima: list[float], start: int | None) -> None:
+    """Refuse logits whose best value (`maxima`: one per row read) is NaN or inf, or -inf (no
+    finite logit at all). `start`: the target's position of the first row; None: a drafter's.
+
+    NaN logits otherwise pick token 0, often an end-of-text token: an empty output that looks
+    like a normal stop. -inf on some tokens (masked) is fine. A corrupt model or bundle is the
+    user's input, so this is a UserError. Plain floats: no torch op per check.
+    """
+    for row, best in enumerate(maxima):
+        if math.isfinite(best):
+            continue
+        if start is None:
+            raise UserError(
+                "the drafter produced non-finite logits (NaN/inf): its model, heads or bundle is "
+                "corrupt; re-download or re-train them, re-export the bundle, or use --drafter "
+                "ngram"
+            )
+        raise UserError(
+            f"the target produced non-finite logits at position {start + row}: the model or "
+            "bundle is corrupt (NaN/inf); re-download or re-convert the model, or re-export the "
+            "bundle"
+        )
+
+
+def _maxima(logits: torch.Tensor) -> list[float]:
+    """The best logit of each row of logits [V] or [T, V]."""
+    return logits.amax(dim=-1).reshape(-1).tolist()
 
 
 @dataclass(frozen=True)
@@ -24,12 +56,16 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise UserError(f"--temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise UserError(
+                f"--temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}"
+            )
         if self.top_k < 0:
             raise UserError(f"--top-k must be >= 0 (0 = off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise UserError(f"--top-p must be in (0, 1] (1 = off), got {self.top_p}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise UserError(f"--seed must be in 0..{MAX_SEED} (64 bits), got {self.seed}")
 
     @property
     def greedy(self) -> bool:
@@ -48,7 +84,12 @@ class Sampler:
         return self.params.greedy
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [..., V] -> probabilities [..., V] (float64) after temperature, top-k, top-p."""
+        """A drafter's logits [..., V] -> probabilities [..., V] (float64) after temperature,
+        top-k, top-p; non-finite logits are refused."""
+        check_logits(_maxima(logits), None)
+        return self._probs(logits)
+
+    def _probs(self, logits: torch.Tensor) -> torch.Tensor:
         p = self.params
         scores = logits.to(torch.float64) / p.temperature
         if 0 < p.top_k < scores.shape[-1]:
@@ -69,22 +110,28 @@ class Sampler:
     def uniform(self) -> float:
         return float(torch.rand((), generator=self.generator, dtype=torch.float64))
 
-    def pick(self, logits: torch.Tensor) -> int:
-        """One token from one row of logits: argmax when greedy, else a sample."""
+    def pick(self, logits: torch.Tensor, position: int = 0) -> int:
+        """One token from the target's row of logits at `position`: argmax when greedy, else a
+        sample."""
+        best, token = torch.max(logits, dim=-1)  # the first of equal maxima, as argmax
+        check_logits([float(best)], position)
         if self.greedy:
-            return int(torch.argmax(logits))
-        return self.sample(self.probs(logits))
+            return int(token)
+        return self.sample(self._probs(logits))
 
 
-def accept_greedy(target_logits: torch.Tensor, draft: list[int]) -> tuple[int, int]:
+def accept_greedy(target_logits: torch.Tensor, draft: list[int], start: int = 0) -> tuple[int, int]:
     """Longest draft prefix equal to the target's argmax, and the target's own next token.
 
-    target_logits[i] is the target's prediction after draft[:i]; returns (accepted, next token).
+    target_logits[i] is the target's prediction after draft[:i], at position start + i;
+    returns (accepted, next token).
     """
-    best = torch.argmax(target_logits, dim=-1).tolist()
+    values, indices = torch.max(target_logits, dim=-1)  # the first of equal maxima, as argmax
+    best = indices.tolist()
     n = 0
     while n < len(draft) and draft[n] == best[n]:
         n += 1
+    check_logits(values[: n + 1].tolist(), start)  # the rows read
     return n, best[n]
 
 
@@ -100,13 +147,17 @@ def accept_sampling(
     draft: list[int],
     draft_probs: torch.Tensor | None,
     sampler: Sampler,
+    start: int = 0,
 ) -> tuple[int, int]:
     """Rejection sampling over the draft; returns (accepted, next token).
 
-    draft_probs[i] is the distribution draft[i] was drawn from (None: drawn deterministically).
+    draft_probs[i] is the distribution draft[i] was drawn from (None: drawn deterministically);
+    target_logits[i] is the target's row at position start + i.
     """
-    p = sampler.probs(target_logits)
+    maxima = _maxima(target_logits)
+    p = sampler._probs(target_logits)
     for i, token in enumerate(draft):
+        check_logits(maxima[i : i + 1], start + i)
         if draft_probs is None:
             q = torch.zeros_like(p[i])
             q[token] = 1.0
@@ -115,4 +166,5 @@ def accept_sampling(
         if sampler.uniform() * q[token] < p[i, token]:  # u < p/q without dividing by zero
             continue
         return i, sampler.sample(residual(p[i], q))
+    check_logits(maxima[len(draft) : len(draft) + 1], start + len(draft))
     return len(draft), sampler.sample(p[len(draft)])
