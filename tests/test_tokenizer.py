@@ -146,7 +146,7 @@ def test_save_load_round_trip(tmp_path):
 
 
 def test_load_missing(tmp_path):
-    with pytest.raises(UserError, match="cannot read the tokenizer"):
+    with pytest.raises(UserError, match="tokenizer_meta.json is missing: .* re-export"):
         Tokenizer.load(tmp_path)
 
 
