@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import cast
 
 import torch
 
-from mtp_edge.checkpoints import LoadedModel, load_model
+from mtp_edge.checkpoints import LoadedModel, load_model, model_vocabulary
 from mtp_edge.errors import UserError
 from mtp_edge.exporter.platform import ExportJob, ExportOptions, Platform
 from mtp_edge.manifest import PLATFORMS, TOKENIZER_FILES, DrafterSpec, Manifest, ModelFile
@@ -88,16 +89,18 @@ def load_drafter(options: ExportOptions, target: LoadedModel):
                 f"mtp-train --model {options.model} --out heads.safetensors, then pass --heads"
             )
         return "mtp", load_heads(heads, target.model, target.name)
-    draft = load_model(kind)
+    # Compare vocabularies from the draft's tokenizer and config alone, before its weights load
+    # (gigabytes, most of a minute).
+    draft_tokenizer, draft_vocab_size = model_vocabulary(kind)
     if (
-        draft.config.vocab_size != target.config.vocab_size
-        or draft.tokenizer.backend.get_vocab() != target.tokenizer.backend.get_vocab()
+        draft_vocab_size != target.config.vocab_size
+        or draft_tokenizer.backend.get_vocab() != target.tokenizer.backend.get_vocab()
     ):
         raise UserError(
             "the draft model's vocabulary differs from the target's: use a draft model with "
             "the target's tokenizer, or --drafter ngram"
         )
-    return "draft-lm", draft
+    return "draft-lm", load_model(kind)
 
 
 def export_bundle(
@@ -144,9 +147,13 @@ def export_bundle(
         heldout = tokenizer.encode(heldout_text())[: min(options.quality_tokens, max_seq_len)]
         progress(f"[quality] fp32 perplexity on {len(heldout)} held-out tokens")
         quality["heldout_tokens"] = len(heldout)
-        quality["perplexity_fp32"] = round(
-            perplexity(eager_forward(target.model, max_seq_len), heldout, max_chunk), 4
-        )
+        fp32 = perplexity(eager_forward(target.model, max_seq_len), heldout, max_chunk)
+        if not math.isfinite(fp32):  # nothing quantized from it could be judged, or be right
+            raise UserError(
+                f"the fp32 perplexity of {target.name} on the held-out text is {fp32}: the model "
+                "computes non-finite values, so it is corrupt; re-download or re-convert it"
+            )
+        quality["perplexity_fp32"] = round(fp32, 4)
 
     def build(tmp: Path) -> Manifest:
         models, settings = platform.export(job, tmp)

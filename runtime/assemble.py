@@ -47,6 +47,9 @@ class LoadOptions:
     max_seq_len: int = 2048  # static KV cache length (a model; a bundle has its own)
     chat: bool = True  # wrap prompts in the chat template
     threads: int = 0  # CPU threads (0: torch's default)
+    # recognise special tokens (<|im_end|>...) typed in prompts; by default they are plain text,
+    # so that user text cannot close its turn or speak as another role
+    parse_special: bool = False
 
 
 @dataclass
@@ -61,9 +64,12 @@ class Generator:
     chat: bool
     bundle: str | None
     draft_confidence: float = 0.0
+    parse_special: bool = False
 
     def encode(self, prompt: str) -> list[int]:
-        return self.tokenizer.encode_prompt(prompt, chat=self.chat)
+        return self.tokenizer.encode_prompt(
+            prompt, chat=self.chat, parse_special=self.parse_special
+        )
 
     @property
     def label(self) -> str:
@@ -143,7 +149,15 @@ def assemble(
         drafter, target, bundle, session.max_seq_len, ngram_sizes, confidence, options.heads
     )
     return Generator(
-        name, tokenizer, session, draft, config, options.chat, options.bundle, confidence
+        name,
+        tokenizer,
+        session,
+        draft,
+        config,
+        options.chat,
+        options.bundle,
+        confidence,
+        options.parse_special,
     )
 
 
@@ -195,13 +209,16 @@ def build_drafter(
             )
         head = load_heads(heads, target.model, target.name).to(target.model.dtype)
         return mtp_drafter(head, target.model, confidence)
-    from mtp_edge.checkpoints import load_model
+    from mtp_edge.checkpoints import load_model, model_vocabulary
 
-    draft = load_model(spec)
+    # Compare vocabularies from the draft's tokenizer and config alone: its weights can take
+    # gigabytes and most of a minute to load.
+    draft_tokenizer, draft_vocab_size = model_vocabulary(spec)
     check_same_vocabulary(
         target.tokenizer.backend.get_vocab(),
-        draft.tokenizer.backend.get_vocab(),
+        draft_tokenizer.backend.get_vocab(),
         target.config.vocab_size,
-        draft.config.vocab_size,
+        draft_vocab_size,
     )
+    draft = load_model(spec)
     return DraftModelDrafter(EagerSession(draft.model, max_seq_len), min_confidence=confidence)
