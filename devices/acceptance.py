@@ -19,7 +19,7 @@ def measure_acceptance(
         stats = generate(session, prompt, drafter, GenerationConfig(max_new_tokens, k)).stats
         drafted += stats.drafted_tokens
         accepted += stats.accepted_tokens
-        generated += stats.generated_tokens - 1  # the first token comes from the prefill
+        generated += stats.decoded_tokens  # the first token comes from the prefill
         steps += stats.verify_steps
         for i, (d, a) in enumerate(
             zip(stats.drafted_per_position, stats.accepted_per_position, strict=True)

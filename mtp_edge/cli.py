@@ -112,6 +112,11 @@ def drafter_options(f):
             "--max-seq-len", default=2048, show_default=True, help="Static KV cache length."
         ),
         click.option("--no-chat-template", is_flag=True, help="Feed prompts as raw text."),
+        click.option(
+            "--parse-special",
+            is_flag=True,
+            help="Read special tokens typed in a prompt (<|im_end|>...) as such, not as text.",
+        ),
         click.option("--threads", default=0, help="CPU threads (0 = all cores)."),
     ]
     for option in reversed(options):
@@ -134,6 +139,7 @@ def load_options(opts: dict):
         draft_confidence=opts["draft_confidence"],
         max_seq_len=opts["max_seq_len"],
         chat=not opts["no_chat_template"],
+        parse_special=opts["parse_special"],
         threads=opts["threads"],
     )
 

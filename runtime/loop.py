@@ -113,7 +113,8 @@ def generate(
     if len(prompt) >= target.max_seq_len:
         raise UserError(
             f"the prompt has {len(prompt)} tokens but the context holds {target.max_seq_len}: "
-            "shorten the prompt or raise --max-seq-len"
+            "shorten the prompt, or give a longer context (a model: --max-seq-len N; a bundle's "
+            "is fixed when it is made: export it again with mtp-export --max-seq-len N)"
         )
     if config.stop_strings and detokenize is None:
         raise ValueError("stop strings need a detokenize function")

@@ -317,3 +317,9 @@ def test_k_outside_what_a_bundle_verifies_is_refused(bundle, k):
 def test_an_empty_stop_string_is_refused(bundle):
     line = error_line(run_bundle(bundle, "--stop", ""))
     assert "--stop" in line and "non-empty" in line
+
+
+def test_a_prompt_longer_than_a_bundles_context_says_how_to_get_a_longer_one(bundle):
+    args = ["--bundle", str(bundle), "--prompt", "the cat sat " * 40, "--no-chat-template"]
+    line = error_line(CliRunner().invoke(run, args))
+    assert f"the context holds {MAX_SEQ_LEN}" in line and "mtp-export --max-seq-len N" in line
