@@ -1,4 +1,6 @@
 """Checkpoint loaders: a Hugging Face safetensors directory or a GGUF file -> our Transformer.
+(One file past 600 lines: both formats and the native MTP layers share the checks of what a
+user's file may hold.)
 
 Weights are read one tensor at a time and converted straight to the requested dtype, so the peak
 memory stays near one copy of the model in that dtype. GGUF tensors are dequantized here:
