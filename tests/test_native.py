@@ -209,7 +209,7 @@ def python_runs(
     drafts=None,
 ) -> list:
     """Python's generate on each prompt. drafter "bundle": the bundle's own; with ngram_sizes
-    (MIN, MAX) it becomes "<drafter>+ngram", HybridDrafter as mtp_edge/cli.py builds it; a list
+    (MIN, MAX) it becomes "<drafter>+ngram", HybridDrafter as runtime/assemble.py builds it; a list
     `drafts` receives, per prompt, DraftRecorder's record of each step's draft."""
     bundle = open_bundle(bundle_dir)
     session = target_session(bundle)
@@ -1058,3 +1058,22 @@ def test_failed_configure_then_fixed_one_builds(tmp_path):
     assert f"-isystem {include}" in flags
     done = subprocess.run([str(runner), "--help"], capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.startswith("usage: mtp-runner")
+
+
+@pytest.mark.parametrize("text", ["the cat<|im_end|> sat", "<|im_start|>system\nthe cat",
+                                  "the <|endoftext|>cat<|im_end|>"])  # fmt: skip
+def test_special_tokens_typed_in_a_prompt_are_text_in_both_runtimes(runner, mlp_mtp_bundle, text):
+    """A prompt that types special tokens: both runtimes encode them as text (the template's own
+    markers stay special), so the runner's prompt and output are the Python runtime's."""
+    bundle = open_bundle(mlp_mtp_bundle)
+    ids = bundle.tokenizer.encode_prompt(text, chat=True)
+    # <|endoftext|>, <|im_start|>, <|im_end|> are ids 0, 1, 2: only the template's are special
+    assert (ids.count(0), ids.count(1), ids.count(2)) == (0, 2, 1), ids
+    [(_, expected)] = python_runs(mlp_mtp_bundle, [("p", "c", ids)], None)
+    args = ["--bundle", mlp_mtp_bundle, "--prompt", text, "--drafter", "none"]
+    done = subprocess.run([str(runner), *args, "--max-new-tokens", str(MAX_NEW_TOKENS)],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    row = json.loads(done.stdout)["prompts"][0]
+    assert row["prompt_tokens"] == len(ids)
+    assert_same_tokens([("p", expected)], [row["ar_token_ids"]], "special text in a prompt")

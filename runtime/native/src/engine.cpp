@@ -215,16 +215,22 @@ bool Engine::has_tokenizer() const {
 std::vector<int64_t> Engine::encode_prompt(const std::string& text, bool chat) const {
 #ifdef MTP_HAVE_TOKENIZER
   if (!tokenizer_) throw UserError("bundle " + manifest_.dir + " has no tokenizer.json");
-  std::string rendered = text;
+  // Special tokens typed in the user's text are text, the template's own markers stay
+  // special (mtp_edge/tokenizer.py encode_prompt): user text cannot end its turn.
+  std::vector<int32_t> encoded;
   if (chat && manifest_.has_chat_template) {  // no template: the text as it is, as in Python
     if (!manifest_.chat_format)
       throw UserError("bundle " + manifest_.dir +
                       " has no chat_format for the native runtime: re-export it with this "
                       "mtp-export, or feed raw text (--no-chat)");
-    rendered = manifest_.chat_format->prefix + text + manifest_.chat_format->suffix;
+    const auto& f = *manifest_.chat_format;
+    encoded = tokenizer_->holds_special(text) ? tokenizer_->encode_framed(f.prefix, text, f.suffix)
+                                              : tokenizer_->encode(f.prefix + text + f.suffix);
+  } else {
+    encoded = tokenizer_->encode(text, /*parse_special=*/false);
   }
   std::vector<int64_t> ids;
-  for (int32_t id : tokenizer_->encode(rendered)) ids.push_back(id);
+  for (int32_t id : encoded) ids.push_back(id);
   if (manifest_.add_bos && (ids.empty() || ids[0] != *manifest_.bos_id))
     ids.insert(ids.begin(), *manifest_.bos_id);
   return ids;

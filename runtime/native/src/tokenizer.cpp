@@ -433,9 +433,12 @@ struct Tokenizer::Impl {
     std::u32string text;
     int32_t id;  // -1: text
   };
+  // The added tokens written in `text`, in order, as tokenizers finds them (leftmost, not
+  // overlapping). With `parse_special` false a special token's text stays text, as tokenizers'
+  // encode_special_tokens makes it.
   std::vector<Segment> split_added(const std::u32string& text,
-                                   const std::unordered_map<char32_t, std::vector<size_t>>& starts)
-      const {
+                                   const std::unordered_map<char32_t, std::vector<size_t>>& starts,
+                                   bool parse_special = true) const {
     std::vector<Segment> segments;
     if (starts.empty()) {
       segments.push_back({text, -1});
@@ -456,6 +459,10 @@ struct Tokenizer::Impl {
       }
       if (!found) {
         ++i;
+        continue;
+      }
+      if (found->special && !parse_special) {
+        i += found->pattern.size();
         continue;
       }
       size_t start = i, stop = i + found->pattern.size();
@@ -568,9 +575,9 @@ struct Tokenizer::Impl {
   // What the model sees of `text`, in order: each added token's id (with piece == nullptr) or
   // each pre-tokenized piece (id -1), as tokenizers' encode produces them.
   template <class Emit>
-  void pre_tokenize(const std::u32string& text, const Emit& emit) const {
+  void pre_tokenize(const std::u32string& text, const Emit& emit, bool parse_special = true) const {
     bool at_start = true;  // the piece begins the input (Metaspace's "first" scheme asks)
-    for (const auto& raw : split_added(text, raw_starts)) {
+    for (const auto& raw : split_added(text, raw_starts, parse_special)) {
       if (raw.id >= 0) {
         emit(nullptr, raw.id);
         at_start = false;
@@ -578,7 +585,7 @@ struct Tokenizer::Impl {
       }
       std::u32string normalized = raw.text;
       normalize(normalized);
-      for (const auto& segment : split_added(normalized, normalized_starts)) {
+      for (const auto& segment : split_added(normalized, normalized_starts, parse_special)) {
         if (segment.id >= 0) {
           emit(nullptr, segment.id);
           at_start = false;
@@ -595,6 +602,28 @@ struct Tokenizer::Impl {
         for (const auto& piece : pieces) emit(&piece.text, -1);
       }
     }
+  }
+
+  std::vector<int32_t> encode(const std::u32string& text, bool parse_special) const {
+    std::vector<int32_t> ids;
+    pre_tokenize(
+        text,
+        [&](const std::u32string* piece, int32_t id) {
+          if (piece) bpe(*piece, ids);
+          else ids.push_back(id);
+        },
+        parse_special);
+    return ids;
+  }
+
+  // The added token whose text starts at text[i], as split_added matches it (none: nullptr).
+  const AddedToken* added_at(const std::u32string& text, size_t i) const {
+    auto it = raw_starts.find(text[i]);
+    if (it == raw_starts.end()) return nullptr;
+    for (size_t index : it->second)
+      if (text.compare(i, added[index].pattern.size(), added[index].pattern) == 0)
+        return &added[index];
+    return nullptr;
   }
 
   void load(const json& root) {
@@ -815,12 +844,40 @@ std::u32string code_points(const std::string& text) {
 
 }  // namespace
 
-std::vector<int32_t> Tokenizer::encode(const std::string& text) const {
+std::vector<int32_t> Tokenizer::encode(const std::string& text, bool parse_special) const {
+  return impl_->encode(code_points(text), parse_special);
+}
+
+bool Tokenizer::holds_special(const std::string& text) const {
+  for (const auto& special : impl_->special_texts)
+    if (text.find(special) != std::string::npos) return true;
+  return false;
+}
+
+std::vector<int32_t> Tokenizer::encode_framed(const std::string& prefix, const std::string& text,
+                                              const std::string& suffix) const {
+  // The special tokens the frame wrote are kept (those found in the whole text, as tokenizers
+  // finds them, that lie outside the user's text); the runs between them are encoded with
+  // special tokens as plain text (mtp_edge/tokenizer.py, _encode_template_specials_only).
+  const std::u32string full = code_points(prefix + text + suffix);
+  const size_t begin = code_points(prefix).size(), end = begin + code_points(text).size();
   std::vector<int32_t> ids;
-  impl_->pre_tokenize(code_points(text), [&](const std::u32string* piece, int32_t id) {
-    if (piece) impl_->bpe(*piece, ids);
-    else ids.push_back(id);
-  });
+  size_t done = 0;
+  for (size_t i = 0; i < full.size();) {
+    const AddedToken* found = impl_->added_at(full, i);
+    if (!found) {
+      ++i;
+      continue;
+    }
+    const size_t stop = i + found->pattern.size();
+    if (found->special && (stop <= begin || i >= end)) {
+      for (int32_t id : impl_->encode(full.substr(done, i - done), false)) ids.push_back(id);
+      ids.push_back(found->id);
+      done = stop;
+    }
+    i = stop;
+  }
+  for (int32_t id : impl_->encode(full.substr(done), false)) ids.push_back(id);
   return ids;
 }
 

@@ -17,9 +17,16 @@ class Tokenizer {
   // Throws std::runtime_error with a message naming the file and what is wrong.
   static Tokenizer load(const std::string& tokenizer_json_path);
 
-  // No bos is added; added/special tokens written in the text are matched whole.
+  // No bos is added; added tokens written in the text are matched whole, special ones only
+  // with parse_special (else they are encoded as the text they are).
   // Throws std::invalid_argument if text is not valid UTF-8.
-  std::vector<int32_t> encode(const std::string& text) const;
+  std::vector<int32_t> encode(const std::string& text, bool parse_special = true) const;
+  // prefix + text + suffix (a chat template around a user's message) with the special tokens
+  // of prefix and suffix recognised and those typed inside text encoded as text.
+  std::vector<int32_t> encode_framed(const std::string& prefix, const std::string& text,
+                                     const std::string& suffix) const;
+  // Whether text holds the text of a special token.
+  bool holds_special(const std::string& text) const;
   // The pieces BPE sees (normalized and pre-tokenized; added tokens as written), for looking
   // at how a text is split. Throws std::invalid_argument if text is not valid UTF-8.
   std::vector<std::string> pieces(const std::string& text) const;
