@@ -332,6 +332,13 @@ def load_heads(path: str | Path, target: Transformer, target_name: str) -> MTPHe
             f"(hidden {c.hidden_size}, vocab {c.vocab_size}); retrain with "
             f"mtp-train --model <{target_name}> --out {path}"
         )
+    for name, tensor in state.items():
+        if tensor.is_floating_point() and not torch.isfinite(tensor.float().sum()):
+            if not bool(torch.isfinite(tensor).all()):
+                raise UserError(
+                    f"{path}: tensor '{name}' holds NaN/inf values: the heads file is corrupt; "
+                    f"train it again with mtp-train --out {path}"
+                )
     head = MTPHead(config)
     try:
         head.load_state_dict(state)

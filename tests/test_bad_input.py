@@ -323,3 +323,22 @@ def test_a_prompt_longer_than_a_bundles_context_says_how_to_get_a_longer_one(bun
     args = ["--bundle", str(bundle), "--prompt", "the cat sat " * 40, "--no-chat-template"]
     line = error_line(CliRunner().invoke(run, args))
     assert f"the context holds {MAX_SEQ_LEN}" in line and "mtp-export --max-seq-len N" in line
+
+
+def test_heads_with_nan_weights_are_refused(model_dir, tmp_path):
+    """A heads file with a NaN tensor is refused when it is loaded, naming the tensor."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from tiny import save_random_heads
+
+    heads = tmp_path / "heads.safetensors"
+    save_random_heads(model_dir, heads, "none")
+    with safe_open(str(heads), framework="pt") as f:
+        metadata, state = f.metadata(), {name: f.get_tensor(name) for name in f.keys()}
+    name = sorted(n for n in state if state[n].is_floating_point())[0]
+    state[name][0] = float("nan")
+    save_file(state, str(heads), metadata=metadata)
+    args = ["--model", str(model_dir), "--drafter", "mtp", "--heads", str(heads),
+            "--prompt", "the cat", "--max-new-tokens", "4"]  # fmt: skip
+    line = error_line(CliRunner().invoke(run, args))
+    assert f"tensor '{name}' holds NaN/inf values" in line and "mtp-train" in line
