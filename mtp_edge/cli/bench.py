@@ -1,0 +1,185 @@
+"""mtp-bench, mtp-devices, mtp-predict and mtp-profile: measuring and predicting speed."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from mtp_edge.cli.common import OneLineErrors, drafter_options, load_options, say
+from mtp_edge.errors import Fault, UserError
+from mtp_edge.files import check_output, write_atomic
+
+
+@click.command(cls=OneLineErrors)
+@drafter_options
+@click.option(
+    "--prompts",
+    "prompts_path",
+    default=None,
+    help="JSONL prompts file (default: the built-in suite).",
+)
+@click.option(
+    "--repeat", default=1, show_default=True, help="Passes over the suite (medians and spread)."
+)
+@click.option(
+    "--max-new-tokens", default=None, type=int, help="Override every prompt's max_new_tokens."
+)
+@click.option("--json", "json_out", default=None, help="Write the JSON report here.")
+@click.option("--markdown", "markdown_out", default=None, help="Write a Markdown summary here.")
+@click.option(
+    "--report",
+    "report_dir",
+    default=None,
+    help="Write a Markdown report with PNG plots and the machine's description here.",
+)
+@click.option(
+    "--compare",
+    multiple=True,
+    help="Another bundle to measure side by side with --bundle (repeatable; prompts "
+    "interleaved). DIR[,k=N][,drafter=NAME][,confidence=P] also compares k values, drafters "
+    "or --draft-confidence floors of one bundle.",
+)
+def bench(
+    prompts_path, repeat, max_new_tokens, json_out, markdown_out, report_dir, compare, **opts
+):
+    """Plain vs speculative greedy decoding on the same backend, over a prompt suite."""
+    import dataclasses
+
+    from mtp_edge.devices.bench import bench as measure
+    from mtp_edge.devices.harness import load_prompts, to_markdown
+    from mtp_edge.devices.isolated import compare_spec
+
+    if repeat < 1:
+        raise UserError(f"--repeat must be >= 1, got {repeat}")
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if compare and opts["bundle"] is None:
+        raise UserError("--compare puts bundles side by side: give the first one with --bundle")
+    check_output(json_out, "--json")
+    check_output(markdown_out, "--markdown")
+    check_output(report_dir, "--report", directory=True)
+    prompts = load_prompts(prompts_path)
+    first = load_options(opts)
+    setups = [first] + [dataclasses.replace(first, **compare_spec(c)) for c in compare]
+    machine = None
+    if report_dir is not None:
+        from mtp_edge.devices.report import machine_description
+
+        say("[machine] measuring memory bandwidth and matmul throughput")
+        machine = machine_description()  # before ExecuTorch takes the cores
+    command = " ".join(["mtp-bench", *sys.argv[1:]])
+    reports = measure(setups, prompts, repeat, max_new_tokens, command, say)
+    markdown = "\n".join(to_markdown(r) for r in reports)
+    body = reports[0] if len(reports) == 1 else {"command": command, "runs": reports}
+    write_atomic(json_out, json.dumps(body, indent=2) + "\n")
+    write_atomic(markdown_out, markdown)
+    if report_dir is not None:
+        from mtp_edge.devices.report import write_report
+
+        say(f"[report] {write_report(report_dir, reports, command, machine)}")
+    click.echo(markdown)
+    if not all(r["summary"]["lossless"] for r in reports):
+        raise Fault(
+            "speculative output diverged from plain output beyond a near-tie: a bug in "
+            "mtp-edge; please report it with the JSON report"
+        )
+
+
+@click.command(cls=OneLineErrors)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (with every figure's source).")
+@click.option("--sources", is_flag=True, help="List where each figure comes from.")
+def devices(as_json, sources):
+    """The device catalog, and this machine measured live."""
+    from dataclasses import asdict
+
+    from mtp_edge.devices.catalog import catalog, devices_table, host_device
+
+    say("[host] measuring memory bandwidth and matmul throughput")
+    entries = [host_device(), *catalog()]
+    if as_json:
+        click.echo(json.dumps([asdict(d) for d in entries], indent=2))
+        return
+    click.echo(devices_table(entries))
+    if sources:
+        for d in entries:
+            click.echo(f"{d.name}:")
+            for figure, source in d.sources.items():
+                click.echo(f"  {figure}: {source}")
+
+
+@click.command(cls=OneLineErrors)
+@click.option("--bundle", required=True, help="The bundle to predict for (ExecuTorch).")
+@click.option(
+    "--device",
+    "device_names",
+    multiple=True,
+    default=("host",),
+    show_default=True,
+    help="host (measured live) | a catalog name (mtp-devices) | all (repeatable).",
+)
+@click.option(
+    "--from-bench",
+    default=None,
+    help="mtp-bench JSON of this bundle: its tau and acceptance (and, for host, the measured "
+    "tokens/s to compare with).",
+)
+@click.option("--json", "json_out", default=None, help="Write the predictions as JSON here.")
+@click.option("--markdown", "markdown_out", default=None, help="Write the table here.")
+def predict(bundle, device_names, from_bench, json_out, markdown_out):
+    """Roofline prediction of plain and speculative tokens/s and the speedup on a device."""
+    from mtp_edge.devices.predict import predict_bundle
+
+    check_output(json_out, "--json")
+    check_output(markdown_out, "--markdown")
+    command = " ".join(["mtp-predict", *sys.argv[1:]])
+    out, markdown = predict_bundle(bundle, device_names, from_bench, command, say)
+    write_atomic(json_out, json.dumps(out, indent=2) + "\n")
+    write_atomic(markdown_out, markdown)
+    click.echo(markdown)
+
+
+@click.command(cls=OneLineErrors)
+@click.option("--device", required=True, help="host, or the serial of an adb device.")
+@click.option("--bundle", required=True, help="The bundle to measure.")
+@click.option("--prompts", "prompts_path", default=None, help="JSONL prompts (default: built in).")
+@click.option(
+    "--max-new-tokens", default=None, type=int, help="Override every prompt's max_new_tokens."
+)
+@click.option("--repeat", default=1, show_default=True, help="Runs per prompt (medians).")
+@click.option("--json", "json_out", default=None, help="Write the report (mtp-bench format).")
+@click.option(
+    "--runner",
+    default=None,
+    help="The native mtp-runner for the device (default: runtime/native/build-android/mtp-runner).",
+)
+@click.option(
+    "--as",
+    "catalog_name",
+    default=None,
+    help="Catalog device to predict with (default: matched from the device's SoC).",
+)
+def profile(device, bundle, prompts_path, max_new_tokens, repeat, json_out, runner, catalog_name):
+    """Measure plain vs speculative decoding on the host or an adb device, next to the
+    roofline prediction for that device."""
+    from mtp_edge.devices.harness import load_prompts
+    from mtp_edge.devices.profile import profile_device
+
+    if repeat < 1:
+        raise UserError(f"--repeat must be >= 1, got {repeat}")
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    check_output(json_out, "--json")
+    report = profile_device(
+        device,
+        bundle,
+        load_prompts(prompts_path),
+        max_new_tokens,
+        repeat,
+        runner,
+        catalog_name,
+        json_out,
+        progress=say,
+    )
+    click.echo(report["markdown"])

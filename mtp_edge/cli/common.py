@@ -1,0 +1,141 @@
+"""What the commands share: one-line errors and exit codes, signal handling, the options of the
+commands that decode, and progress lines on stderr."""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+import click
+
+from mtp_edge.errors import Fault, Terminated, UserError
+from mtp_edge.logs import quiet_library_noise
+
+
+class OneLineErrors(click.Command):
+    """A click command whose usage errors, UserErrors and Faults print as one `error: ...` line:
+    exit 2 for a user's mistake, 1 for a fault of ours, 128 + N for signal N. SIGTERM and SIGHUP
+    unwind like Ctrl-C, so that nothing half-written is left behind."""
+
+    def main(self, *args, **kwargs):
+        quiet_library_noise()
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, _terminate)
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except click.exceptions.Exit as e:
+            sys.exit(e.exit_code)
+        except click.ClickException as e:
+            click.echo(f"error: {e.format_message()} (see --help)", err=True)
+            sys.exit(2)
+        except UserError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+        except Fault as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(1)
+        except (KeyboardInterrupt, click.exceptions.Abort):
+            click.echo("error: interrupted", err=True)
+            sys.exit(130)
+        except Terminated as e:
+            click.echo(f"error: stopped by {signal.Signals(e.signum).name}", err=True)
+            sys.exit(128 + e.signum)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated(signum)
+
+
+def _non_empty(flag: str, values: tuple[str, ...]) -> tuple[str, ...]:
+    if any(v == "" for v in values):
+        raise click.BadParameter("takes a non-empty text (an empty one would match at once)")
+    return values
+
+
+def say(line: str) -> None:
+    """Progress, on stderr: stdout carries only the result."""
+    click.echo(line, err=True)
+
+
+def drafter_options(f):
+    """Options shared by the commands that decode: target model, drafter and its settings."""
+    options = [
+        click.option(
+            "--model",
+            "model_spec",
+            default="default",
+            show_default=True,
+            help="HF directory, .gguf file, or 'default' (SmolLM2-135M-Instruct).",
+        ),
+        click.option(
+            "--bundle", default=None, help="Run an exported bundle (mtp-export) instead of --model."
+        ),
+        click.option(
+            "--drafter",
+            default=None,
+            help="none | ngram | mtp | path to a draft model with the target's vocabulary | "
+            "any of these +ngram (e.g. mtp+ngram: prompt lookup where the context repeats "
+            "itself, the model elsewhere) (default: the bundle's drafter, else ngram).",
+        ),
+        click.option(
+            "--k",
+            default=None,
+            type=click.IntRange(1, 15),
+            help="Most tokens drafted per step, 1..15 (default: 4, or the bundle's).",
+        ),
+        click.option(
+            "--heads", default=None, help="MTP heads file for --drafter mtp (default: shipped)."
+        ),
+        click.option(
+            "--adaptive-k",
+            is_flag=True,
+            help="Grow k after a fully accepted step, shrink it after a miss.",
+        ),
+        click.option(
+            "--ngram-sizes",
+            default=None,
+            help="n-gram drafter (and the lookup of X+ngram): MIN-MAX n (default 1-3, or the "
+            "bundle's lookup sizes).",
+        ),
+        click.option(
+            "--draft-confidence",
+            default=None,
+            type=float,
+            help="Model drafters: stop drafting when the best probability falls below (default "
+            "0, or the bundle's).",
+        ),
+        click.option(
+            "--max-seq-len", default=2048, show_default=True, help="Static KV cache length."
+        ),
+        click.option("--no-chat-template", is_flag=True, help="Feed prompts as raw text."),
+        click.option(
+            "--parse-special",
+            is_flag=True,
+            help="Read special tokens typed in a prompt (<|im_end|>...) as such, not as text.",
+        ),
+        click.option("--threads", default=0, help="CPU threads (0 = all cores)."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def load_options(opts: dict):
+    """The `drafter_options` flags as runtime/assemble.py's LoadOptions."""
+    from mtp_edge.runtime.assemble import LoadOptions
+
+    return LoadOptions(
+        model=opts["model_spec"],
+        bundle=opts["bundle"],
+        drafter=opts["drafter"],
+        k=opts["k"],
+        heads=opts["heads"],
+        adaptive_k=opts["adaptive_k"],
+        ngram_sizes=opts["ngram_sizes"],
+        draft_confidence=opts["draft_confidence"],
+        max_seq_len=opts["max_seq_len"],
+        chat=not opts["no_chat_template"],
+        parse_special=opts["parse_special"],
+        threads=opts["threads"],
+    )

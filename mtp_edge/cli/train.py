@@ -1,0 +1,132 @@
+"""mtp-train: MTP heads for a target, by self-distillation."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from mtp_edge.cli.common import OneLineErrors, say
+from mtp_edge.files import check_output
+
+
+@click.command(cls=OneLineErrors)
+@click.option(
+    "--model",
+    default="default",
+    show_default=True,
+    help="The frozen target: HF directory, .gguf file, or 'default'.",
+)
+@click.option(
+    "--data",
+    multiple=True,
+    help='Text files to train on, or .jsonl[.gz] files of {"prompt", "response"} chat pairs '
+    "(repeatable; default: offline text + the target's own responses).",
+)
+@click.option("--k", default=4, show_default=True, help="Draft steps unrolled in training.")
+@click.option("--steps", default=3000, show_default=True)
+@click.option(
+    "--batch-size",
+    default=512,
+    show_default=True,
+    help="Draft origins per step (per process): drawn at random from the whole text, or in "
+    "whole sequences for heads with attention.",
+)
+@click.option("--lr", default=1e-3, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--resume", is_flag=True, help="Continue from the last checkpoint next to --out.")
+@click.option(
+    "--draft-vocab", default=8192, show_default=True, help="Size of the reduced draft vocabulary."
+)
+@click.option(
+    "--gen-tokens",
+    default=100_000,
+    show_default=True,
+    help="Response tokens the target writes for the default corpus.",
+)
+@click.option(
+    "--self-prompt-tokens",
+    default=0,
+    show_default=True,
+    help="More response tokens, to requests the target writes itself (sampled from the start "
+    "of a user turn of its chat template): more varied requests than the templates.",
+)
+@click.option(
+    "--init",
+    default=None,
+    help="Continue training these heads (their design carries over; the draft vocabulary "
+    "is chosen on the new text, shared tokens keep their trained rows).",
+)
+@click.option(
+    "--raw-tokens",
+    default=50_000,
+    show_default=True,
+    help="Tokens of offline text for the default corpus.",
+)
+@click.option(
+    "--attention",
+    type=click.Choice(["none", "target_cache", "self"]),
+    default="none",
+    show_default=True,
+    help="none: an MLP head reading the target's hidden state; target_cache: its first block "
+    "also attends to the target's last-layer KV cache; self (EAGLE): to a KV cache of its own "
+    "features of the whole context.",
+)
+@click.option(
+    "--labels",
+    type=click.Choice(["hard", "soft"]),
+    default="hard",
+    show_default=True,
+    help="Train on the target's distribution over the draft vocabulary, or on its argmax.",
+)
+@click.option(
+    "--feature-loss",
+    default=0.0,
+    show_default=True,
+    help="Weight of a loss that pulls each step's hidden state onto the target's (0: off).",
+)
+@click.option(
+    "--freeze-lm-head",
+    is_flag=True,
+    help="Keep the draft LM head at the target's rows instead of training it.",
+)
+@click.option("--weight-decay", default=0.0, show_default=True, help="AdamW weight decay.")
+@click.option("--threads", default=0, help="CPU threads (0 = torch's default).")
+@click.option(
+    "--bundle",
+    default=None,
+    help="An ExecuTorch bundle of the target (exported with --drafter mtp): it writes and labels "
+    "the text, so the heads learn the exported, quantized target they will draft for.",
+)
+@click.option(
+    "--writer",
+    type=click.Choice(["int8", "fp32", "bundle"]),
+    default=None,
+    help="Who writes the training text: the target with int8 linears, batched (fastest on a "
+    "CPU), the target as loaded, batched, or --bundle's exported target one sequence at a time "
+    "(default: the bundle when given, else int8). Labels always come from the target "
+    "(--bundle's when given).",
+)
+@click.option(
+    "--gen-batch",
+    default=64,
+    show_default=True,
+    help="Responses (and requests) written together by an eager writer.",
+)
+@click.option(
+    "--write-only",
+    is_flag=True,
+    help="Write (or extend) the cached training text next to --out, then stop.",
+)
+@click.option("--out", required=True, help="Output heads file (.safetensors).")
+def train(data, freeze_lm_head, writer, **options):
+    """Train MTP draft heads for a target by self-distillation (runs under torchrun too)."""
+    from mtp_edge.train import TrainOptions, train_heads
+
+    check_output(options["out"], "--out")
+    options = TrainOptions(
+        data=tuple(data), train_lm_head=not freeze_lm_head, writer=writer or "", **options
+    )
+    summary = train_heads(options, progress=say)
+    if summary:
+        click.echo(json.dumps(summary))
