@@ -121,6 +121,45 @@ def drafter_options(f):
     return f
 
 
+def sampling_options(f):
+    """Options shared by the commands that generate: length, sampling and stop strings (short
+    names as llama.cpp's: -n, -s; --temp as MLX-LM's)."""
+    options = [
+        click.option(
+            "-n", "--max-new-tokens", default=128, show_default=True, type=click.IntRange(1)
+        ),
+        click.option(
+            "--temperature",
+            "--temp",
+            default=0.0,
+            show_default=True,
+            type=click.FloatRange(0),
+            help="0 = greedy.",
+        ),
+        click.option(
+            "--top-k", default=0, show_default=True, type=click.IntRange(0), help="0 = off."
+        ),
+        click.option(
+            "--top-p",
+            default=1.0,
+            show_default=True,
+            type=click.FloatRange(0, 1, min_open=True),
+            help="1 = off.",
+        ),
+        click.option("-s", "--seed", default=0, show_default=True),
+        click.option(
+            "--stop",
+            "stop_strings",
+            multiple=True,
+            callback=lambda ctx, param, values: _non_empty("--stop", values),
+            help="Stop at this text (repeatable).",
+        ),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
 def load_options(opts: dict):
     """The `drafter_options` flags as runtime/assemble.py's LoadOptions."""
     from mtp_edge.runtime.assemble import LoadOptions

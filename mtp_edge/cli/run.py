@@ -6,7 +6,7 @@ import json
 
 import click
 
-from mtp_edge.cli.common import OneLineErrors, _non_empty, drafter_options, load_options, say
+from mtp_edge.cli.common import OneLineErrors, drafter_options, load_options, sampling_options, say
 
 
 @click.command(cls=OneLineErrors)
@@ -14,18 +14,7 @@ from mtp_edge.cli.common import OneLineErrors, _non_empty, drafter_options, load
 @click.option(
     "--prompt", required=True, help="The user message (raw text with --no-chat-template)."
 )
-@click.option("--max-new-tokens", default=128, show_default=True)
-@click.option("--temperature", default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--top-k", default=0, show_default=True, help="0 = off.")
-@click.option("--top-p", default=1.0, show_default=True, help="1 = off.")
-@click.option("--seed", default=0, show_default=True)
-@click.option(
-    "--stop",
-    "stop_strings",
-    multiple=True,
-    callback=lambda ctx, param, values: _non_empty("--stop", values),
-    help="Stop at this text (repeatable).",
-)
+@sampling_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 def run(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_strings, as_json, **opts):
     """Generate text with speculative decoding."""
