@@ -27,7 +27,8 @@ ALLOWED = {
     "devices": {"ground", "runtime", "devices"},
     "train": {"ground", "runtime", "train"},
     "api": {"ground", "quantize", "exporter", "runtime", "devices", "train"},
-    "cli": {"ground", "quantize", "exporter", "runtime", "devices", "train", "api"},
+    "server": {"ground", "runtime", "devices", "api"},
+    "cli": {"ground", "quantize", "exporter", "runtime", "devices", "train", "api", "server"},
 }
 
 
@@ -50,7 +51,7 @@ def room(module: str) -> str:
     parts = module.split(".")
     if len(parts) == 1:
         return "ground"
-    if parts[1] in ("quantize", "exporter", "runtime", "devices", "train", "cli", "api"):
+    if parts[1] in ("quantize", "exporter", "runtime", "devices", "train", "cli", "api", "server"):
         return parts[1]
     return "ground"
 
