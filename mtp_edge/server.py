@@ -220,6 +220,7 @@ class ModelQueue:
         self.max_queue = max_queue
         self.stopping = threading.Event()  # the server shuts down: end generations now
         self.cancelled = 0  # generations stopped because their client went away
+        self.generated_tokens = 0  # by all generations so far
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="mtp-serve-model")
         self._lock = threading.Lock()
         self._admitted = 0  # running + waiting
@@ -267,7 +268,7 @@ class _Generation:
         self.queue = queue
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
-        self.finished = False  # _END was read
+        self.finished = False  # its last chunk, an error or _END was read
         loop = asyncio.get_running_loop()
 
         def post(event) -> None:
@@ -280,6 +281,7 @@ class _Generation:
                     return
                 chunks = start()
                 for chunk in chunks:
+                    queue.generated_tokens += len(chunk.token_ids)
                     post(chunk)
                     if self.cancelled.is_set() or queue.stopping.is_set():
                         break
@@ -372,6 +374,7 @@ def create_app(llm, max_queue: int = 8, model_name: str | None = None, defaults=
             "generating": busy > 0,
             "waiting": max(busy - 1, 0),
             "cancelled": queue.cancelled,
+            "generated_tokens": queue.generated_tokens,
         }
 
     @app.get("/v1/models")
