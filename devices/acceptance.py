@@ -4,18 +4,24 @@ compares before quantization (eager fp32 target and drafter) and after it (the e
 
 from __future__ import annotations
 
+from mtp_edge.logs import progress_bar
 from mtp_edge.runtime.loop import GenerationConfig, generate
 from mtp_edge.runtime.session import Session
 
 
 def measure_acceptance(
-    session: Session, drafter, prompts: list[list[int]], k: int, max_new_tokens: int
+    session: Session,
+    drafter,
+    prompts: list[list[int]],
+    k: int,
+    max_new_tokens: int,
+    desc: str = "acceptance",
 ) -> dict:
     """Acceptance rate, tau and acceptance per draft position over greedy runs of `prompts`."""
     drafted = accepted = generated = steps = 0
     per_position_drafted = [0] * k
     per_position_accepted = [0] * k
-    for prompt in prompts:
+    for prompt in progress_bar(desc=desc, unit="prompt", iterable=prompts):
         stats = generate(session, prompt, drafter, GenerationConfig(max_new_tokens, k)).stats
         drafted += stats.drafted_tokens
         accepted += stats.accepted_tokens
@@ -76,7 +82,9 @@ def measure_bundle_acceptance(directory, target, draft, heldout: list[int], prog
         "drafter_acceptance": {
             "prompts": f"{ACCEPTANCE_PROMPTS} held-out snippets of {length} tokens, "
             f"{new_tokens} greedy tokens each, k={k}",
-            "fp32": measure_acceptance(eager, before, prompts, k, new_tokens),
-            "exported": measure_acceptance(target_session(bundle), after, prompts, k, new_tokens),
+            "fp32": measure_acceptance(eager, before, prompts, k, new_tokens, "acceptance, fp32"),
+            "exported": measure_acceptance(
+                target_session(bundle), after, prompts, k, new_tokens, "acceptance, exported"
+            ),
         }
     }

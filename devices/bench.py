@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from mtp_edge.devices.harness import Prompt, Suite, bench_report, progress_line
 from mtp_edge.devices.isolated import IsolatedSetup
+from mtp_edge.logs import progress_bar
 from mtp_edge.runtime.assemble import LoadOptions, assemble
 
 
@@ -23,20 +24,24 @@ def bench(
     if len(setups) == 1:
         gen = assemble(setups[0])
         suite = Suite(gen.config.k, repeat)
-        for i, p in enumerate(prompts):
-            row = suite.run_prompt(
-                gen.session, gen.encode, gen.drafter, p, gen.config, max_new_tokens
-            )
-            progress(f"[{i + 1}/{len(prompts)}] {progress_line(row)}")
+        with progress_bar(len(prompts), "prompts", unit="prompt") as bar:
+            for i, p in enumerate(prompts):
+                row = suite.run_prompt(
+                    gen.session, gen.encode, gen.drafter, p, gen.config, max_new_tokens
+                )
+                progress(f"[{i + 1}/{len(prompts)}] {progress_line(row)}")
+                bar.update(1)
         return [bench_report(gen, suite, command, prompts, max_new_tokens, progress)]
     runs = []
     try:
         for options in setups:
             runs.append(IsolatedSetup(options, repeat, max_new_tokens))
-        for i, p in enumerate(prompts):
-            for run in runs:
-                row = run.run_prompt(p)
-                progress(f"[{i + 1}/{len(prompts)}] {run.label}: {progress_line(row)}")
+        with progress_bar(len(prompts) * len(runs), "prompts", unit="run") as bar:
+            for i, p in enumerate(prompts):
+                for run in runs:
+                    row = run.run_prompt(p)
+                    progress(f"[{i + 1}/{len(prompts)}] {run.label}: {progress_line(row)}")
+                    bar.update(1)
         return [run.report(command, prompts) for run in runs]
     finally:
         for run in runs:

@@ -17,3 +17,25 @@ class Terminated(BaseException):
     def __init__(self, signum: int):
         super().__init__(signum)
         self.signum = signum
+
+
+def require(module: str, extra: str, what: str) -> None:
+    """Stop with one line naming the pip extra that provides `module` when it is missing, at
+    the start of `what` (e.g. "mtp-export --target onnx") rather than deep inside it."""
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name is not None and e.name != module and not module.startswith(e.name + "."):
+            raise UserError(
+                f"{module} cannot be imported ({e}): reinstall it with pip install "
+                f"'mtp-edge[{extra}]'"
+            ) from None
+        raise UserError(
+            f"{what} needs the {extra} extra: pip install 'mtp-edge[{extra}]'"
+        ) from None
+    except ImportError as e:
+        raise UserError(
+            f"{module} cannot be imported ({e}): reinstall it with pip install 'mtp-edge[{extra}]'"
+        ) from None

@@ -1,16 +1,249 @@
-"""Keeping the terminal for our own progress and errors."""
+"""Keeping the terminal for our own progress, results and errors.
+
+Three levels, set once by the command line (`set_verbosity`): quiet (results and errors only),
+normal (progress lines and bars; the known chatter of third-party libraries dropped) and verbose
+(progress, and everything the libraries print). Progress always goes to stderr, so that stdout
+carries only results. Stages report through `say` (one line) and `progress_bar` (counted work)
+or `estimated_stage` (work that reports nothing until it is done).
+"""
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+_level = {"quiet": False, "verbose": False}
+
+# A bar on a terminal redraws in place this often; elsewhere (CI logs, pipes) a redraw would be
+# one more line, so it prints a plain line at most this often, plus its first and last.
+TERMINAL_REDRAW_S = 0.1
+PLAIN_LINE_EVERY_S = 30.0
+
+# Lines that third-party code prints on stderr which say nothing a user can act on. Each pattern
+# names the library's file or message exactly, so that their warnings and errors, and anything
+# unknown, still come through.
+NOISE = [
+    re.compile(p)
+    for p in (
+        # ExecuTorch's CPU probing, at every program load
+        r"\[cpuinfo_utils\.cpp:\d+\] (Reading file |Failed to open midr file |CPU info and manual)",
+        # ExecuTorch's TextLLMRunner (the peer baseline of mtp-bench): its info lines and stats
+        r"I tokenizers:regex\.cpp:\d+\] Registering override fallback regex",
+        r"\[llm_runner_helper\.cpp:\d+\] (Loaded json tokenizer|Reading metadata|Metadata: |"
+        r"Method \S+ not found, using the default value|eos_id = |Using method: )",
+        r"\[text_llm_runner\.cpp:\d+\] (RSS after |Max new tokens )",
+        r"\[text_prefiller\.cpp:\d+\] Prefill token result numel",
+        r"\[stats\.h:\d+\] ",
+        # torchao's optional CUDA kernels, absent from CPU wheels
+        r"Failed to load \S+/torchao/\S+\.so: Could not load this library",
+        # torch deprecating what torchao registers
+        r"W\d{4} [\d:.]+ +\d+ \S+torch/utils/_pytree\.py:\d+\] <enum '\w+'> is an Enum subclass",
+    )
+]
+
+
+def set_verbosity(quiet: bool | None = None, verbose: bool | None = None) -> None:
+    """-q: no progress; -v: keep third-party log noise (None: leave as it is). Normal drops
+    the noise that passes through Python's warnings and logging."""
+    if quiet is not None:
+        _level["quiet"] = quiet
+    if verbose is not None:
+        _level["verbose"] = verbose
+        if not verbose:
+            quiet_library_noise()
+
+
+def is_quiet() -> bool:
+    return _level["quiet"]
+
+
+def is_verbose() -> bool:
+    return _level["verbose"]
+
+
+def say(line: str) -> None:
+    """One progress line on stderr (above any progress bar); nothing when quiet."""
+    if _level["quiet"]:
+        return
+    from tqdm import tqdm
+
+    tqdm.write(line, file=sys.stderr)
+
+
+class _PlainLines:
+    """A progress bar's file when stderr is not a terminal: each redraw ("\\r" + status) becomes
+    one line, repeats dropped, so that logs read top to bottom."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.last = ""
+
+    def write(self, text: str) -> None:
+        for part in text.split("\r"):
+            line = part.rstrip()
+            if line and line != self.last:
+                self.stream.write(line + "\n")
+                self.last = line
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def progress_bar(total: int | None = None, desc: str = "", unit: str = "it", **options):
+    """A tqdm bar on stderr with the time left, for counted work (`with progress_bar(n) as bar:
+    ... bar.update(k)`); silent when quiet, plain lines when stderr is not a terminal."""
+    from tqdm import tqdm
+
+    stream = sys.stderr
+    terminal = stream.isatty()
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit=unit,
+        file=stream if terminal else _PlainLines(stream),
+        disable=_level["quiet"],
+        mininterval=TERMINAL_REDRAW_S if terminal else PLAIN_LINE_EVERY_S,
+        dynamic_ncols=terminal,
+        **options,
+    )
+
+
+@contextmanager
+def estimated_stage(desc: str, estimate_s: float) -> Iterator[None]:
+    """A bar for a stage that reports nothing until it ends: elapsed time against an estimate
+    of its duration (held at 99% if the estimate runs out), full when the stage ends."""
+    total = max(1, round(estimate_s))
+    form = "{desc}: {percentage:3.0f}%|{bar}| {elapsed} elapsed, ~{remaining} left (estimated)"
+    bar = progress_bar(total, desc, unit="s", bar_format=form)
+    done = threading.Event()
+    started = time.monotonic()
+
+    def tick() -> None:
+        while not done.wait(0.5):
+            bar.update(min(time.monotonic() - started, total * 0.99) - bar.n)
+
+    ticker = threading.Thread(target=tick, daemon=True)
+    if not bar.disable:
+        ticker.start()
+    try:
+        yield
+        done.set()
+        if ticker.is_alive():
+            ticker.join()
+        bar.update(total - bar.n)
+    finally:
+        done.set()
+        bar.close()
 
 
 def quiet_library_noise() -> None:
-    """torch/torchao/ExecuTorch deprecation notes and optional-kernel load failures say nothing
-    a user of our commands can act on."""
+    """torch/torchao/ExecuTorch deprecation notes and optional-kernel load failures, when they
+    pass through Python's warnings and logging."""
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     warnings.filterwarnings("ignore", message=".*[Mm]utation on a buffer.*")
     for name in ("torchao", "torch.utils._pytree", "torch._export", "executorch"):
         logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def is_noise(line: str) -> bool:
+    return any(pattern.match(line.lstrip("\r")) for pattern in NOISE)
+
+
+_filter: list = []
+
+
+def filter_stderr_noise() -> None:
+    """Route file descriptor 2 through a small filter process that drops `NOISE` lines and
+    passes everything else unchanged: C++ libraries write to the descriptor directly, past any
+    Python-level filter. A separate process, not a thread, so that whatever a crash writes last
+    still reaches the terminal. Only for a real stderr (not a test's captured one), once."""
+    if _filter:
+        return
+    try:
+        if sys.stderr.fileno() != 2:
+            return
+    except (AttributeError, ValueError, OSError):
+        return
+    sys.stderr.flush()
+    terminal = os.dup(2)
+    child = subprocess.Popen(
+        [sys.executable, "-c", "from mtp_edge.logs import run_filter; run_filter()"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+    )
+    os.dup2(child.stdin.fileno(), 2)
+    child.stdin.close()
+    _filter.append(child)
+    atexit.register(_stop_filter, child, terminal)
+
+
+def _stop_filter(child: subprocess.Popen, terminal: int) -> None:
+    """Give fd 2 back to the terminal, so the filter reads to the end and exits, and wait for it:
+    the shell's prompt comes after our last line."""
+    try:
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+    os.dup2(terminal, 2)
+    try:
+        child.wait(timeout=5)
+    except subprocess.TimeoutExpired:  # a worker still holds the pipe; it ends with it
+        pass
+
+
+# How long a line without its end may wait for the rest before it is judged and passed on
+# (a progress bar redraws with "\r" and no newline).
+PARTIAL_WAIT_S = 0.05
+
+
+def run_filter(source: int = 0, sink: int = 2) -> None:
+    """The filter process: copy `source` to `sink` line by line, dropping noise lines. It
+    outlives signals meant for the command, so that the command's last words get through."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
+    pending = b""
+    passing = False  # the current line's start was already passed on
+    held = False  # the current partial line looks like noise: wait for its end
+    broken = False
+
+    def put(data: bytes) -> None:
+        nonlocal broken
+        while data and not broken:
+            try:
+                data = data[os.write(sink, data) :]
+            except OSError:  # the reader went away: keep draining so the command never blocks
+                broken = True
+
+    while True:
+        wait = PARTIAL_WAIT_S if pending and not held else None
+        ready, _, _ = select.select([source], [], [], wait)
+        if not ready:
+            if passing or not is_noise(pending.decode(errors="replace")):
+                put(pending)
+                pending, passing = b"", True
+            else:
+                held = True
+            continue
+        chunk = os.read(source, 65536)
+        if not chunk:
+            break
+        pending, held = pending + chunk, False
+        while b"\n" in pending:
+            line, _, pending = pending.partition(b"\n")
+            if passing or not is_noise(line.decode(errors="replace")):
+                put(line + b"\n")
+            passing = False
+    if pending and (passing or not is_noise(pending.decode(errors="replace"))):
+        put(pending)

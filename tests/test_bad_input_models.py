@@ -116,7 +116,7 @@ def test_overflow_into_a_narrower_dtype_is_not_called_corruption(tmp_path):
 def test_mtp_run_refuses_nan_weights(nan_dir):
     from mtp_edge.cli import run
 
-    args = ["--model", str(nan_dir), "--prompt", "the cat", "--no-chat-template", "--json"]
+    args = ["--model", str(nan_dir), "--prompt", "the cat", "--no-chat-template", "--json", "-"]
     result = CliRunner().invoke(run, args)
     assert_one_line_exit_2(result, "holds NaN/inf values", "model.layers.1.mlp.up_proj.weight")
     assert result.stdout == ""
@@ -228,7 +228,7 @@ def test_prompt_with_invalid_utf8_is_refused(chat):
 def test_mtp_run_refuses_invalid_utf8(ok_dir):
     from mtp_edge.cli import run
 
-    result = CliRunner().invoke(run, ["--model", str(ok_dir), "--prompt", "a\udcffb", "--json"])
+    result = CliRunner().invoke(run, ["--model", str(ok_dir), "--prompt", "a\udcffb", "--json", "-"])
     assert_one_line_exit_2(result, "not valid UTF-8 text")
 
 

@@ -33,7 +33,7 @@ def assert_one_line_error(result, *fragments):
 
 
 def test_run_json_contract(tiny_dir):
-    args = ["--model", str(tiny_dir), "--prompt", "the cat", "--no-chat-template", "--json"]
+    args = ["--model", str(tiny_dir), "--prompt", "the cat", "--no-chat-template", "--json", "-"]
     result = invoke(run, [*args, "--max-new-tokens", "12", "--drafter", "ngram"])
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
@@ -64,6 +64,7 @@ def test_run_with_draft_model_and_sampling(tiny_dir, tmp_path):
         "--prompt",
         "the",
         "--json",
+        "-",
         "--no-chat-template",
         "--max-new-tokens",
         "10",

@@ -97,7 +97,7 @@ def test_host_is_measured_live():
 
 
 def test_mtp_devices_lists_host_and_catalog():
-    result = CliRunner().invoke(devices, ["--json"])
+    result = CliRunner().invoke(devices, ["--json", "-"])
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout)
     assert rows[0]["name"] == "host" and rows[0]["measured"]

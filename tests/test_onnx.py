@@ -85,7 +85,7 @@ def cache_bundle_int4(model_dir, tmp_path_factory):
 def run_json(bundle, *extra):
     """mtp-run --json on the bundle; the model drafter ungated (random heads are never
     confident enough for the bundle's default floor) unless `extra` says otherwise."""
-    args = ["--bundle", str(bundle), "--prompt", TEXT, "--no-chat-template", "--json"]
+    args = ["--bundle", str(bundle), "--prompt", TEXT, "--no-chat-template", "--json", "-"]
     args += ["--draft-confidence", "0"]
     result = CliRunner().invoke(run, [*args, "--max-new-tokens", "40", *extra])
     assert result.exit_code == 0, result.output

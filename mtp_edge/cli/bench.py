@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-import json
 import sys
 
 import click
 
-from mtp_edge.cli.common import OneLineErrors, drafter_options, load_options, say
-from mtp_edge.errors import Fault, UserError
+from mtp_edge.cli.common import (
+    OneLineErrors,
+    drafter_options,
+    json_option,
+    load_options,
+    say,
+    write_json,
+)
+from mtp_edge.errors import Fault, UserError, require
 from mtp_edge.files import check_output, write_atomic
 
 
@@ -21,12 +27,20 @@ from mtp_edge.files import check_output, write_atomic
     help="JSONL prompts file (default: the built-in suite).",
 )
 @click.option(
-    "--repeat", default=1, show_default=True, help="Passes over the suite (medians and spread)."
+    "--repeat",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Passes over the suite (medians and spread).",
 )
 @click.option(
-    "--max-new-tokens", default=None, type=int, help="Override every prompt's max_new_tokens."
+    "-n",
+    "--max-new-tokens",
+    default=None,
+    type=click.IntRange(1),
+    help="Override every prompt's max_new_tokens.",
 )
-@click.option("--json", "json_out", default=None, help="Write the JSON report here.")
+@json_option("the report")
 @click.option("--markdown", "markdown_out", default=None, help="Write a Markdown summary here.")
 @click.option(
     "--report",
@@ -51,15 +65,13 @@ def bench(
     from mtp_edge.devices.harness import load_prompts, to_markdown
     from mtp_edge.devices.isolated import compare_spec
 
-    if repeat < 1:
-        raise UserError(f"--repeat must be >= 1, got {repeat}")
-    if max_new_tokens is not None and max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     if compare and opts["bundle"] is None:
         raise UserError("--compare puts bundles side by side: give the first one with --bundle")
     check_output(json_out, "--json")
     check_output(markdown_out, "--markdown")
     check_output(report_dir, "--report", directory=True)
+    if report_dir is not None:
+        require("matplotlib", "report", "mtp-bench --report")
     prompts = load_prompts(prompts_path)
     first = load_options(opts)
     setups = [first] + [dataclasses.replace(first, **compare_spec(c)) for c in compare]
@@ -73,13 +85,14 @@ def bench(
     reports = measure(setups, prompts, repeat, max_new_tokens, command, say)
     markdown = "\n".join(to_markdown(r) for r in reports)
     body = reports[0] if len(reports) == 1 else {"command": command, "runs": reports}
-    write_atomic(json_out, json.dumps(body, indent=2) + "\n")
+    write_json(json_out, body)
     write_atomic(markdown_out, markdown)
     if report_dir is not None:
         from mtp_edge.devices.report import write_report
 
         say(f"[report] {write_report(report_dir, reports, command, machine)}")
-    click.echo(markdown)
+    if json_out != "-":
+        click.echo(markdown)
     if not all(r["summary"]["lossless"] for r in reports):
         raise Fault(
             "speculative output diverged from plain output beyond a near-tie: a bug in "
@@ -88,18 +101,19 @@ def bench(
 
 
 @click.command(cls=OneLineErrors)
-@click.option("--json", "as_json", is_flag=True, help="Print JSON (with every figure's source).")
+@json_option("the devices (with every figure's source)")
 @click.option("--sources", is_flag=True, help="List where each figure comes from.")
-def devices(as_json, sources):
+def devices(json_out, sources):
     """The device catalog, and this machine measured live."""
     from dataclasses import asdict
 
     from mtp_edge.devices.catalog import catalog, devices_table, host_device
 
+    check_output(json_out, "--json")
     say("[host] measuring memory bandwidth and matmul throughput")
     entries = [host_device(), *catalog()]
-    if as_json:
-        click.echo(json.dumps([asdict(d) for d in entries], indent=2))
+    write_json(json_out, [asdict(d) for d in entries])
+    if json_out == "-":
         return
     click.echo(devices_table(entries))
     if sources:
@@ -125,7 +139,7 @@ def devices(as_json, sources):
     help="mtp-bench JSON of this bundle: its tau and acceptance (and, for host, the measured "
     "tokens/s to compare with).",
 )
-@click.option("--json", "json_out", default=None, help="Write the predictions as JSON here.")
+@json_option("the predictions")
 @click.option("--markdown", "markdown_out", default=None, help="Write the table here.")
 def predict(bundle, device_names, from_bench, json_out, markdown_out):
     """Roofline prediction of plain and speculative tokens/s and the speedup on a device."""
@@ -135,9 +149,10 @@ def predict(bundle, device_names, from_bench, json_out, markdown_out):
     check_output(markdown_out, "--markdown")
     command = " ".join(["mtp-predict", *sys.argv[1:]])
     out, markdown = predict_bundle(bundle, device_names, from_bench, command, say)
-    write_atomic(json_out, json.dumps(out, indent=2) + "\n")
+    write_json(json_out, out)
     write_atomic(markdown_out, markdown)
-    click.echo(markdown)
+    if json_out != "-":
+        click.echo(markdown)
 
 
 @click.command(cls=OneLineErrors)
@@ -145,10 +160,20 @@ def predict(bundle, device_names, from_bench, json_out, markdown_out):
 @click.option("--bundle", required=True, help="The bundle to measure.")
 @click.option("--prompts", "prompts_path", default=None, help="JSONL prompts (default: built in).")
 @click.option(
-    "--max-new-tokens", default=None, type=int, help="Override every prompt's max_new_tokens."
+    "-n",
+    "--max-new-tokens",
+    default=None,
+    type=click.IntRange(1),
+    help="Override every prompt's max_new_tokens.",
 )
-@click.option("--repeat", default=1, show_default=True, help="Runs per prompt (medians).")
-@click.option("--json", "json_out", default=None, help="Write the report (mtp-bench format).")
+@click.option(
+    "--repeat",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Runs per prompt (medians).",
+)
+@json_option("the report (mtp-bench format)")
 @click.option(
     "--runner",
     default=None,
@@ -166,10 +191,6 @@ def profile(device, bundle, prompts_path, max_new_tokens, repeat, json_out, runn
     from mtp_edge.devices.harness import load_prompts
     from mtp_edge.devices.profile import profile_device
 
-    if repeat < 1:
-        raise UserError(f"--repeat must be >= 1, got {repeat}")
-    if max_new_tokens is not None and max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     check_output(json_out, "--json")
     report = profile_device(
         device,
@@ -179,7 +200,10 @@ def profile(device, bundle, prompts_path, max_new_tokens, repeat, json_out, runn
         repeat,
         runner,
         catalog_name,
-        json_out,
+        None if json_out == "-" else json_out,
         progress=say,
     )
-    click.echo(report["markdown"])
+    if json_out == "-":
+        write_json("-", {k: v for k, v in report.items() if k != "markdown"})
+    else:
+        click.echo(report["markdown"])

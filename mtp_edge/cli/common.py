@@ -1,24 +1,62 @@
-"""What the commands share: one-line errors and exit codes, signal handling, the options of the
-commands that decode, and progress lines on stderr."""
+"""What the commands share: one-line errors and exit codes, signal handling, --version, -v and
+-q, the options of the commands that decode, and progress lines on stderr."""
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 
 import click
 
+from mtp_edge import __version__, logs
 from mtp_edge.errors import Fault, Terminated, UserError
-from mtp_edge.logs import quiet_library_noise
+
+
+def _print_version(ctx: click.Context, param, value: bool) -> None:
+    if value:
+        click.echo(f"mtp-edge {__version__}")
+        ctx.exit(0)
+
+
+def _set_quiet(ctx: click.Context, param, value: bool) -> None:
+    logs.set_verbosity(quiet=value)
+
+
+def _set_verbose(ctx: click.Context, param, value: bool) -> None:
+    logs.set_verbosity(verbose=value)
+    if not value:
+        logs.filter_stderr_noise()
 
 
 class OneLineErrors(click.Command):
     """A click command whose usage errors, UserErrors and Faults print as one `error: ...` line:
     exit 2 for a user's mistake, 1 for a fault of ours, 128 + N for signal N. SIGTERM and SIGHUP
-    unwind like Ctrl-C, so that nothing half-written is left behind."""
+    unwind like Ctrl-C, so that nothing half-written is left behind. Every command gets
+    --version, -v/--verbose and -q/--quiet from here."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        eager = {"is_flag": True, "expose_value": False, "is_eager": True}
+        self.params += [
+            click.Option(
+                ["--version"], callback=_print_version, help="Print the version and exit.", **eager
+            ),
+            click.Option(
+                ["-v", "--verbose"],
+                callback=_set_verbose,
+                help="Keep what the libraries below us print (ExecuTorch, torch, torchao).",
+                **eager,
+            ),
+            click.Option(
+                ["-q", "--quiet"],
+                callback=_set_quiet,
+                help="No progress: only results and errors.",
+                **eager,
+            ),
+        ]
 
     def main(self, *args, **kwargs):
-        quiet_library_noise()
         for signum in (signal.SIGTERM, signal.SIGHUP):
             signal.signal(signum, _terminate)
         try:
@@ -54,14 +92,37 @@ def _non_empty(flag: str, values: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def say(line: str) -> None:
-    """Progress, on stderr: stdout carries only the result."""
-    click.echo(line, err=True)
+    """Progress, on stderr: stdout carries only the result; nothing with -q."""
+    logs.say(line)
+
+
+def write_json(path: str | None, body, indent: int | None = 2) -> None:
+    """--json PATH: write `body` there atomically; - prints it on stdout; None writes nothing."""
+    from mtp_edge.files import write_atomic
+
+    text = json.dumps(body, indent=indent)
+    if path == "-":
+        click.echo(text)
+    else:
+        write_atomic(path, text + "\n")
+
+
+def json_option(what: str):
+    """--json PATH, the same on every command: a file, or - for stdout."""
+    return click.option(
+        "--json",
+        "json_out",
+        default=None,
+        metavar="PATH",
+        help=f"Write {what} as JSON to PATH (- for stdout).",
+    )
 
 
 def drafter_options(f):
     """Options shared by the commands that decode: target model, drafter and its settings."""
     options = [
         click.option(
+            "-m",
             "--model",
             "model_spec",
             default="default",
@@ -106,7 +167,12 @@ def drafter_options(f):
             "0, or the bundle's).",
         ),
         click.option(
-            "--max-seq-len", default=2048, show_default=True, help="Static KV cache length."
+            "-c",
+            "--max-seq-len",
+            default=2048,
+            show_default=True,
+            type=click.IntRange(1),
+            help="Static KV cache length (a bundle's is fixed at export).",
         ),
         click.option("--no-chat-template", is_flag=True, help="Feed prompts as raw text."),
         click.option(
@@ -114,7 +180,13 @@ def drafter_options(f):
             is_flag=True,
             help="Read special tokens typed in a prompt (<|im_end|>...) as such, not as text.",
         ),
-        click.option("--threads", default=0, help="CPU threads (0 = all cores)."),
+        click.option(
+            "-t",
+            "--threads",
+            default=0,
+            type=click.IntRange(0),
+            help="CPU threads (0 = all cores).",
+        ),
     ]
     for option in reversed(options):
         f = option(f)

@@ -8,17 +8,30 @@ from pathlib import Path
 import click
 
 from mtp_edge.cli.common import OneLineErrors, say
+from mtp_edge.errors import require
+
+# Every --quant scheme of every target (quantize.schemes.TARGET_SCHEMES, which imports torch:
+# too slow for --help); which of them a target takes is checked once the target is known.
+QUANT_SCHEMES = ("8da8w", "8da4w", "int4", "int8", "fp16", "fp32")
+EMBEDDING_SCHEMES = ("8w", "4w", "none")  # quantize.schemes.EMBEDDING_SCHEMES
+# The modules each target's exporter needs beyond the required dependencies, and their extra.
+TARGET_EXTRAS = {
+    "onnx": (("onnx", "onnxruntime", "onnxscript"), "onnx"),
+    "coreml": (("coremltools",), "coreml"),
+}
 
 
 @click.command(cls=OneLineErrors)
 @click.option(
     "--target",
     "platform",
+    type=click.Choice(["android", "onnx", "coreml"]),
     default="android",
     show_default=True,
     help="android (ExecuTorch .pte, XNNPACK) | onnx (ONNX Runtime) | coreml (.mlpackage).",
 )
 @click.option(
+    "-m",
     "--model",
     default="default",
     show_default=True,
@@ -32,9 +45,12 @@ from mtp_edge.cli.common import OneLineErrors, say
     "path to a draft model with the target's vocabulary.",
 )
 @click.option("--heads", default=None, help="MTP heads for --drafter mtp (default: shipped).")
-@click.option("--k", default=4, show_default=True, help="Tokens drafted per step.")
+@click.option(
+    "--k", default=4, show_default=True, type=click.IntRange(1, 15), help="Tokens drafted per step."
+)
 @click.option(
     "--quant",
+    type=click.Choice(QUANT_SCHEMES),
     default=None,
     help="Target weights. android: 8da8w | 8da4w | fp32 (default 8da8w); onnx: int4 | int8 | "
     "fp32 (default int4); coreml: int4 | int8 | fp16 (default int4).",
@@ -46,9 +62,18 @@ from mtp_edge.cli.common import OneLineErrors, say
     help="Quantization group size (0 = one scale per output channel).",
 )
 @click.option(
-    "--embedding-quant", default="8w", show_default=True, help="8w | 4w | none (android only)."
+    "--embedding-quant",
+    type=click.Choice(EMBEDDING_SCHEMES),
+    default="8w",
+    show_default=True,
+    help="Embedding table weights (android only).",
 )
-@click.option("--draft-quant", default=None, help="Drafter weights (default: as --quant).")
+@click.option(
+    "--draft-quant",
+    type=click.Choice(QUANT_SCHEMES),
+    default=None,
+    help="Drafter weights (default: as --quant).",
+)
 @click.option(
     "--lookup",
     default="2-3",
@@ -71,8 +96,17 @@ from mtp_edge.cli.common import OneLineErrors, say
     "verification is one call (mtp-edge's runtimes carry it); executorch: llama.custom_sdpa, "
     "which ExecuTorch's stock runners carry (verification then calls it once per row).",
 )
-@click.option("--max-seq-len", default=2048, show_default=True, help="Static KV cache length.")
-@click.option("--out", default=None, help="Bundle directory (default: bundles/<model>-<target>).")
+@click.option(
+    "-c",
+    "--max-seq-len",
+    default=2048,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Static KV cache length.",
+)
+@click.option(
+    "-o", "--out", default=None, help="Bundle directory (default: bundles/<model>-<target>)."
+)
 @click.option(
     "--quality-tokens",
     default=1024,
@@ -81,18 +115,25 @@ from mtp_edge.cli.common import OneLineErrors, say
 )
 def export(quant, group_size, draft_quant, **options):
     """Quantize a target (and its drafter) and export them as one bundle."""
+    platform, out = options["platform"], options.pop("out")
+    modules, extra = TARGET_EXTRAS.get(platform, ((), ""))
+    for module in modules:
+        require(module, extra, f"mtp-export --target {platform}")
+
     from mtp_edge.api import ExportOptions
     from mtp_edge.api import export as export_bundle
-    from mtp_edge.quantize.schemes import DEFAULT_SCHEME, default_group_size
+    from mtp_edge.quantize.schemes import DEFAULT_SCHEME, check_target_scheme, default_group_size
 
-    platform, out = options["platform"], options.pop("out")
     if out is not None:  # the default (bundles/<model>-<target>) is checked once it is known
         from mtp_edge.exporter.bundle import check_writable
 
         check_writable(Path(out))
-    quant = quant or DEFAULT_SCHEME.get(platform, DEFAULT_SCHEME["android"])
+    quant = quant or DEFAULT_SCHEME[platform]
     if group_size is None:
         group_size = default_group_size(quant, platform)
+    check_target_scheme(platform, quant, group_size)
+    if draft_quant is not None:
+        check_target_scheme(platform, draft_quant, group_size)
     options = ExportOptions(
         quant=quant, group_size=group_size, draft_quant=draft_quant or quant, **options
     )

@@ -12,6 +12,7 @@ from mtp_edge.files import check_output
 
 @click.command(cls=OneLineErrors)
 @click.option(
+    "-m",
     "--model",
     default="default",
     show_default=True,
@@ -33,7 +34,7 @@ from mtp_edge.files import check_output
     "whole sequences for heads with attention.",
 )
 @click.option("--lr", default=1e-3, show_default=True)
-@click.option("--seed", default=0, show_default=True)
+@click.option("-s", "--seed", default=0, show_default=True)
 @click.option("--resume", is_flag=True, help="Continue from the last checkpoint next to --out.")
 @click.option(
     "--draft-vocab", default=8192, show_default=True, help="Size of the reduced draft vocabulary."
@@ -91,7 +92,9 @@ from mtp_edge.files import check_output
     help="Keep the draft LM head at the target's rows instead of training it.",
 )
 @click.option("--weight-decay", default=0.0, show_default=True, help="AdamW weight decay.")
-@click.option("--threads", default=0, help="CPU threads (0 = torch's default).")
+@click.option(
+    "-t", "--threads", default=0, type=click.IntRange(0), help="CPU threads (0 = torch's default)."
+)
 @click.option(
     "--bundle",
     default=None,
@@ -118,7 +121,7 @@ from mtp_edge.files import check_output
     is_flag=True,
     help="Write (or extend) the cached training text next to --out, then stop.",
 )
-@click.option("--out", required=True, help="Output heads file (.safetensors).")
+@click.option("-o", "--out", required=True, help="Output heads file (.safetensors).")
 def train(data, freeze_lm_head, writer, **options):
     """Train MTP draft heads for a target by self-distillation (runs under torchrun too)."""
     from mtp_edge.train import TrainOptions, train_heads
