@@ -5,7 +5,8 @@ from __future__ import annotations
 import importlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import cast
 
@@ -14,6 +15,7 @@ import torch
 from mtp_edge.checkpoints import LoadedModel, load_model, model_vocabulary
 from mtp_edge.errors import UserError
 from mtp_edge.exporter.platform import ExportJob, ExportOptions, Platform
+from mtp_edge.logs import progress_bar
 from mtp_edge.manifest import PLATFORMS, TOKENIZER_FILES, DrafterSpec, Manifest, ModelFile
 from mtp_edge.quantize.quality import perplexity, verify_step_discrepancy
 from mtp_edge.texts import heldout_text
@@ -55,6 +57,20 @@ def chat_format(tokenizer) -> dict | None:
     text = tokenizer.apply_chat_template([{"role": "user", "content": marker}])
     prefix, found, suffix = text.partition(marker)
     return {"prefix": prefix, "suffix": suffix} if found else None
+
+
+@contextmanager
+def counting_tokens(forward: Forward, desc: str, total: int) -> Iterator[Forward]:
+    """`forward` with a progress bar of the tokens it is fed (a quality check's work)."""
+    with progress_bar(total, desc, unit="tok") as bar:
+
+        def counted(tokens: list[int], start: int) -> torch.Tensor:
+            logits = forward(tokens, start)
+            bar.update(len(tokens))
+            return logits
+
+        yield counted
+        bar.update(max(0, total - bar.n))
 
 
 def default_out(options: ExportOptions, model_name: str) -> Path:
@@ -147,7 +163,10 @@ def export_bundle(
         heldout = tokenizer.encode(heldout_text())[: min(options.quality_tokens, max_seq_len)]
         progress(f"[quality] fp32 perplexity on {len(heldout)} held-out tokens")
         quality["heldout_tokens"] = len(heldout)
-        fp32 = perplexity(eager_forward(target.model, max_seq_len), heldout, max_chunk)
+        with counting_tokens(
+            eager_forward(target.model, max_seq_len), "fp32 perplexity", len(heldout)
+        ) as forward:
+            fp32 = perplexity(forward, heldout, max_chunk)
         if not math.isfinite(fp32):  # nothing quantized from it could be judged, or be right
             raise UserError(
                 f"the fp32 perplexity of {target.name} on the held-out text is {fp32}: the model "
@@ -162,14 +181,17 @@ def export_bundle(
             progress(f"[quality] the exported {options.platform} model cannot run here: skipped")
         if forward is not None:
             progress("[quality] exported target perplexity")
-            quality["perplexity_exported"] = round(perplexity(forward, heldout, max_chunk), 4)
+            with counting_tokens(forward, "exported perplexity", len(heldout)) as counted:
+                quality["perplexity_exported"] = round(perplexity(counted, heldout, max_chunk), 4)
             quality["perplexity_ratio"] = round(
                 quality["perplexity_exported"] / quality["perplexity_fp32"], 4
             )
             progress(f"[quality] {options.k + 1}-token verify vs one-token steps")
-            quality["verify_vs_step"] = verify_step_discrepancy(
-                forward, heldout[: max_chunk + 320], options.k + 1, max_chunk
-            )
+            tokens = heldout[: max_chunk + 320]  # each fed twice: in steps, then k+1 wide
+            with counting_tokens(forward, "verify vs steps", 2 * len(tokens)) as counted:
+                quality["verify_vs_step"] = verify_step_discrepancy(
+                    counted, tokens, options.k + 1, max_chunk
+                )
         progress("[write] tokenizer and manifest")
         tokenizer.save(tmp)
         for role, file in TOKENIZER_FILES.items():  # hashed and checked like the programs
