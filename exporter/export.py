@@ -50,13 +50,48 @@ def check_lookup(text: str) -> None:
 
 def chat_format(tokenizer) -> dict | None:
     """The chat template rendered around a placeholder user message and split there, so that a
-    runtime without jinja (the native core) forms the same prompt text by concatenation."""
+    runtime without jinja (the native core) forms the same prompt text by concatenation; with
+    the frames of later turns and of a system prompt where the template renders them so."""
     if tokenizer.chat_template is None:
         return None
     marker = "\x00mtp-message\x00"
     text = tokenizer.apply_chat_template([{"role": "user", "content": marker}])
     prefix, found, suffix = text.partition(marker)
-    return {"prefix": prefix, "suffix": suffix} if found else None
+    if not found:
+        return None
+    return {"prefix": prefix, "suffix": suffix, **_turn_frames(tokenizer, prefix, suffix)}
+
+
+def _turn_frames(tokenizer, prefix: str, suffix: str) -> dict:
+    """next_turn: the text between an assistant's answer and the next user message;
+    system_prefix/system_suffix: the frame of a system prompt before the first user message.
+    Each only if rendering a conversation is concatenating these pieces (checked on two turns);
+    a runtime without them holds one turn per conversation (and no system prompt)."""
+    marks = [f"\x00mtp-message-{i}\x00" for i in range(4)]
+
+    def pieces(messages: list[dict]) -> list[str] | None:
+        try:
+            text = tokenizer.apply_chat_template(messages)
+        except UserError:  # templates may refuse a role (no system prompt, say)
+            return None
+        out = []
+        for message in messages:
+            before, found, text = text.partition(message["content"])
+            if not found:
+                return None
+            out.append(before)
+        return [*out, text]
+
+    turns = [("user", marks[0]), ("assistant", marks[1]), ("user", marks[2])]
+    turns = [{"role": role, "content": content} for role, content in turns]
+    two = pieces(turns)
+    if two is None or two != [prefix, suffix, two[2], suffix] or not two[2]:
+        return {}
+    frames = {"next_turn": two[2]}
+    system = pieces([{"role": "system", "content": marks[3]}, *turns])
+    if system is not None and system[2:] == two[1:]:
+        frames.update(system_prefix=system[0], system_suffix=system[1])
+    return frames
 
 
 @contextmanager

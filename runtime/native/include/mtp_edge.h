@@ -1,31 +1,43 @@
 /* mtp-edge native runtime: the C API the Android app's JNI layer (and any other host) calls.
  *
  * An engine is one opened bundle (manifest and hashes checked, target and drafter programs
- * loaded, tokenizer). Calls on one engine must not overlap; separate engines are independent.
- * Errors come back as a message in `err` (NUL-terminated, truncated to err_len).
+ * loaded, tokenizer). A chat is a conversation on an engine that keeps its turns' K/V in the
+ * target's cache, so that each turn prefills only what it adds. Calls on one engine (and its
+ * chats) must not overlap; separate engines are independent. Errors come back as a message in
+ * `err` (NUL-terminated, truncated to err_len).
  */
 #ifndef MTP_EDGE_H
 #define MTP_EDGE_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
+/* What the calls returning int return. */
+#define MTP_OK 0
+#define MTP_ERROR 1
+#define MTP_CONTEXT_FULL 2 /* the conversation fills the context: reset it */
+
 typedef struct mtp_engine mtp_engine;
+typedef struct mtp_chat mtp_chat;
 
 /* Opens the bundle directory; NULL on failure (reason in err). */
 mtp_engine* mtp_open(const char* bundle_dir, char* err, size_t err_len);
+/* Free the engine's chats first. */
 void mtp_close(mtp_engine* engine);
 
 /* Receives text as it is generated (whole UTF-8 characters only). */
 typedef void (*mtp_on_text)(const char* piece, void* user);
 
-/* Generates from `prompt`. options_json (NULL or "" for defaults):
+/* Generates from `prompt`, one turn of its own, prefilled whole. options_json (NULL or "" for
+ * defaults):
  *   {"max_new_tokens": 128, "speculative": true, "k": <bundle's>, "temperature": 0,
- *    "top_p": 1, "seed": 0, "chat": true, "stop_strings": [], "drafter": "bundle",
- *    "ngram_sizes": <"1-3" or the bundle's>, "draft_confidence": <bundle's or 0>}
+ *    "top_k": 0, "top_p": 1, "seed": 0, "chat": true, "stop_strings": [],
+ *    "drafter": "bundle", "ngram_sizes": <"1-3" or the bundle's>,
+ *    "draft_confidence": <bundle's or 0>}
  * drafter: the names mtp-runner --drafter takes: none, ngram, bundle (the bundle's own, with
  * its drafting policy: the default), the bundle's own model drafter by name (mtp or
  * draft-lm), or bundle+ngram, mtp+ngram, draft-lm+ngram (prompt lookup where the context
@@ -40,11 +52,51 @@ typedef void (*mtp_on_text)(const char* piece, void* user);
  * streamed pieces include it.
  * On success writes {"text", "stop_reason", "token_ids", "prompt_tokens", "drafter",
  * "stats": {...}} (drafter: the name of the drafter used, "none" for plain decoding; stats as
- * mtp-run --json) to stats_json and returns 0; otherwise returns non-zero with the reason in
- * err. */
+ * mtp-run --json) to stats_json and returns MTP_OK; otherwise returns MTP_ERROR with the
+ * reason in err. */
 int mtp_generate(mtp_engine* engine, const char* prompt, const char* options_json,
                  mtp_on_text on_text, void* user, char* stats_json, size_t stats_len, char* err,
                  size_t err_len);
+
+/* A conversation on `engine`, rendered with the bundle's chat template; system_prompt NULL or
+ * "" for the template's default. NULL on failure (a bundle without a chat format, or whose
+ * template takes no system prompt when one is given). Free it before closing the engine. */
+mtp_chat* mtp_chat_create(mtp_engine* engine, const char* system_prompt, char* err,
+                          size_t err_len);
+void mtp_chat_free(mtp_chat* chat);
+/* Forgets every turn; the system prompt stays. */
+void mtp_chat_reset(mtp_chat* chat);
+
+/* Adds the user's next message. MTP_CONTEXT_FULL ("context full: ... reset the conversation"
+ * in err, the conversation unchanged) when it and one token of answer do not fit the
+ * context; MTP_ERROR when the last user turn has no answer yet, or for a bundle whose chat
+ * format holds one turn only (exported before multi-turn chat). */
+int mtp_chat_add_user(mtp_chat* chat, const char* text, char* err, size_t err_len);
+
+/* Receives each generated token with the text it completes (whole UTF-8 characters only: ""
+ * when the token ends inside a character, whose bytes come with a later token). Return
+ * MTP_CONTINUE, or MTP_STOP to end the answer after this token (stop_reason "stopped"). */
+#define MTP_CONTINUE 0
+#define MTP_STOP 1
+typedef int (*mtp_on_token)(int32_t token_id, const char* piece, void* user);
+
+/* Generates the answer to the last user turn and adds it to the conversation (as generated;
+ * a stopped answer as far as it got). The conversation's tokens that the target's cache
+ * still holds (its earlier turns) are not prefilled again; the drafter sees the new rows.
+ * options_json: as mtp_generate ("chat" aside), and "reuse_cache": false prefills the whole
+ * conversation. On success writes {"text", "stop_reason", "token_ids", "drafter",
+ * "prompt_tokens" (the conversation before the answer), "reused_tokens" (of those, already
+ * in the cache), "prefilled_tokens", "cached_tokens" (in the cache after the answer),
+ * "context_tokens" (the conversation after it), "max_seq_len", "stats": {...}} to result_json
+ * and returns MTP_OK. stop_reason "context_full": the answer filled the context; the next
+ * mtp_chat_add_user returns MTP_CONTEXT_FULL. */
+int mtp_chat_generate(mtp_chat* chat, const char* options_json, mtp_on_token on_token,
+                      void* user, char* result_json, size_t result_len, char* err,
+                      size_t err_len);
+
+/* The result JSON of the conversation's last answer (MTP_ERROR before the first). */
+int mtp_chat_last_stats(const mtp_chat* chat, char* result_json, size_t result_len, char* err,
+                        size_t err_len);
 
 #ifdef __cplusplus
 }

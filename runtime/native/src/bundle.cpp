@@ -452,9 +452,16 @@ Manifest Manifest::load(const std::string& dir, bool verify) {
     check_file_names(m, path);
     m.drafter = read_drafter(data["drafter"], path);
     m.has_chat_template = !data["chat_template"].is_null();
-    if (data.contains("chat_format") && !data["chat_format"].is_null())
-      m.chat_format = ChatFormat{data["chat_format"].at("prefix").get<std::string>(),
-                                 data["chat_format"].at("suffix").get<std::string>()};
+    if (data.contains("chat_format") && !data["chat_format"].is_null()) {
+      const nlohmann::json& f = data["chat_format"];
+      auto optional_text = [&f](const char* key) -> std::optional<std::string> {
+        if (!f.contains(key)) return std::nullopt;
+        return f[key].get<std::string>();
+      };
+      m.chat_format = ChatFormat{f.at("prefix").get<std::string>(),
+                                 f.at("suffix").get<std::string>(), optional_text("next_turn"),
+                                 optional_text("system_prefix"), optional_text("system_suffix")};
+    }
   } catch (const nlohmann::json::exception& e) {
     throw UserError(path + " does not match the manifest schema (" + e.what() + ")");
   }

@@ -22,9 +22,14 @@ struct ModelFile {
 };
 
 // The chat template rendered around one user message at export time (C++ runs no jinja).
+// A conversation renders as prefix (or system_prefix + system prompt + system_suffix) + user +
+// suffix + answer + next_turn + user + suffix + ...; bundles whose template does not render so
+// (or older ones) have no next_turn (one turn per conversation) or no system frame.
 struct ChatFormat {
   std::string prefix;
   std::string suffix;
+  std::optional<std::string> next_turn;
+  std::optional<std::string> system_prefix, system_suffix;
 };
 
 // manifest.json's "drafter" (mtp_edge/manifest.py DrafterSpec: the same keys and meanings).

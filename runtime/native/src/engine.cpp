@@ -215,22 +215,16 @@ bool Engine::has_tokenizer() const {
 std::vector<int64_t> Engine::encode_prompt(const std::string& text, bool chat) const {
 #ifdef MTP_HAVE_TOKENIZER
   if (!tokenizer_) throw UserError("bundle " + manifest_.dir + " has no tokenizer.json");
-  // Special tokens typed in the user's text are text, the template's own markers stay
-  // special (mtp_edge/tokenizer.py encode_prompt): user text cannot end its turn.
-  std::vector<int32_t> encoded;
+  std::vector<int64_t> ids;
   if (chat && manifest_.has_chat_template) {  // no template: the text as it is, as in Python
     if (!manifest_.chat_format)
       throw UserError("bundle " + manifest_.dir +
                       " has no chat_format for the native runtime: re-export it with this "
                       "mtp-export, or feed raw text (--no-chat)");
-    const auto& f = *manifest_.chat_format;
-    encoded = tokenizer_->holds_special(text) ? tokenizer_->encode_framed(f.prefix, text, f.suffix)
-                                              : tokenizer_->encode(f.prefix + text + f.suffix);
+    ids = encode_chat({manifest_.chat_format->prefix, text, manifest_.chat_format->suffix});
   } else {
-    encoded = tokenizer_->encode(text, /*parse_special=*/false);
+    for (int32_t id : tokenizer_->encode(text, /*parse_special=*/false)) ids.push_back(id);
   }
-  std::vector<int64_t> ids;
-  for (int32_t id : encoded) ids.push_back(id);
   if (manifest_.add_bos && (ids.empty() || ids[0] != *manifest_.bos_id))
     ids.insert(ids.begin(), *manifest_.bos_id);
   return ids;
@@ -238,6 +232,112 @@ std::vector<int64_t> Engine::encode_prompt(const std::string& text, bool chat) c
   (void)text, (void)chat;
   throw UserError("this build of the native runtime has no tokenizer: give prompt_ids");
 #endif
+}
+
+std::vector<int64_t> Engine::encode_chat(const std::vector<std::string>& pieces) const {
+#ifdef MTP_HAVE_TOKENIZER
+  if (!tokenizer_) throw UserError("bundle " + manifest_.dir + " has no tokenizer.json");
+  // Special tokens typed in a text are text, the template's own markers stay special
+  // (mtp_edge/tokenizer.py encode_prompt): what a user types cannot end its turn.
+  std::vector<size_t> holding;  // the texts (odd pieces) that hold special tokens' text
+  for (size_t i = 1; i < pieces.size(); i += 2)
+    if (tokenizer_->holds_special(pieces[i])) holding.push_back(i);
+  auto joined = [&](size_t from, size_t to) {
+    std::string text;
+    for (size_t i = from; i < std::min(to, pieces.size()); ++i) text += pieces[i];
+    return text;
+  };
+  std::vector<int32_t> encoded;
+  if (holding.empty()) {
+    encoded = tokenizer_->encode(joined(0, pieces.size()));
+  } else if (holding.size() == 1) {
+    const size_t at = holding[0];
+    encoded = tokenizer_->encode_framed(joined(0, at), pieces[at], joined(at + 1, pieces.size()));
+  } else {
+    for (size_t i = 1; i < pieces.size(); i += 2)
+      for (int32_t id : tokenizer_->encode_framed(pieces[i - 1], pieces[i], ""))
+        encoded.push_back(id);
+    if (pieces.size() % 2 == 1)
+      for (int32_t id : tokenizer_->encode(pieces.back())) encoded.push_back(id);
+  }
+  return {encoded.begin(), encoded.end()};
+#else
+  (void)pieces;
+  throw UserError("this build of the native runtime has no tokenizer");
+#endif
+}
+
+GenerationResult Engine::generate(const std::vector<int64_t>& prompt, Drafter* drafter,
+                                  const GenerationConfig& config, const OnToken& on_token,
+                                  bool reuse_cache) {
+  size_t shared = 0;
+  if (reuse_cache)
+    while (shared < std::min(cached_.size(), prompt.size()) && cached_[shared] == prompt[shared])
+      ++shared;
+  cached_.clear();  // unknown should the call fail half-way
+  auto detokenize = [this](const std::vector<int64_t>& ids) { return decode(ids); };
+  GenerationResult result = mtp::generate(*target_, prompt, drafter, config, detokenize,
+                                          on_token, int64_t(shared));
+  cached_ = result.cached_tokens;
+  return result;
+}
+
+Conversation::Conversation(Engine& engine, std::string system_prompt)
+    : engine_(engine), system_prompt_(std::move(system_prompt)) {
+  const Manifest& m = engine.manifest();
+  if (!m.has_chat_template || !m.chat_format)
+    throw UserError("bundle " + m.dir +
+                    " has no chat format, which a conversation needs: re-export it with this "
+                    "mtp-export, or generate from raw text");
+  format_ = &*m.chat_format;
+  if (!system_prompt_.empty() && !format_->system_prefix)
+    throw UserError("this bundle's chat template takes no system prompt (or not as a piece "
+                    "of text before the first turn): start the conversation without one");
+}
+
+void Conversation::add_user(const std::string& text) {
+  if (awaiting_answer_)
+    throw UserError("the last user turn has no answer yet: generate it before adding another");
+  std::vector<int64_t> turn;
+  if (tokens_.empty()) {
+    turn = system_prompt_.empty()
+               ? engine_.encode_chat({format_->prefix, text, format_->suffix})
+               : engine_.encode_chat({*format_->system_prefix, system_prompt_,
+                                      *format_->system_suffix, text, format_->suffix});
+    const Manifest& m = engine_.manifest();
+    if (m.add_bos && (turn.empty() || turn[0] != *m.bos_id)) turn.insert(turn.begin(), *m.bos_id);
+  } else {
+    if (!format_->next_turn)
+      throw UserError("this bundle's chat format holds one turn (exported before multi-turn "
+                      "chat, or its template does not render turns by concatenation): "
+                      "re-export it with this mtp-export, or reset the conversation");
+    turn = engine_.encode_chat({*format_->next_turn, text, format_->suffix});
+  }
+  const size_t total = tokens_.size() + turn.size();
+  const int64_t context = engine_.manifest().max_seq_len;
+  if (int64_t(total) >= context)
+    throw ContextFull("context full: the conversation would hold " + std::to_string(total) +
+                      " tokens and the context holds " + std::to_string(context) +
+                      ": reset the conversation");
+  tokens_.insert(tokens_.end(), turn.begin(), turn.end());
+  awaiting_answer_ = true;
+}
+
+Conversation::Answer Conversation::answer(Drafter* drafter, const GenerationConfig& config,
+                                          const OnToken& on_token, bool reuse_cache) {
+  if (!awaiting_answer_) throw UserError("there is no user turn to answer: add one first");
+  Answer answer;
+  answer.prompt_tokens = int64_t(tokens_.size());
+  answer.generation = engine_.generate(tokens_, drafter, config, on_token, reuse_cache);
+  const auto& ids = answer.generation.token_ids;
+  tokens_.insert(tokens_.end(), ids.begin(), ids.end());
+  awaiting_answer_ = false;
+  return answer;
+}
+
+void Conversation::reset() {
+  tokens_.clear();
+  awaiting_answer_ = false;
 }
 
 std::string Engine::decode(const std::vector<int64_t>& ids) const {

@@ -13,6 +13,7 @@
 
 #include "bundle.h"
 #include "drafters.h"
+#include "errors.h"
 #include "loop.h"
 #include "model.h"
 
@@ -51,7 +52,17 @@ class Engine {
   ~Engine();
 
   const Manifest& manifest() const { return manifest_; }
-  Model& target() { return *target_; }
+  // The target, to run directly: what its cache holds is no longer known to generate().
+  Model& target() {
+    cached_.clear();
+    return *target_;
+  }
+  // Generates from `prompt` on the target (loop.h generate, stop strings detokenized here).
+  // With reuse_cache, the longest prefix the target's cache shares with `prompt` (left by an
+  // earlier call of this function) is not prefilled again.
+  GenerationResult generate(const std::vector<int64_t>& prompt, Drafter* drafter,
+                            const GenerationConfig& config, const OnToken& on_token,
+                            bool reuse_cache);
   // The drafter the engine was opened with (EngineOptions); null: plain decoding only.
   Drafter* drafter() { return drafter_; }
   std::string drafter_name() const { return drafter_ ? drafter_->name() : "none"; }
@@ -69,6 +80,11 @@ class Engine {
   std::vector<int64_t> encode_prompt(const std::string& text, bool chat) const;
   std::string decode(const std::vector<int64_t>& ids) const;
   bool has_tokenizer() const;
+  // Pieces of a chat (template text, then what was typed, alternately: template, text,
+  // template, ...) -> ids (no bos), the template's special tokens recognised and those typed
+  // in a text encoded as text. Exactly the ids of the joined text unless two texts both hold
+  // special tokens' text: then each text is encoded with the template before it.
+  std::vector<int64_t> encode_chat(const std::vector<std::string>& pieces) const;
 
  private:
   Manifest manifest_;
@@ -79,9 +95,50 @@ class Engine {
   std::map<std::string, std::unique_ptr<Drafter>> models_;
   std::map<std::string, std::unique_ptr<Drafter>> drafters_;
   Drafter* drafter_ = nullptr;
+  std::vector<int64_t> cached_;  // the tokens whose K/V the target's cache holds, if known
 #ifdef MTP_HAVE_TOKENIZER
   std::optional<Tokenizer> tokenizer_;
 #endif
+};
+
+// The conversation no longer fits the target's context: reset it (or start another).
+struct ContextFull : UserError {
+  using UserError::UserError;
+};
+
+// A multi-turn chat on an engine, rendered with the bundle's chat format (ChatFormat: the
+// template's pieces, concatenated) and kept as token ids: the answers as generated, so that
+// each turn finds the conversation so far in the target's cache and prefills only what the
+// new turn adds. Several conversations may share an engine (each turn then reuses what the
+// cache still shares with it).
+class Conversation {
+ public:
+  // An empty system_prompt: the template's default. Throws UserError when the bundle has no
+  // chat format, or takes no system prompt and one is given.
+  Conversation(Engine& engine, std::string system_prompt);
+
+  // Appends a user turn; throws ContextFull (the conversation unchanged) when it, and one
+  // token of answer, do not fit, UserError when the last user turn has no answer yet.
+  void add_user(const std::string& text);
+  struct Answer {
+    GenerationResult generation;
+    int64_t prompt_tokens = 0;  // the conversation up to the answer
+  };
+  // Generates the answer to the last user turn and appends it (as generated, eos left out; a
+  // stopped answer as far as it got). reuse_cache false prefills the whole conversation.
+  Answer answer(Drafter* drafter, const GenerationConfig& config, const OnToken& on_token,
+                bool reuse_cache = true);
+  // Forgets every turn (the system prompt stays); the cache keeps serving what it shares.
+  void reset();
+
+  const std::vector<int64_t>& tokens() const { return tokens_; }
+
+ private:
+  Engine& engine_;
+  const ChatFormat* format_;
+  std::string system_prompt_;
+  std::vector<int64_t> tokens_;
+  bool awaiting_answer_ = false;
 };
 
 // GenerationStats as runtime/loop.py's GenerationStats.to_dict().

@@ -44,7 +44,7 @@ double GenerationStats::decode_tokens_per_s() const {
 
 GenerationResult generate(Model& target, const std::vector<int64_t>& prompt, Drafter* drafter,
                           const GenerationConfig& config, const Detokenize& detokenize,
-                          const std::function<void(int64_t)>& on_token) {
+                          const OnToken& on_token, int64_t cached_prefix) {
   if (prompt.empty()) throw UserError("the prompt is empty: give at least one token of text");
   if (int64_t(prompt.size()) >= target.max_seq_len)
     throw UserError("the prompt has " + std::to_string(prompt.size()) +
@@ -52,6 +52,7 @@ GenerationResult generate(Model& target, const std::vector<int64_t>& prompt, Dra
                     ": shorten the prompt or raise --max-seq-len");
   if (config.max_new_tokens < 1) throw UserError("--max-new-tokens must be >= 1");
   if (config.k < 0) throw UserError("--k must be >= 0");
+  if (cached_prefix < 0) throw std::invalid_argument("cached_prefix must be >= 0");
   if (!config.stop_strings.empty() && !detokenize)
     throw std::invalid_argument("stop strings need a detokenize function");
   Sampler sampler(config.sampling);
@@ -72,7 +73,7 @@ GenerationResult generate(Model& target, const std::vector<int64_t>& prompt, Dra
         return "eos";
       generated.push_back(token);
       result.top2_gaps.push_back(double(top2_gap(out.logit_row(int64_t(i)), out.vocab)));
-      if (on_token) on_token(token);
+      if (on_token && !on_token(token)) return "stopped";
       if (!config.stop_strings.empty()) {
         const size_t from = generated.size() - std::min(generated.size(), kStopTailTokens);
         const std::string tail =
@@ -85,10 +86,13 @@ GenerationResult generate(Model& target, const std::vector<int64_t>& prompt, Dra
     return "";
   };
 
-  // Prefill: the whole prompt in chunks; its last logits give the first token.
+  // Prefill: the prompt in chunks, past what the cache already holds (at least its last token,
+  // whose logits give the first token).
   const double start = now();
-  Output out = prefill(target, prompt, 0, wants_hidden);
-  Hidden hidden;  // the rows the target's last call added (all of the prompt's after prefill)
+  const int64_t reused = result.reused_tokens =
+      std::min<int64_t>(cached_prefix, int64_t(prompt.size()) - 1);
+  Output out = prefill(target, {prompt.begin() + reused, prompt.end()}, reused, wants_hidden);
+  Hidden hidden;  // the rows the target's last call added (the prefilled ones after prefill)
   if (wants_hidden) {
     hidden.dim = out.dim;
     hidden.rows = out.dim > 0 ? int64_t(out.hidden.size()) / out.dim : 0;
@@ -153,6 +157,7 @@ GenerationResult generate(Model& target, const std::vector<int64_t>& prompt, Dra
   stats.decode_seconds = now() - decode_start;
   stats.generated_tokens = int64_t(generated.size());
   result.stop_reason = stop;
+  result.cached_tokens.assign(context.begin(), context.begin() + pos);
   return result;
 }
 

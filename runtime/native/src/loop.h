@@ -52,17 +52,27 @@ struct GenerationStats {
 
 struct GenerationResult {
   std::vector<int64_t> token_ids;  // an eos token that stopped generation is left out
-  std::string stop_reason;         // eos | stop_string | max_tokens | context_full
+  std::string stop_reason;  // eos | stop_string | max_tokens | context_full | stopped
   GenerationStats stats;
+  int64_t reused_tokens = 0;  // prompt tokens not prefilled: the cache held them already
+  // The tokens whose K/V the target's cache now holds, from position 0 (every token of the
+  // context but the last): what a later call may pass back as its cached prefix.
+  std::vector<int64_t> cached_tokens;
   std::vector<double> top2_gaps;  // the target's best-minus-second logit where each was chosen
 };
 
+// Sees each emitted token (for streaming); returning false stops generation there (stop_reason
+// "stopped": a stop button), the token kept.
+using OnToken = std::function<bool(int64_t)>;
+
 // Throws UserError for an empty prompt or one that fills the context. `detokenize` is needed
-// for stop strings (std::invalid_argument without it); `on_token` sees each emitted token (for
-// streaming).
+// for stop strings (std::invalid_argument without it). cached_prefix: how many leading prompt
+// tokens the target's cache already holds (a conversation's earlier turns); only the rest is
+// prefilled, at least the last token, and a drafter that reads hidden states sees the rows of
+// what was prefilled.
 GenerationResult generate(Model& target, const std::vector<int64_t>& prompt, Drafter* drafter,
                           const GenerationConfig& config, const Detokenize& detokenize = nullptr,
-                          const std::function<void(int64_t)>& on_token = nullptr);
+                          const OnToken& on_token = nullptr, int64_t cached_prefix = 0);
 
 // Index of the first token where two outputs differ, or -1 when identical.
 int64_t first_divergence(const std::vector<int64_t>& plain, const std::vector<int64_t>& spec);

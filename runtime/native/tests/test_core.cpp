@@ -46,6 +46,7 @@ class FakeModel : public mtp::Model {
     if (tokens.empty() || int64_t(tokens.size()) > max_chunk || start + int64_t(tokens.size()) > max_seq_len)
       throw std::runtime_error("bad call");
     for (size_t i = 0; i < tokens.size(); ++i) cache[start + i] = tokens[i];
+    starts.push_back(start);
     Output out;
     out.vocab = vocab_size, out.dim = want_hidden ? 2 : 0;
     // With last_only the last row's logits, but every row's hidden state (as the real model).
@@ -64,6 +65,7 @@ class FakeModel : public mtp::Model {
     return out;
   }
   std::vector<int64_t> cache;
+  std::vector<int64_t> starts;  // where each call wrote
   int calls = 0;
 };
 
@@ -96,9 +98,10 @@ class NoisyDrafter : public mtp::Drafter {
     CHECK(hidden->rows < int64_t(context.size()));
     const int64_t offset = int64_t(context.size()) - 1 - hidden->rows;
     for (int64_t i = 0; i < hidden->rows; ++i) CHECK(hidden->row(i)[0] == float(context[offset + i]));
-    if (++calls == 1) CHECK(hidden->rows == int64_t(context.size()) - 1);  // after prefill
+    if (++calls == 1)  // after prefill: what was prefilled (the whole prompt unless told)
+      CHECK(hidden->rows == (prefilled >= 0 ? prefilled : int64_t(context.size()) - 1));
   }
-  int64_t turn = 0, calls = 0, observed = 0;
+  int64_t turn = 0, calls = 0, observed = 0, prefilled = -1;
 };
 
 void test_sha256() {
@@ -331,6 +334,56 @@ void test_loop_lossless() {
 
 // Stop strings: plain and speculative decoding stop at the same token, the one completing the
 // text; a stop string that never occurs changes nothing.
+// A second turn that starts from a cache holding the first (a conversation): only the rest is
+// prefilled, the drafter sees its rows, and the tokens equal those of a fresh prefill of the
+// whole, plain and speculative. A token callback that says no stops generation.
+void test_loop_cached_prefix() {
+  mtp::GenerationConfig cfg;
+  cfg.max_new_tokens = 12;
+  cfg.k = 3;
+  cfg.eos_ids = {10};
+  const std::vector<int64_t> first = {1, 2, 3, 4, 1, 2, 3};
+  for (const std::string kind : {"plain", "ngram", "noisy"}) {
+    FakeModel kept(11, 64, 6), fresh(11, 64, 6);
+    mtp::NgramDrafter ngram;
+    NoisyDrafter noisy[3];
+    auto drafter = [&](int i) -> mtp::Drafter* {
+      return kind == "plain" ? nullptr : kind == "ngram" ? static_cast<mtp::Drafter*>(&ngram)
+                                                         : &noisy[i];
+    };
+    const auto turn1 = mtp::generate(kept, first, drafter(0), cfg);
+    std::vector<int64_t> second = first;
+    second.insert(second.end(), turn1.token_ids.begin(), turn1.token_ids.end());
+    second.insert(second.end(), {4, 1, 2, 3});
+    const auto& cached = turn1.cached_tokens;
+    CHECK(cached.size() + 1 >= first.size() + turn1.token_ids.size());
+    CHECK(std::equal(cached.begin(), cached.end(), kept.cache.begin()));
+    size_t shared = 0;
+    while (shared < cached.size() && cached[shared] == second[shared]) ++shared;
+    CHECK(shared + 1 >= first.size() + turn1.token_ids.size());
+    noisy[1].prefilled = int64_t(second.size() - shared);
+    const size_t calls = kept.starts.size();
+    const auto turn2 = mtp::generate(kept, second, drafter(1), cfg, nullptr, nullptr,
+                                     int64_t(shared));
+    const auto whole = mtp::generate(fresh, second, drafter(2), cfg);
+    CHECK(turn2.reused_tokens == int64_t(shared) && kept.starts[calls] == int64_t(shared));
+    CHECK(turn2.token_ids == whole.token_ids && turn2.stop_reason == whole.stop_reason);
+    CHECK(turn2.cached_tokens == whole.cached_tokens);
+    CHECK(kind == "plain" || turn2.stats.accepted_tokens > 0);
+  }
+  // At least the last token is prefilled, whatever the cache holds: its logits start the answer.
+  FakeModel m(11, 64, 6), n(11, 64, 6);
+  const auto again = mtp::generate(m, first, nullptr, cfg);
+  CHECK(mtp::generate(m, first, nullptr, cfg, nullptr, nullptr, 100).token_ids == again.token_ids);
+  CHECK(m.starts.back() >= int64_t(first.size()) - 1);
+  int seen = 0;
+  mtp::NgramDrafter ngram;
+  const auto stopped =
+      mtp::generate(n, first, &ngram, cfg, nullptr, [&](int64_t) { return ++seen < 3; });
+  CHECK(stopped.stop_reason == "stopped" && stopped.token_ids.size() == 3 && seen == 3);
+  CHECK(std::equal(stopped.token_ids.begin(), stopped.token_ids.end(), again.token_ids.begin()));
+}
+
 void test_loop_stop_strings() {
   auto detokenize = [](const std::vector<int64_t>& ids) {
     std::string text;
@@ -458,11 +511,131 @@ int run_c_api(const char* bundle, const char* prompt, const char* options) {
   return failures ? 1 : 0;
 }
 
+// One answer of a chat through the C API: its result JSON (empty with the reason in `err` on
+// failure). `stop_after` > 0: the token callback says stop after that many tokens.
+nlohmann::json chat_answer(mtp_chat* chat, const std::string& options, int stop_after,
+                           std::string* err = nullptr) {
+  struct Seen {
+    int tokens = 0, stop_after = 0;
+    std::string text;
+  } seen{0, stop_after, {}};
+  auto on_token = [](int32_t, const char* piece, void* user) {
+    auto& s = *static_cast<Seen*>(user);
+    s.text += piece;
+    return ++s.tokens == s.stop_after ? MTP_STOP : MTP_CONTINUE;
+  };
+  std::vector<char> result(1 << 20);
+  char message[512] = "";
+  if (mtp_chat_generate(chat, options.c_str(), on_token, &seen, result.data(), result.size(),
+                        message, sizeof message) != MTP_OK) {
+    if (err != nullptr) *err = message;
+    return {};
+  }
+  nlohmann::json out = nlohmann::json::parse(result.data());
+  CHECK(int(out["token_ids"].size()) == seen.tokens);
+  out["streamed"] = seen.text;
+  return out;
+}
+
+// The chat C API on a real bundle: two engines hold the same conversation, one reusing the
+// cache between turns, the other prefilling the whole conversation every turn; their answers
+// must be the same tokens, plain and speculative. Then the stop callback, reset, a system
+// prompt and a full context. Prints one JSON line per answer for tests/test_android_demo.py.
+int run_chat(const char* bundle) {
+  char err[512] = "";
+  mtp_engine* reusing = mtp_open(bundle, err, sizeof err);
+  mtp_engine* fresh = mtp_open(bundle, err, sizeof err);
+  if (reusing == nullptr || fresh == nullptr) {
+    std::fprintf(stderr, "mtp_open: %s\n", err);
+    return 1;
+  }
+  mtp_chat* chat = mtp_chat_create(reusing, nullptr, err, sizeof err);
+  mtp_chat* whole = mtp_chat_create(fresh, "", err, sizeof err);
+  const std::vector<std::string> turns = {"the cat sat on the mat", "and then? the cat",
+                                          "hi, hi, hi, hi"};
+  auto print = [](const std::string& what, const nlohmann::json& result) {
+    std::printf("%s\n", nlohmann::json{{"what", what}, {"result", result}}.dump().c_str());
+  };
+  std::vector<int64_t> first_plain;
+  for (const bool speculative : {false, true}) {
+    mtp_chat_reset(chat);
+    mtp_chat_reset(whole);
+    const std::string options = std::string(R"({"max_new_tokens": 16, "temperature": 0, )") +
+                                R"("speculative": )" + (speculative ? "true" : "false");
+    for (const std::string& text : turns) {
+      CHECK(mtp_chat_add_user(chat, text.c_str(), err, sizeof err) == MTP_OK);
+      CHECK(mtp_chat_add_user(whole, text.c_str(), err, sizeof err) == MTP_OK);
+      const nlohmann::json kept = chat_answer(chat, options + "}", 0);
+      const nlohmann::json prefilled = chat_answer(whole, options + R"(, "reuse_cache": false})", 0);
+      CHECK(!kept.empty() && !prefilled.empty());
+      CHECK(kept["token_ids"] == prefilled["token_ids"]);
+      CHECK(kept["prompt_tokens"] == prefilled["prompt_tokens"]);
+      CHECK(prefilled["reused_tokens"] == 0);
+      CHECK(kept["streamed"] == kept["text"]);
+      if (first_plain.empty()) first_plain = kept["token_ids"].get<std::vector<int64_t>>();
+      print(speculative ? "speculative" : "plain", kept);
+    }
+  }
+  // The stop callback ends an answer after two tokens; the conversation goes on from there.
+  mtp_chat_reset(chat);
+  CHECK(mtp_chat_add_user(chat, turns[0].c_str(), err, sizeof err) == MTP_OK);
+  print("stopped", chat_answer(chat, R"({"max_new_tokens": 16})", 2));
+  CHECK(mtp_chat_add_user(chat, turns[1].c_str(), err, sizeof err) == MTP_OK);
+  print("after stop", chat_answer(chat, R"({"max_new_tokens": 16})", 0));
+  // Reset: the first turn again gives the first answer again.
+  mtp_chat_reset(chat);
+  CHECK(mtp_chat_add_user(chat, turns[0].c_str(), err, sizeof err) == MTP_OK);
+  const nlohmann::json again = chat_answer(chat, R"({"max_new_tokens": 16, "speculative": false})", 0);
+  CHECK(again["token_ids"].get<std::vector<int64_t>>() == first_plain);
+  print("after reset", again);
+  std::vector<char> last(1 << 20);
+  CHECK(mtp_chat_last_stats(chat, last.data(), last.size(), err, sizeof err) == MTP_OK);
+  CHECK(nlohmann::json::parse(last.data())["token_ids"] == again["token_ids"]);
+  // A user turn twice, an answer to no turn: errors, the conversation unchanged.
+  CHECK(mtp_chat_add_user(chat, "one", err, sizeof err) == MTP_OK);
+  CHECK(mtp_chat_add_user(chat, "two", err, sizeof err) == MTP_ERROR &&
+        std::strstr(err, "no answer yet") != nullptr);
+  std::string why;
+  CHECK(!chat_answer(chat, R"({"max_new_tokens": 2})", 0).empty());
+  CHECK(chat_answer(chat, "{}", 0, &why).empty() && why.find("add one first") != std::string::npos);
+  // Turns until the context is full: a clear code and message, and the conversation still
+  // usable after a reset.
+  const std::string long_turn(60, 'a');
+  int added = 0, status;
+  while ((status = mtp_chat_add_user(chat, (long_turn + " " + std::to_string(added)).c_str(), err,
+                                     sizeof err)) == MTP_OK) {
+    ++added;
+    CHECK(!chat_answer(chat, R"({"max_new_tokens": 4})", 0).empty());
+  }
+  CHECK(status == MTP_CONTEXT_FULL);
+  print("context full", {{"message", err}, {"turns", added}});
+  CHECK(chat_answer(chat, "{}", 0, &why).empty());
+  mtp_chat_reset(chat);
+  CHECK(mtp_chat_add_user(chat, turns[0].c_str(), err, sizeof err) == MTP_OK);
+  CHECK(chat_answer(chat, R"({"speculative": false, "max_new_tokens": 16})", 0)["token_ids"]
+            .get<std::vector<int64_t>>() == first_plain);
+  // A system prompt of the user's own replaces the template's default.
+  mtp_chat* system = mtp_chat_create(reusing, "You answer briefly.", err, sizeof err);
+  CHECK(system != nullptr);
+  if (system != nullptr) {
+    CHECK(mtp_chat_add_user(system, turns[0].c_str(), err, sizeof err) == MTP_OK);
+    print("system", chat_answer(system, R"({"max_new_tokens": 4})", 0));
+  }
+  mtp_chat_free(system);
+  mtp_chat_free(chat);
+  mtp_chat_free(whole);
+  mtp_close(reusing);
+  mtp_close(fresh);
+  return failures ? 1 : 0;
+}
+
 }  // namespace
 
 // No arguments: the unit tests. BUNDLE PROMPT OPTIONS_JSON: the C API on that bundle.
+// chat BUNDLE: the chat C API on that bundle.
 int main(int argc, char** argv) {
   if (argc == 4) return run_c_api(argv[1], argv[2], argv[3]);
+  if (argc == 3 && std::string(argv[1]) == "chat") return run_chat(argv[2]);
   test_sha256();
   test_ngram();
   test_mtp_positions_and_cache_end();
@@ -472,6 +645,7 @@ int main(int argc, char** argv) {
   test_rejection_sampling_distribution();
   test_loop_lossless();
   test_loop_stop_strings();
+  test_loop_cached_prefix();
   if (failures) {
     std::fprintf(stderr, "%d check(s) failed\n", failures);
     return 1;
