@@ -131,7 +131,8 @@ def measure_adb(device, bundle, prompts, max_new_tokens, repeat, runner, json_ou
             f"build the runner for {info.abi} (or use an {expected} device)"
         )
     files = sorted(p for p in Path(bundle).iterdir() if p.is_file())
-    need = sum(p.stat().st_size for p in files) + runner_path.stat().st_size
+    libraries = runner_libraries(runner_path)
+    need = sum(p.stat().st_size for p in [*files, *libraries]) + runner_path.stat().st_size
     if info.free_bytes < need * 1.1:
         raise UserError(
             f"device {device} has {info.free_bytes / 2**20:.0f} MB free in {WORKDIR}, the "
@@ -147,6 +148,11 @@ def measure_adb(device, bundle, prompts, max_new_tokens, repeat, runner, json_ou
             adb.run("push", str(p), f"{WORKDIR}/bundle/{p.name}", timeout=900)
         adb.run("push", str(runner_path), f"{WORKDIR}/mtp-runner", timeout=300)
         adb.shell(f"chmod 755 {WORKDIR}/mtp-runner")
+        if libraries:
+            adb.shell(f"rm -rf {WORKDIR}/lib && mkdir -p {WORKDIR}/lib")
+        for lib in libraries:
+            progress(f"[push] lib/{lib.name} ({lib.stat().st_size / 2**20:.1f} MB)")
+            adb.run("push", str(lib), f"{WORKDIR}/lib/{lib.name}", timeout=300)
         with tempfile.TemporaryDirectory() as tmp:
             for i, p in enumerate(prompts):
                 parts.append(run_one(adb, Path(tmp), i, p, max_new_tokens, repeat))
@@ -174,6 +180,13 @@ def measure_adb(device, bundle, prompts, max_new_tokens, repeat, runner, json_ou
     report["bundle"] = bundle
     report["device_info"] = vars(info)
     return report
+
+
+def runner_libraries(runner: Path) -> list[Path]:
+    """The shared libraries of a self-contained runner folder (`cmake --install`, e.g.
+    runtime/native/cross/build-arm64.sh): RUNNER_DIR/lib/*.so*, which the runner finds through
+    its run path $ORIGIN/lib once both are pushed side by side. None for a runner without."""
+    return sorted(p for p in (runner.parent / "lib").glob("*.so*") if p.is_file())
 
 
 def run_one(adb: Adb, tmp: Path, i: int, prompt: Prompt, max_new_tokens, repeat) -> dict:
