@@ -322,23 +322,23 @@ async def _cancel_when_gone(request: Request, generation: _Generation) -> None:
 
 
 def _stats(stats) -> dict:
-    """The speculative decoding figures of a generation, as an extra response field."""
-    if stats is None:
-        return {}
-    if hasattr(stats, "to_dict"):
-        return stats.to_dict()
-    return dict(stats)
+    """The speculative decoding figures of a generation (tau, acceptance, tokens/s), in an extra
+    field that OpenAI's clients ignore."""
+    return {} if stats is None else stats.to_dict()
 
 
 def _finish_reason(reason: str) -> str:
     return "length" if reason in ("max_tokens", "context_full") else "stop"
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def _usage(last, completion_tokens: int) -> dict:
+    """OpenAI's usage of a generation whose last chunk is `last`; cached tokens are the prompt's
+    start whose KV cache a previous request left (not computed again)."""
     return {
-        "prompt_tokens": prompt_tokens,
+        "prompt_tokens": last.prompt_tokens,
         "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
+        "total_tokens": last.prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": last.cached_tokens},
     }
 
 
@@ -354,6 +354,13 @@ def create_app(llm, max_queue: int = 8, model_name: str | None = None, defaults=
     queue = ModelQueue(max_queue)
     app = FastAPI(title="mtp-serve")
     app.state.queue = queue  # the command stops it first when the server shuts down
+
+    def raw(prompt: str | list[int]) -> list[int]:
+        """A completion's prompt is plain text, never in the chat template."""
+        if isinstance(prompt, list):
+            return prompt
+        parse_special = llm.generator.parse_special
+        return llm.tokenizer.encode_prompt(prompt, chat=False, parse_special=parse_special)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
@@ -394,7 +401,7 @@ def create_app(llm, max_queue: int = 8, model_name: str | None = None, defaults=
         req = await _read(request, _CompletionRequest)
         prompt, settings = req.prompt_value(), req.settings(defaults)
         reply = _Reply(name, "text", req)
-        return await _answer(queue, request, lambda: llm.stream(prompt, **settings), reply)
+        return await _answer(queue, request, lambda: llm.stream(raw(prompt), **settings), reply)
 
     return app
 
@@ -477,8 +484,8 @@ async def _collect(generation: _Generation, first, reply: _Reply) -> dict:
         chunk = await generation.next()
     if last is None or last.finish_reason is None:  # closed early: the client left or we stop
         return Response(status_code=499 if generation.cancelled.is_set() else 503)
-    usage = _usage(_prompt_tokens(last), tokens)
-    return reply.whole("".join(texts), last.finish_reason, usage, getattr(last, "stats", None))
+    usage = _usage(last, tokens)
+    return reply.whole("".join(texts), last.finish_reason, usage, last.stats)
 
 
 async def _events(generation: _Generation, first, reply: _Reply):
@@ -497,23 +504,15 @@ async def _events(generation: _Generation, first, reply: _Reply):
                 if chunk.text:
                     yield _sse(reply.chunk(chunk.text))
             else:
-                yield _sse(reply.chunk(chunk.text, chunk.finish_reason, _stats_of(chunk)))
+                yield _sse(reply.chunk(chunk.text, chunk.finish_reason, chunk.stats))
                 if reply.include_usage:
-                    yield _sse(reply.usage_chunk(_usage(_prompt_tokens(chunk), tokens)))
+                    yield _sse(reply.usage_chunk(_usage(chunk, tokens)))
                 yield _sse("[DONE]")
                 return
             chunk = await generation.next()
         yield _sse(ApiError(503, "the server is shutting down").body())
     finally:
         generation.cancel()
-
-
-def _prompt_tokens(last) -> int:
-    return int(getattr(last, "prompt_tokens", 0) or 0)
-
-
-def _stats_of(chunk):
-    return getattr(chunk, "stats", None)
 
 
 class Server(uvicorn.Server):

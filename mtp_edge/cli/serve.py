@@ -1,0 +1,116 @@
+"""mtp-serve: a model behind a local OpenAI-compatible HTTP server (as llama-server and
+mlx_lm.server), for the tools that speak OpenAI's API."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import ipaddress
+import socket
+
+import click
+
+from mtp_edge.cli.common import OneLineErrors, drafter_options, load_options, sampling_options, say
+from mtp_edge.errors import Terminated, UserError
+
+
+@click.command(cls=OneLineErrors)
+@drafter_options
+@sampling_options
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address to listen on (the default, loopback, is this machine only).",
+)
+@click.option(
+    "--port", default=8080, show_default=True, type=click.IntRange(0, 65535), help="0: any free."
+)
+@click.option(
+    "--max-queue",
+    default=8,
+    show_default=True,
+    type=click.IntRange(0),
+    help="Requests that may wait while one is generated; more are answered 503 at once.",
+)
+@click.option("--model-name", default=None, help="The model's id for clients (default: its name).")
+def serve(
+    host,
+    port,
+    max_queue,
+    model_name,
+    max_new_tokens,
+    temperature,
+    top_k,
+    top_p,
+    seed,
+    stop_strings,
+    **opts,
+):
+    """Serve a model with OpenAI's chat and completions API, one request at a time.
+
+    The sampling flags are the defaults of requests that do not set them (-n: max_tokens).
+    """
+    try:
+        from mtp_edge.server import Defaults, Server, create_app
+    except ImportError as e:  # fastapi and uvicorn are an extra
+        raise UserError(f"mtp-serve needs {e.name}: pip install 'mtp-edge[serve]'") from None
+
+    listener = _listen(host, port)  # a taken port fails before the model loads
+    try:
+        from mtp_edge.api import load
+
+        if not _is_loopback(host):
+            click.echo(
+                f"warning: listening on {host}: other machines can reach this server, which has "
+                "no authentication",
+                err=True,
+            )
+        options = dataclasses.asdict(load_options(opts))
+        llm = load(options.pop("model"), **options)
+        defaults = Defaults(max_new_tokens, temperature, top_k, top_p, seed, stop_strings)
+        app = create_app(llm, max_queue, model_name, defaults)
+        address = listener.getsockname()
+        url = f"http://{_url_host(address[0])}:{address[1]}/v1"
+        ready = f"mtp-serve: {model_name or llm.name} at {url} (Ctrl-C stops)"
+        try:
+            Server(app, on_ready=lambda: say(ready)).run(sockets=[listener])
+        except (KeyboardInterrupt, Terminated):  # uvicorn shut down cleanly, then re-raised
+            pass
+        say("mtp-serve: stopped")
+    finally:
+        listener.close()
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, or a UserError that says why not."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as e:
+        raise UserError(f"--host {host}: {e.strerror}; give an address such as 127.0.0.1") from None
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))  # uvicorn listens once the model is loaded
+    except OSError as e:
+        listener.close()
+        if e.errno == errno.EADDRINUSE:
+            raise UserError(
+                f"port {port} on {host} is in use (another server?): stop it or choose another "
+                "port with --port"
+            ) from None
+        raise UserError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    return listener
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _url_host(address: str) -> str:
+    return f"[{address}]" if ":" in address else address
