@@ -80,14 +80,13 @@ class Defaults:
 class ApiError(Exception):
     """An answer in OpenAI's error shape."""
 
-    TYPES = {400: "invalid_request_error", 404: "not_found_error", 503: "unavailable_error"}
-
     def __init__(self, status: int, message: str, param: str | None = None, headers=None):
         super().__init__(message)
         self.status, self.message, self.param, self.headers = status, message, param, headers
 
     def body(self) -> dict:
-        kind = self.TYPES.get(self.status, "server_error")
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        kind = {404: "not_found_error", 503: "unavailable_error"}.get(self.status, kind)
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": None}}
 
     def response(self) -> JSONResponse:
@@ -144,7 +143,7 @@ class _Sampling(_Strict):
         return bool((self.stream_options or {}).get("include_usage"))
 
 
-class _Message(_Strict):
+class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: Any = None  # a text or a list of text parts; checked in `text`
 
@@ -161,7 +160,7 @@ class _Message(_Strict):
 
 
 class _ChatRequest(_Sampling):
-    messages: list[_Message] = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1)
 
     def conversation(self) -> list[dict]:
         # "developer" is the newer name OpenAI gives the system role
@@ -472,7 +471,7 @@ async def _answer(queue: ModelQueue, request: Request, start: Callable[[], Itera
         watcher.cancel()
 
 
-async def _collect(generation: _Generation, first, reply: _Reply) -> dict:
+async def _collect(generation: _Generation, first, reply: _Reply) -> dict | Response:
     """Gather the chunks into one answer."""
     chunk, texts, tokens, last = first, [], 0, None
     while chunk is not _END:
