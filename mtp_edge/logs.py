@@ -102,7 +102,8 @@ class _PlainLines:
 
 def progress_bar(total: int | None = None, desc: str = "", unit: str = "it", **options):
     """A tqdm bar on stderr with the time left, for counted work (`with progress_bar(n) as bar:
-    ... bar.update(k)`); silent when quiet, plain lines when stderr is not a terminal."""
+    ... bar.update(k)`); silent when quiet (or `disable`), plain lines when stderr is not a
+    terminal."""
     from tqdm import tqdm
 
     stream = sys.stderr
@@ -112,7 +113,7 @@ def progress_bar(total: int | None = None, desc: str = "", unit: str = "it", **o
         desc=desc,
         unit=unit,
         file=stream if terminal else _PlainLines(stream),
-        disable=_level["quiet"],
+        disable=_level["quiet"] or options.pop("disable", False),
         mininterval=TERMINAL_REDRAW_S if terminal else PLAIN_LINE_EVERY_S,
         dynamic_ncols=terminal,
         **options,

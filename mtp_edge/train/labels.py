@@ -13,6 +13,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from mtp_edge.files import write_with
+from mtp_edge.logs import progress_bar
 from mtp_edge.model import Transformer
 from mtp_edge.train.corpus import Sequence
 
@@ -53,14 +54,9 @@ def _labels(sequences: list[Sequence], hidden, argmax, keys=None, values=None) -
 
 
 def _labelling_progress(say, total: int):
-    """say() about every tenth of `total` sequences labelled (labelling is minutes of work)."""
-    every = max(1, total // 10)
-
-    def done(i: int) -> None:
-        if say is not None and ((i + 1) % every == 0 or i + 1 == total):
-            say(f"labelled {i + 1}/{total} sequences")
-
-    return done
+    """A bar over the `total` sequences labelled (labelling is minutes of work); none without
+    `say` (a process other than the first of a distributed run)."""
+    return progress_bar(total, "labelling", unit="seq", disable=say is None)
 
 
 @torch.inference_mode()
@@ -79,8 +75,8 @@ def label_sequences(
         model.setup_cache(longest)
     hidden, argmax, keys, values = [], [], [], []
     last = model.layers[-1].self_attn
-    done = _labelling_progress(say, len(sequences))
-    for i, s in enumerate(sequences):
+    bar = _labelling_progress(say, len(sequences))
+    for s in sequences:
         n = len(s.tokens)
         logits, h = model(torch.tensor([s.tokens]), torch.tensor([0]), return_hidden=True, kv_len=n)
         hidden.append(h[0].to(dtype))
@@ -88,7 +84,8 @@ def label_sequences(
         if cache:  # [1, KVH, S, hd] -> [n, KVH, hd]
             keys.append(last.cache.k[0, :, :n].transpose(0, 1).to(dtype))
             values.append(last.cache.v[0, :, :n].transpose(0, 1).to(dtype))
-        done(i)
+        bar.update(1)
+    bar.close()
     return _labels(sequences, hidden, argmax, keys, values)
 
 
@@ -100,8 +97,8 @@ def label_with_session(session, sequences: list[Sequence], say=None) -> Labels:
     the heap: labelling 723k tokens grew past 18 GB of RSS and was killed."""
     total = sum(len(s.tokens) for s in sequences)
     hidden, argmax, at = None, torch.empty(total, dtype=torch.long), 0
-    done = _labelling_progress(say, len(sequences))
-    for j, s in enumerate(sequences):
+    bar = _labelling_progress(say, len(sequences))
+    for s in sequences:
         n = len(s.tokens)
         for i in range(0, n, session.max_chunk):
             out = session.forward(s.tokens[i : i + session.max_chunk], i, True)
@@ -112,7 +109,8 @@ def label_with_session(session, sequences: list[Sequence], say=None) -> Labels:
             hidden[at : at + rows] = h
             argmax[at : at + rows] = logits.argmax(-1)
             at += rows
-        done(j)
+        bar.update(1)
+    bar.close()
     return _labels(sequences, hidden, argmax)
 
 

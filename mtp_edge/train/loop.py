@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from mtp_edge.checkpoints import load_model
 from mtp_edge.errors import UserError
 from mtp_edge.files import write_with
+from mtp_edge.logs import progress_bar
 from mtp_edge.model import rope_frequencies
 from mtp_edge.mtp import (
     MTPConfig,
@@ -167,6 +168,7 @@ def evaluate(
     teacher_head: torch.Tensor,
     soft: bool,
     budget: int,
+    show: bool = True,
 ) -> dict:
     """Held-out loss and acceptance per draft position, over every origin of the held-out
     sequences.
@@ -179,7 +181,15 @@ def evaluate(
     sums, counts, feature, feature_counts, hits, scored = (
         torch.zeros(k, dtype=torch.float64) for _ in range(6)
     )
-    for batch in labelled_batches(labels, embedding, k, rope, head.needs_context, budget):
+    context = head.needs_context
+    count = (
+        len(batches_of(labels, list(range(len(labels.bounds))), budget))
+        if context
+        else len(labels.starts.split(budget))
+    )
+    bar = progress_bar(count, "evaluating", unit="batch", leave=False, disable=not show)
+    for batch in labelled_batches(labels, embedding, k, rope, context, budget):
+        bar.update(1)
         logits, hidden = head(batch.h, batch.embs, batch.context, return_hidden=True)
         s, c = draft_losses(logits, batch, labels, to_draft, teacher_head, soft)
         f, fc = feature_losses(hidden, batch, labels)
@@ -191,6 +201,7 @@ def evaluate(
         first_valid = batch.valid[..., 0]
         hits += (right.long().cumprod(-1).bool() & batch.valid)[first_valid].sum(0)
         scored += batch.valid[first_valid].sum(0)
+    bar.close()
     if world > 1:
         for t in (sums, counts, feature, feature_counts, hits, scored):
             dist.all_reduce(t)
@@ -326,6 +337,7 @@ def _train(options, rank, world, progress, began) -> dict:
     say(f"labelling {sum(len(s.tokens) for s in sequences)} tokens in {len(sequences)} sequences")
 
     cache = options.attention == "target_cache"  # labels keep the target's last-layer K/V
+    shown = say if rank == 0 else None  # progress bars: the first process's only
     context = options.attention != "none"
 
     def label(ids: list[int], part: str) -> Labels:
@@ -341,9 +353,9 @@ def _train(options, rank, world, progress, began) -> dict:
             source,
             cache,
             lambda: (
-                label_with_session(session, chosen, say)
+                label_with_session(session, chosen, shown)
                 if by_session
-                else label_sequences(target, chosen, cache, say=say)
+                else label_sequences(target, chosen, cache, say=shown)
             ),
             say,
         )
@@ -439,6 +451,7 @@ def _train(options, rank, world, progress, began) -> dict:
             teacher_head,
             soft,
             options.batch_size,
+            show=rank == 0,
         )
 
     def training_batch(generator) -> Batch:
@@ -455,6 +468,7 @@ def _train(options, rank, world, progress, began) -> dict:
         history.append({"step": 0, **held_out()})
         say("step 0  held-out " + _describe(history[-1]))
     running, last_log = [], time.perf_counter()
+    bar = progress_bar(options.steps, "training", unit="step", initial=step, disable=rank != 0)
     while step < options.steps:
         # Batches depend only on (seed, rank, step), so a resumed run draws the same ones.
         generator = torch.Generator().manual_seed(options.seed * 1_000_003 + rank * 7919 + step)
@@ -474,6 +488,8 @@ def _train(options, rank, world, progress, began) -> dict:
         optimizer.step()
         running.append(float(loss.detach()))
         step += 1
+        bar.set_postfix_str(f"loss {running[-1]:.3f}", refresh=False)
+        bar.update(1)
 
         if step % options.eval_every == 0 or step == options.steps:
             history.append({"step": step, "train_loss": sum(running) / len(running), **held_out()})
@@ -486,6 +502,7 @@ def _train(options, rank, world, progress, began) -> dict:
             line += f"  held-out {_describe(history[-1])} (step {history[-1]['step']})"
             say(f"{line}  lr {learning_rate(step - 1, options):.1e}  {rate:.1f} steps/s")
             running, last_log = [], time.perf_counter()
+    bar.close()
 
     final = history[-1]
     summary = {

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import json
 import random
-import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,6 +15,7 @@ from torch import nn
 
 from mtp_edge.checkpoints import LoadedModel
 from mtp_edge.errors import UserError
+from mtp_edge.logs import progress_bar
 from mtp_edge.model import KVCache, Transformer
 from mtp_edge.mtp import target_fingerprint
 from mtp_edge.train.corpus import (
@@ -26,6 +26,12 @@ from mtp_edge.train.corpus import (
     text_sequences,
 )
 from mtp_edge.train.options import TrainOptions, artifact_paths
+
+
+def _writing_bar(total: int, desc: str, unit: str, initial: int):
+    """A progress bar of the text written, shown by the first process of a distributed run."""
+    later = dist.is_available() and dist.is_initialized() and dist.get_rank() != 0
+    return progress_bar(total, desc, unit=unit, initial=min(initial, total), disable=later)
 
 
 def _batched_forward(model: Transformer, tokens, cols, offsets, key_ok, caches) -> torch.Tensor:
@@ -229,7 +235,8 @@ def self_written_requests(
     if tokenizer.add_bos and ids[:1] != [tokenizer.bos_id]:
         ids.insert(0, tokenizer.bos_id)
     generator = torch.Generator().manual_seed(seed * 7919 + len(requests))
-    started, barren = time.perf_counter(), 0
+    barren = 0
+    bar = _writing_bar(count, "writing requests", "request", len(requests))
     while len(requests) < count:
         if barren == 50:
             raise UserError(
@@ -267,8 +274,9 @@ def self_written_requests(
             )
         requests += new
         barren = 0 if new else barren + 1
-        rate = len(requests) / (time.perf_counter() - started)
-        progress(f"the target wrote {len(requests)}/{count} requests ({rate:.1f}/s)")
+        bar.update(min(len(requests), count) - bar.n)
+    bar.close()
+    progress(f"the target's requests: {count}")
     return requests[:count]
 
 
@@ -369,7 +377,8 @@ def _responses(
     tokenizer = loaded.tokenizer
     seen: set[str] = set()  # template prompts repeat; a repeat would leak into the held-out set
     sequences: list[Sequence] = []
-    total, made, started = 0, 0, time.perf_counter()
+    total = 0
+    bar = _writing_bar(budget, "writing responses", "tok", 0)
     while total < budget:
         batch = []
         while len(batch) < options.gen_batch * world:
@@ -409,7 +418,6 @@ def _responses(
                 f.writelines(json.dumps(e, ensure_ascii=False) + "\n" for e in responses)
         for entry in responses:
             cached[entry["prompt"]] = entry
-            made += len(entry["response_ids"])
         if not any(cached[p]["response_ids"] for p, _ in batch):
             raise UserError(
                 f"{loaded.name} ended every response at once (eos first): it cannot write its own "
@@ -424,9 +432,9 @@ def _responses(
                     )
                 )
                 total += len(entry["response_ids"])
-        if made:
-            rate = made / (time.perf_counter() - started)
-            progress(f"generated {total}/{budget} tokens ({rate:.0f} new tokens/s)")
+        bar.update(min(total, budget) - bar.n)
+    bar.close()
+    progress(f"the target's responses: {total} tokens")
     return sequences
 
 
