@@ -6,8 +6,9 @@ plugins {
     id("org.jetbrains.kotlin.android")
 }
 
-// Settings (README.md, "Build and install the app"): local.properties first, then -P... or
-// gradle.properties.
+// Settings (README.md, "Build it"): local.properties first, then -P... or gradle.properties.
+// None is needed to sync: missing ones are found (a python3 on PATH with this repository's
+// requirements installed) or defaulted, and only the native build stops, saying what to set.
 val localProperties = Properties().apply {
     val file = rootProject.file("local.properties")
     if (file.isFile) file.inputStream().use { load(it) }
@@ -16,9 +17,27 @@ val localProperties = Properties().apply {
 fun setting(name: String): String =
     localProperties.getProperty(name) ?: (findProperty(name) as String?) ?: ""
 
-fun required(name: String): String = setting(name).ifBlank {
-    throw GradleException("set $name in android_demo/local.properties (see android_demo/README.md)")
+// The pip packages' directories (executorch's headers, nlohmann_json's), from the python3 on
+// PATH; empty where it or they are missing.
+val pythonProbe: List<String> by lazy {
+    val script = "import importlib.util as u\n" +
+        "for name in ('executorch', 'nlohmann_json'):\n" +
+        "    spec = u.find_spec(name)\n" +
+        "    print(spec.submodule_search_locations[0] if spec else '')"
+    runCatching {
+        providers.exec {
+            commandLine("python3", "-c", script)
+            isIgnoreExitValue = true
+        }.standardOutput.asText.get().lines()
+    }.getOrDefault(emptyList())
 }
+
+// The ExecuTorch release the bundles are exported with (pyproject.toml's executorch pin).
+val executorchVersion = setting("executorchAarVersion").ifBlank { "1.5.1" }
+val executorchWheel = setting("executorchWheelDir").ifBlank { pythonProbe.getOrElse(0) { "" } }
+val nlohmannDir = setting("nlohmannJsonAndroidDir")
+val nlohmannInclude =
+    pythonProbe.getOrElse(1) { "" }.let { if (it.isBlank()) it else "$it/include" }
 
 // Where ExecuTorch's native runtime comes from. By default the ExecuTorch AAR from Maven
 // Central: the APK packages its libexecutorch.so (runtime, XNNPACK, kernels, llama ops) and the
@@ -30,17 +49,41 @@ val executorchAar: Configuration by configurations.creating
 val aarJniDir = layout.buildDirectory.dir("executorch-aar")
 
 val executorchArguments: List<String> = if (useAar) {
-    val wheel = required("executorchWheelDir")
     listOf(
         "-DMTP_EXECUTORCH_LIBS=${aarJniDir.get().asFile}/jni/arm64-v8a/libexecutorch.so",
-        "-DEXECUTORCH_INCLUDE_DIRS=$wheel/include;" +
-            "$wheel/include/executorch/runtime/core/portable_type/c10",
+        "-DEXECUTORCH_INCLUDE_DIRS=$executorchWheel/include;" +
+            "$executorchWheel/include/executorch/runtime/core/portable_type/c10",
     )
 } else {
     listOf(
         "-DEXECUTORCH_ROOT=$executorchPrefix",
         "-Dexecutorch_DIR=$executorchPrefix/lib/cmake/ExecuTorch",
     )
+}
+
+// nlohmann/json (headers only): a CMake package installed for the cross build, else the pip
+// package's headers (never the host's /usr/include: host glibc headers would leak in).
+val nlohmannArguments: List<String> =
+    if (nlohmannDir.isNotBlank()) listOf("-Dnlohmann_json_DIR=$nlohmannDir")
+    else listOf("-DMTP_NLOHMANN_INCLUDE=$nlohmannInclude")
+
+// What the native build lacks, each with what to do; checked before CMake runs.
+fun missingNativeSettings(): List<String> = buildList {
+    if (useAar && !file("$executorchWheel/include/executorch").isDirectory) {
+        add(
+            "ExecuTorch's headers: pip install executorch==$executorchVersion for the python3 " +
+                "on PATH, or set executorchWheelDir (site-packages/executorch)",
+        )
+    }
+    if (!useAar && !file("$executorchPrefix/lib/cmake/ExecuTorch").isDirectory) {
+        add("ExecuTorch built from source under executorchAndroidPrefix=$executorchPrefix")
+    }
+    if (nlohmannDir.isBlank() && !file("$nlohmannInclude/nlohmann/json.hpp").isFile) {
+        add(
+            "nlohmann/json: pip install nlohmann_json for the python3 on PATH, or set " +
+                "nlohmannJsonAndroidDir (its CMake package directory)",
+        )
+    }
 }
 
 android {
@@ -62,8 +105,7 @@ android {
                 arguments += listOf(
                     "-DANDROID_STL=c++_shared",
                     "-DANDROID_PLATFORM=android-28",
-                    "-Dnlohmann_json_DIR=${required("nlohmannJsonAndroidDir")}",
-                ) + executorchArguments
+                ) + nlohmannArguments + executorchArguments
             }
         }
     }
@@ -106,9 +148,23 @@ kotlin {
 // through our JNI library to the C++ core.
 dependencies {
     if (useAar) {
-        val aar = "org.pytorch:executorch-android:${required("executorchAarVersion")}"
+        val aar = "org.pytorch:executorch-android:$executorchVersion"
         implementation(aar)  // packages libexecutorch.so (and fbjni) into the APK
         executorchAar("$aar@aar") { isTransitive = false }
+    }
+}
+
+// Before CMake runs: one message naming everything the native build lacks (README.md, "Build
+// it"), instead of a CMake error deep in the log.
+val checkNativeSettings by tasks.registering {
+    doLast {
+        val missing = missingNativeSettings()
+        if (missing.isNotEmpty()) {
+            throw GradleException(
+                "the native build needs " + missing.joinToString("; and ") +
+                    " (in android_demo/local.properties; see android_demo/README.md)",
+            )
+        }
     }
 }
 
@@ -118,7 +174,8 @@ val extractExecutorch by tasks.registering(Copy::class) {
     into(aarJniDir)
 }
 tasks.configureEach {
-    if (useAar && (name.startsWith("configureCMake") || name.startsWith("buildCMake"))) {
-        dependsOn(extractExecutorch)
+    if (name.startsWith("configureCMake") || name.startsWith("buildCMake")) {
+        dependsOn(checkNativeSettings)
+        if (useAar) dependsOn(extractExecutorch)
     }
 }

@@ -1,7 +1,10 @@
 // Unit tests of the core without ExecuTorch programs: SHA-256, sampling and verification rules,
 // the n-gram drafter, the MTP drafter's positions and cache-end clamp, and the loop's lossless
-// property on a fake target. Plain asserts; the pytest suite (tests/test_native.py) runs this
-// binary and the runner on real bundles.
+// property on a fake target (a fresh prompt and one that starts from a kept cache). Plain
+// asserts; the pytest suite runs this binary, and with arguments it runs the C API on a real
+// bundle (tests/test_native.py: one generation; tests/test_android_demo.py: a chat).
+// Past 600 lines: the core's C++ tests are one binary, which the build (CMakeLists.txt) makes
+// from this one file.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -566,7 +569,8 @@ int run_chat(const char* bundle) {
       CHECK(mtp_chat_add_user(chat, text.c_str(), err, sizeof err) == MTP_OK);
       CHECK(mtp_chat_add_user(whole, text.c_str(), err, sizeof err) == MTP_OK);
       const nlohmann::json kept = chat_answer(chat, options + "}", 0);
-      const nlohmann::json prefilled = chat_answer(whole, options + R"(, "reuse_cache": false})", 0);
+      const nlohmann::json prefilled =
+          chat_answer(whole, options + R"(, "reuse_cache": false})", 0);
       CHECK(!kept.empty() && !prefilled.empty());
       CHECK(kept["token_ids"] == prefilled["token_ids"]);
       CHECK(kept["prompt_tokens"] == prefilled["prompt_tokens"]);
@@ -585,7 +589,8 @@ int run_chat(const char* bundle) {
   // Reset: the first turn again gives the first answer again.
   mtp_chat_reset(chat);
   CHECK(mtp_chat_add_user(chat, turns[0].c_str(), err, sizeof err) == MTP_OK);
-  const nlohmann::json again = chat_answer(chat, R"({"max_new_tokens": 16, "speculative": false})", 0);
+  const nlohmann::json again =
+      chat_answer(chat, R"({"max_new_tokens": 16, "speculative": false})", 0);
   CHECK(again["token_ids"].get<std::vector<int64_t>>() == first_plain);
   print("after reset", again);
   std::vector<char> last(1 << 20);

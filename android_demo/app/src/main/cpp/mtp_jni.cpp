@@ -74,6 +74,34 @@ struct Listener {
 
 void on_text(const char* piece, void* user) { static_cast<const Listener*>(user)->send(piece); }
 
+// A Kotlin TokenListener: onToken(ByteArray): Boolean, false to stop the answer (the stop
+// button). A Kotlin exception stops it too, and is rethrown when the call returns.
+struct TokenListener {
+  JNIEnv* env;
+  jobject target;
+  jmethodID method = nullptr;
+
+  TokenListener(JNIEnv* e, jobject t) : env(e), target(t) {
+    if (target != nullptr)
+      method = env->GetMethodID(env->GetObjectClass(target), "onToken", "([B)Z");
+  }
+  int on_token(const char* piece) const {
+    if (method == nullptr) return MTP_CONTINUE;
+    if (env->ExceptionCheck()) return MTP_STOP;
+    jbyteArray bytes = to_bytes(env, piece);
+    if (bytes == nullptr) return MTP_STOP;
+    const jboolean go_on = env->CallBooleanMethod(target, method, bytes);
+    env->DeleteLocalRef(bytes);
+    return go_on && !env->ExceptionCheck() ? MTP_CONTINUE : MTP_STOP;
+  }
+};
+
+int on_token(int32_t, const char* piece, void* user) {
+  return static_cast<const TokenListener*>(user)->on_token(piece);
+}
+
+mtp_chat* chat_of(jlong handle) { return reinterpret_cast<mtp_chat*>(handle); }
+
 mtp_engine* engine_of(jlong handle) { return reinterpret_cast<mtp_engine*>(handle); }
 
 // One generation through the C API; the core's result JSON, or the core's error.
@@ -233,6 +261,56 @@ JNIEXPORT jbyteArray JNICALL Java_org_mtpedge_demo_Native_generate(JNIEnv* env, 
     return nullptr;
   }
   return to_bytes(env, result);
+}
+
+// A conversation on the engine (mtp_chat_create); an empty system prompt: the template's.
+JNIEXPORT jlong JNICALL Java_org_mtpedge_demo_Native_chatCreate(JNIEnv* env, jclass,
+                                                                jlong handle,
+                                                                jbyteArray system_prompt) {
+  std::vector<char> err(kErrorLen);
+  mtp_chat* chat = mtp_chat_create(engine_of(handle), from_bytes(env, system_prompt).c_str(),
+                                   err.data(), err.size());
+  if (chat == nullptr) throw_runtime(env, err.data());
+  return reinterpret_cast<jlong>(chat);
+}
+
+JNIEXPORT void JNICALL Java_org_mtpedge_demo_Native_chatFree(JNIEnv*, jclass, jlong chat) {
+  mtp_chat_free(chat_of(chat));
+}
+
+JNIEXPORT void JNICALL Java_org_mtpedge_demo_Native_chatReset(JNIEnv*, jclass, jlong chat) {
+  mtp_chat_reset(chat_of(chat));
+}
+
+// Adds the user's message: true, or false when the context is full (reset the conversation).
+JNIEXPORT jboolean JNICALL Java_org_mtpedge_demo_Native_chatAddUser(JNIEnv* env, jclass,
+                                                                    jlong chat,
+                                                                    jbyteArray text) {
+  std::vector<char> err(kErrorLen);
+  const int status =
+      mtp_chat_add_user(chat_of(chat), from_bytes(env, text).c_str(), err.data(), err.size());
+  if (status == MTP_ERROR) throw_runtime(env, err.data());
+  return status == MTP_OK;
+}
+
+// The answer's result JSON as UTF-8 (mtp_chat_generate), each piece of text passed to
+// listener.onToken(ByteArray) as it is generated; onToken returning false stops the answer.
+JNIEXPORT jbyteArray JNICALL Java_org_mtpedge_demo_Native_chatGenerate(JNIEnv* env, jclass,
+                                                                       jlong chat,
+                                                                       jbyteArray options_json,
+                                                                       jobject listener) {
+  const TokenListener token_listener(env, listener);
+  if (env->ExceptionCheck()) return nullptr;  // the listener has no onToken(ByteArray): Boolean
+  std::vector<char> out(kResultLen), err(kErrorLen);
+  const int status = mtp_chat_generate(chat_of(chat), from_bytes(env, options_json).c_str(),
+                                       on_token, const_cast<TokenListener*>(&token_listener),
+                                       out.data(), out.size(), err.data(), err.size());
+  if (env->ExceptionCheck()) return nullptr;  // thrown by the listener: let Kotlin see it
+  if (status != MTP_OK) {
+    throw_runtime(env, err.data());
+    return nullptr;
+  }
+  return to_bytes(env, out.data());
 }
 
 // The benchmark report as UTF-8 JSON; progress.onProgress(ByteArray) after each prompt.

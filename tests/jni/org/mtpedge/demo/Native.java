@@ -18,12 +18,26 @@ public final class Native {
     void onProgress(byte[] line);
   }
 
+  public interface TokenListener {
+    boolean onToken(byte[] piece);
+  }
+
   public static native long open(byte[] bundleDir);
 
   public static native void close(long handle);
 
   public static native byte[] generate(
       long handle, byte[] prompt, byte[] optionsJson, TextListener listener);
+
+  public static native long chatCreate(long handle, byte[] systemPrompt);
+
+  public static native void chatFree(long chat);
+
+  public static native void chatReset(long chat);
+
+  public static native boolean chatAddUser(long chat, byte[] text);
+
+  public static native byte[] chatGenerate(long chat, byte[] optionsJson, TokenListener listener);
 
   public static native byte[] benchmark(
       byte[] bundleDir,

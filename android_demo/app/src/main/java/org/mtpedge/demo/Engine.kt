@@ -3,18 +3,20 @@ package org.mtpedge.demo
 import java.io.File
 import org.json.JSONObject
 
-/** One opened bundle. Calls must not overlap (the core's rule): callers keep them on one thread. */
-class Engine private constructor(private var handle: Long) : AutoCloseable {
+private fun String.utf8(): ByteArray = toByteArray(Charsets.UTF_8)
 
-    /** Generates a reply; [onText] receives each piece of text, on the calling thread. */
+private fun ByteArray.text(): String = String(this, Charsets.UTF_8)
+
+/** One opened bundle. Calls must not overlap (the core's rule): callers keep them on one thread. */
+class Engine private constructor(internal var handle: Long) : AutoCloseable {
+
+    /** Generates a reply to one message of its own; [onText] gets each piece of text. */
     fun generate(prompt: String, options: JSONObject, onText: (String) -> Unit): JSONObject {
         check(handle != 0L) { "engine is closed" }
-        val result = Native.generate(
-            handle,
-            prompt.toByteArray(Charsets.UTF_8),
-            options.toString().toByteArray(Charsets.UTF_8),
-        ) { piece -> onText(String(piece, Charsets.UTF_8)) }
-        return JSONObject(String(result, Charsets.UTF_8))
+        val result = Native.generate(handle, prompt.utf8(), options.toString().utf8()) { piece ->
+            onText(piece.text())
+        }
+        return JSONObject(result.text())
     }
 
     override fun close() {
@@ -25,7 +27,51 @@ class Engine private constructor(private var handle: Long) : AutoCloseable {
     }
 
     companion object {
-        fun open(bundleDir: File): Engine =
-            Engine(Native.open(bundleDir.path.toByteArray(Charsets.UTF_8)))
+        fun open(bundleDir: File): Engine = Engine(Native.open(bundleDir.path.utf8()))
+    }
+}
+
+/** What the settings sheet sets for each answer; k null: the bundle's own. */
+data class Settings(
+    val speculative: Boolean = true,
+    val k: Int? = null,
+    val temperature: Double = 0.0,
+    val maxNewTokens: Int = 256,
+) {
+    fun toJson(): JSONObject = JSONObject()
+        .put("speculative", speculative)
+        .put("temperature", temperature)
+        .put("max_new_tokens", maxNewTokens)
+        .apply { k?.let { put("k", it) } }
+}
+
+/**
+ * A conversation on [engine]. The core keeps its turns' K/V in the model's cache, so each
+ * answer prefills only the new message. Close it before the engine.
+ */
+class Chat(engine: Engine, systemPrompt: String = "") : AutoCloseable {
+    private var handle = Native.chatCreate(engine.handle, systemPrompt.utf8())
+
+    /** Adds the user's message; false when the context is full (reset to go on). */
+    fun addUser(text: String): Boolean = Native.chatAddUser(handle, text.utf8())
+
+    /**
+     * Generates the answer: [onPiece] gets its text as it comes and returns false to stop it
+     * (the stop button). The core's result JSON: text, stop_reason, stats, prefilled_tokens...
+     */
+    fun answer(settings: Settings, onPiece: (String) -> Boolean): JSONObject {
+        val result = Native.chatGenerate(handle, settings.toJson().toString().utf8()) { piece ->
+            onPiece(piece.text())
+        }
+        return JSONObject(result.text())
+    }
+
+    fun reset() = Native.chatReset(handle)
+
+    override fun close() {
+        if (handle != 0L) {
+            Native.chatFree(handle)
+            handle = 0L
+        }
     }
 }

@@ -1,13 +1,16 @@
 package org.mtpedge.demo
 
 import android.app.Activity
+import android.app.AlertDialog
 import android.os.Bundle
 import android.os.SystemClock
+import android.view.Gravity
 import android.view.View
 import android.widget.AdapterView
 import android.widget.ArrayAdapter
 import android.widget.Button
 import android.widget.EditText
+import android.widget.LinearLayout
 import android.widget.ScrollView
 import android.widget.Spinner
 import android.widget.Switch
@@ -17,21 +20,25 @@ import java.util.concurrent.Executors
 import org.json.JSONObject
 
 /**
- * The chat screen: pick a bundle, type a message, watch the reply stream in with tokens/s, and
- * switch speculative decoding on and off to see the difference on this phone.
+ * The chat screen: pick a bundle, talk with it over several turns, stop an answer, change the
+ * settings (drafter on/off, k, temperature, answer length) and watch tokens/s and acceptance.
  *
- * Each message is one single-turn prompt: the core wraps it in the bundle's chat format.
+ * The conversation lives in the core (Chat): each answer prefills only the new message, the
+ * earlier turns stay in the model's cache.
  */
 class MainActivity : Activity() {
     // The core forbids overlapping calls on one engine: every engine call runs on this thread.
     private val worker = Executors.newSingleThreadExecutor()
     @Volatile private var engine: Engine? = null
-    private var bundles: List<File> = emptyList()
+    @Volatile private var chat: Chat? = null
+    @Volatile private var stopRequested = false
+    private var generating = false
+    private var settings = Settings()
+    private var pieces = 0 // of the answer being generated, for the live rate
+    private var firstPieceAt = 0L
 
-    private lateinit var bundleSpinner: Spinner
-    private lateinit var speculativeSwitch: Switch
     private lateinit var statsView: TextView
-    private lateinit var transcriptView: TextView
+    private lateinit var messages: LinearLayout
     private lateinit var scrollView: ScrollView
     private lateinit var input: EditText
     private lateinit var sendButton: Button
@@ -39,115 +46,184 @@ class MainActivity : Activity() {
     override fun onCreate(savedInstanceState: Bundle?) {
         super.onCreate(savedInstanceState)
         setContentView(R.layout.activity_main)
-        bundleSpinner = findViewById(R.id.bundle)
-        speculativeSwitch = findViewById(R.id.speculative)
         statsView = findViewById(R.id.stats)
-        transcriptView = findViewById(R.id.transcript)
+        messages = findViewById(R.id.messages)
         scrollView = findViewById(R.id.scroll)
         input = findViewById(R.id.input)
         sendButton = findViewById(R.id.send)
+        sendButton.setOnClickListener { if (generating) stopRequested = true else send() }
+        findViewById<Button>(R.id.settings).setOnClickListener { showSettings() }
+        findViewById<Button>(R.id.new_chat).setOnClickListener { newChat() }
 
-        bundles = findBundles(this)
+        val bundles = findBundles(this)
         if (bundles.isEmpty()) {
             val places = bundleRoots(this).joinToString("\n") { it.path }
             statsView.text = getString(R.string.no_bundles, places)
             sendButton.isEnabled = false
             return
         }
-        bundleSpinner.adapter = ArrayAdapter(
+        val spinner = findViewById<Spinner>(R.id.bundle)
+        spinner.adapter = ArrayAdapter(
             this, android.R.layout.simple_spinner_dropdown_item, bundles.map { it.path },
         )
-        bundleSpinner.onItemSelectedListener = object : AdapterView.OnItemSelectedListener {
+        spinner.onItemSelectedListener = object : AdapterView.OnItemSelectedListener {
             override fun onItemSelected(parent: AdapterView<*>?, view: View?, pos: Int, id: Long) =
                 openBundle(bundles[pos])
 
             override fun onNothingSelected(parent: AdapterView<*>?) = Unit
         }
-        sendButton.setOnClickListener { send() }
     }
 
     private fun openBundle(dir: File) {
         sendButton.isEnabled = false
+        messages.removeAllViews()
         statsView.text = getString(R.string.loading, dir.name)
         worker.execute {
-            engine?.close()
-            engine = null
+            closeEngine()
             val started = SystemClock.elapsedRealtime()
             val message = try {
-                engine = Engine.open(dir)
+                val opened = Engine.open(dir)
+                engine = opened
+                chat = Chat(opened)
                 getString(R.string.loaded, dir.name, SystemClock.elapsedRealtime() - started)
             } catch (e: RuntimeException) {
+                closeEngine()
                 getString(R.string.load_failed, e.message)
             }
             runOnUiThread {
                 statsView.text = message
-                sendButton.isEnabled = engine != null
+                sendButton.isEnabled = chat != null
             }
         }
     }
 
+    private fun closeEngine() {
+        chat?.close()
+        chat = null
+        engine?.close()
+        engine = null
+    }
+
+    private fun newChat() {
+        stopRequested = true
+        messages.removeAllViews()
+        statsView.text = getString(R.string.new_conversation)
+        worker.execute { chat?.reset() }
+    }
+
     private fun send() {
-        val prompt = input.text.toString().trim()
-        val current = engine ?: return
-        if (prompt.isEmpty()) return
+        val text = input.text.toString().trim()
+        val current = chat ?: return
+        if (text.isEmpty()) return
         input.text.clear()
-        sendButton.isEnabled = false
-        val speculative = speculativeSwitch.isChecked
-        transcriptView.append("\n\nYou: $prompt\n\nAssistant: ")
-        val options = JSONObject()
-            .put("max_new_tokens", 256)
-            .put("speculative", speculative)
-            .put("temperature", 0.0)
-            .put("chat", true)
+        addMessage(getString(R.string.you), text, user = true)
+        val reply = addMessage(getString(R.string.assistant), "", user = false)
+        setGenerating(true)
+        val chosen = settings
         worker.execute {
-            var pieces = 0
-            var firstPieceAt = 0L
-            val text = try {
-                val result = current.generate(prompt, options) { piece ->
-                    val now = SystemClock.elapsedRealtimeNanos()
-                    if (pieces == 0) firstPieceAt = now
-                    pieces += 1
-                    // Live rate: pieces are whole characters of one or more tokens, so this is
-                    // an estimate until the core's exact stats arrive at the end of the reply.
-                    val seconds = (now - firstPieceAt) / 1e9
-                    val live = if (seconds > 0) (pieces - 1) / seconds else 0.0
-                    runOnUiThread {
-                        transcriptView.append(piece)
-                        statsView.text = getString(R.string.live_stats, live)
-                        scrollView.post { scrollView.fullScroll(View.FOCUS_DOWN) }
-                    }
+            val outcome = try {
+                if (current.addUser(text)) {
+                    formatStats(current.answer(chosen) { piece -> show(reply, piece) }, chosen)
+                } else {
+                    getString(R.string.context_full)
                 }
-                formatStats(result, speculative)
             } catch (e: RuntimeException) {
                 getString(R.string.generate_failed, e.message)
             }
             runOnUiThread {
-                statsView.text = text
-                sendButton.isEnabled = true
+                statsView.text = outcome
+                setGenerating(false)
             }
         }
     }
 
-    /** The core's own numbers for the finished reply (same keys as `mtp-run --json`). */
-    private fun formatStats(result: JSONObject, speculative: Boolean): String {
+    /** Shows a piece of the answer (on the worker thread); false once Stop was tapped. */
+    private fun show(reply: TextView, piece: String): Boolean {
+        val now = SystemClock.elapsedRealtimeNanos()
+        if (pieces == 0) firstPieceAt = now
+        pieces += 1
+        // Live rate: pieces are whole characters of one or more tokens, so this is an
+        // estimate until the core's exact stats arrive at the end of the answer.
+        val seconds = (now - firstPieceAt) / 1e9
+        val live = if (seconds > 0) (pieces - 1) / seconds else 0.0
+        runOnUiThread {
+            reply.append(piece)
+            statsView.text = getString(R.string.live_stats, live)
+            scrollView.post { scrollView.fullScroll(View.FOCUS_DOWN) }
+        }
+        return !stopRequested
+    }
+
+    private fun setGenerating(on: Boolean) {
+        generating = on
+        stopRequested = false
+        pieces = 0
+        sendButton.setText(if (on) R.string.stop else R.string.send)
+    }
+
+    private fun addMessage(who: String, text: String, user: Boolean): TextView {
+        val view = TextView(this).apply {
+            this.text = text
+            hint = who  // shown while an answer has no text yet
+            gravity = if (user) Gravity.END else Gravity.START
+            setPadding(8, 16, 8, 16)
+            setTextIsSelectable(true)
+            if (user) setTypeface(typeface, android.graphics.Typeface.BOLD)
+        }
+        messages.addView(view)
+        scrollView.post { scrollView.fullScroll(View.FOCUS_DOWN) }
+        return view
+    }
+
+    /** The settings sheet; what it sets applies from the next answer on. */
+    private fun showSettings() {
+        val view = layoutInflater.inflate(R.layout.settings, null)
+        val speculative = view.findViewById<Switch>(R.id.setting_speculative)
+        val k = view.findViewById<EditText>(R.id.setting_k)
+        val temperature = view.findViewById<EditText>(R.id.setting_temperature)
+        val maxNewTokens = view.findViewById<EditText>(R.id.setting_max_new_tokens)
+        speculative.isChecked = settings.speculative
+        k.setText(settings.k?.toString().orEmpty())
+        temperature.setText(settings.temperature.toString())
+        maxNewTokens.setText(settings.maxNewTokens.toString())
+        AlertDialog.Builder(this)
+            .setTitle(R.string.settings)
+            .setView(view)
+            .setPositiveButton(android.R.string.ok) { _, _ ->
+                settings = Settings(
+                    speculative = speculative.isChecked,
+                    k = k.text.toString().toIntOrNull(),
+                    temperature = temperature.text.toString().toDoubleOrNull() ?: 0.0,
+                    maxNewTokens = maxNewTokens.text.toString().toIntOrNull() ?: 256,
+                )
+            }
+            .setNegativeButton(android.R.string.cancel, null)
+            .show()
+    }
+
+    /** The core's own numbers for the finished answer (stats as `mtp-run --json`). */
+    private fun formatStats(result: JSONObject, chosen: Settings): String {
         val stats = result.getJSONObject("stats")
         val rate = stats.optDouble("decode_tokens_per_s")
         val tokens = stats.optInt("generated_tokens")
         val ttft = stats.optDouble("ttft_ms")
+        val prefilled = result.optInt("prefilled_tokens")
+        val kept = result.optInt("reused_tokens")
         val stop = result.optString("stop_reason")
-        return if (speculative) {
+        return if (chosen.speculative) {
             getString(
                 R.string.spec_stats, rate, stats.optDouble("tau"),
-                100 * stats.optDouble("acceptance_rate"), tokens, ttft, stop,
+                100 * stats.optDouble("acceptance_rate"), tokens, prefilled, kept, ttft, stop,
                 result.optString("drafter"),
             )
         } else {
-            getString(R.string.plain_stats, rate, tokens, ttft, stop)
+            getString(R.string.plain_stats, rate, tokens, prefilled, kept, ttft, stop)
         }
     }
 
     override fun onDestroy() {
-        worker.execute { engine?.close() }
+        stopRequested = true
+        worker.execute { closeEngine() }
         worker.shutdown()
         super.onDestroy()
     }

@@ -17,6 +17,11 @@ internal object Native {
         fun onProgress(line: ByteArray)
     }
 
+    /** Gets each piece of an answer's text; returns false to stop the answer there. */
+    fun interface TokenListener {
+        fun onToken(piece: ByteArray): Boolean
+    }
+
     /** Opens a bundle directory; throws RuntimeException with the core's message. */
     @JvmStatic external fun open(bundleDir: ByteArray): Long
 
@@ -28,6 +33,24 @@ internal object Native {
         prompt: ByteArray,
         optionsJson: ByteArray,
         listener: TextListener,
+    ): ByteArray
+
+    /** A conversation on an engine (empty system prompt: the template's default). */
+    @JvmStatic external fun chatCreate(handle: Long, systemPrompt: ByteArray): Long
+
+    @JvmStatic external fun chatFree(chat: Long)
+
+    /** Forgets every turn. */
+    @JvmStatic external fun chatReset(chat: Long)
+
+    /** Adds the user's message; false when the context is full (reset the conversation). */
+    @JvmStatic external fun chatAddUser(chat: Long, text: ByteArray): Boolean
+
+    /** Generates the answer to the last user turn; the core's result JSON. */
+    @JvmStatic external fun chatGenerate(
+        chat: Long,
+        optionsJson: ByteArray,
+        listener: TokenListener,
     ): ByteArray
 
     /** Plain vs speculative over a prompts file (mtp-runner's format); the report JSON. */
