@@ -163,6 +163,8 @@ def test_stream_ends_with_done(server):
 
 
 def test_health_answers_during_a_generation_and_a_client_that_leaves_stops_it(server, reference):
+    whole = reference.chat(CHAT, max_new_tokens=LONG)
+    assert whole.finish_reason == "max_tokens"  # left alone, it would generate LONG tokens
     before = server.health()
     stream = server.client.chat.completions.create(
         model="m", messages=CHAT, max_tokens=LONG, stream=True
