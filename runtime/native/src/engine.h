@@ -110,7 +110,11 @@ struct ContextFull : UserError {
 // template's pieces, concatenated) and kept as token ids: the answers as generated, so that
 // each turn finds the conversation so far in the target's cache and prefills only what the
 // new turn adds. Several conversations may share an engine (each turn then reuses what the
-// cache still shares with it).
+// cache still shares with it). Drafters catch up as in one generation: MTP heads read the
+// hidden states of the rows prefilled, the n-gram lookup the whole conversation, a draft model
+// its own cache's longest shared prefix; a self (EAGLE) head's own cache misses the rows of
+// earlier turns it was not run on (an answer's last step, answers decoded without it), which
+// lowers its acceptance, never changes the tokens.
 class Conversation {
  public:
   // An empty system_prompt: the template's default. Throws UserError when the bundle has no
