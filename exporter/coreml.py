@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import io
 import logging
+import re
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -323,17 +324,50 @@ def _unused_states_allowed():
         unused._handle_unused_inputs_func = original
 
 
+class _WithoutProgressBars:
+    """stderr without tqdm bars ("...: 100%|███| 12/12 [00:01<00:00, 9.5 passes/s]"): every other
+    line (a warning, an error) passes through when it ends."""
+
+    BAR = re.compile(r"\|\s*\d+/\d+ \[")
+
+    def __init__(self, stream):
+        self.stream, self.pending = stream, ""
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        while "\n" in self.pending:
+            line, _, self.pending = self.pending.partition("\n")
+            self._judge(line)
+        return len(text)
+
+    def _judge(self, line: str) -> None:
+        shown = line.split("\r")[-1]  # what a terminal would show of a redrawn line
+        if shown.strip() and not self.BAR.search(shown):
+            self.stream.write(shown + "\n")
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.pending:
+            self._judge(self.pending)
+            self.pending = ""
+
+
 @contextlib.contextmanager
 def _quiet():
     """coremltools draws a progress bar per pass (dozens per function) on stderr and logs
-    warnings about tracing details (tuple outputs, state variables): keep them out of the way."""
+    warnings about tracing details (tuple outputs, state variables): keep them out of the way,
+    but not its errors."""
     log = logging.getLogger("coremltools")
     level = log.level
     log.setLevel(logging.ERROR)
+    filtered = _WithoutProgressBars(sys.stderr)
     try:
-        with contextlib.redirect_stderr(io.StringIO()):
+        with contextlib.redirect_stderr(filtered):
             yield
     finally:
+        filtered.close()
         log.setLevel(level)
 
 

@@ -70,6 +70,7 @@ from mtp_edge import ops
 from mtp_edge.config import ModelConfig
 from mtp_edge.errors import UserError
 from mtp_edge.exporter.platform import draft_vocabulary, head_settings
+from mtp_edge.logs import estimated_stage
 from mtp_edge.manifest import ModelFile
 from mtp_edge.model import Attention, RMSNorm, Transformer, rope_frequencies
 from mtp_edge.mtp import MTPHead
@@ -241,6 +242,17 @@ def metadata_methods(
     return methods
 
 
+# For the bars of the stages that report nothing until they end (torch.export, lowering to
+# XNNPACK): (fixed seconds, seconds per million parameters) of one method. RATES_MEASURED
+RATES = {"export": (2.0, 0.5), "lower": (5.0, 2.0)}
+
+
+def estimate_s(stage: str, module: nn.Module, methods: int = 1) -> float:
+    """How long `stage` should take for `methods` methods of `module` (see RATES)."""
+    fixed, per_mparam = RATES[stage]
+    return methods * (fixed + per_mparam * sum(p.numel() for p in module.parameters()) / 1e6)
+
+
 def lower(programs, constants: dict | None = None, share_mutable_buffers: bool = False) -> bytes:
     """Lower exported programs (one, or a dict by method name) for XNNPACK: the .pte bytes."""
     edge = to_edge_transform_and_lower(
@@ -323,10 +335,11 @@ def export_program(
     say(f"[export] torch.export, T in 1..{max_chunk}, cache of {max_seq_len} positions")
     if not 0 <= verify_width <= max_chunk:
         raise UserError(f"the verify width must be in 0..{max_chunk}, got {verify_width}")
-    with torch.no_grad():
+    with torch.no_grad(), estimated_stage("exporting forward", estimate_s("export", model)):
         programs = {
             "forward": torch.export.export(exportable, example, dynamic_shapes=dynamic, strict=True)
         }
+    with torch.no_grad():
         if verify_width:
             rows = "one call" if attention_kernel == "mtp" else "row by row"
             say(f"[export] verify, {verify_width} tokens, attention {rows}")
@@ -334,7 +347,8 @@ def export_program(
                 if isinstance(attention, CustomOpAttention):
                     attention.rows_apart = True
             wide = (torch.zeros((1, verify_width), dtype=torch.long), example[1])
-            programs["verify"] = torch.export.export(exportable, wide, strict=True)
+            with estimated_stage("exporting verify", estimate_s("export", model)):
+                programs["verify"] = torch.export.export(exportable, wide, strict=True)
         if draft_head is not None:
             say(f"[export] draft step ({draft_scheme.label()}), reading the last layer's cache")
             inner = exportable.model if isinstance(exportable, WithHidden) else exportable
@@ -344,7 +358,8 @@ def export_program(
             programs["draft"] = torch.export.export(step, draft_example, strict=True)
         say("[lower] XNNPACK")
         # verify (and draft) write the cache forward reads: one allocation for all
-        buffer = lower(programs, constants, share_mutable_buffers=True)
+        with estimated_stage("lowering to XNNPACK", estimate_s("lower", model, len(programs))):
+            buffer = lower(programs, constants, share_mutable_buffers=True)
     say(f"[write] {path} ({len(buffer) / 1e6:.0f} MB)")
     Path(path).write_bytes(buffer)
     methods = method_metadata(model, max_chunk, constants, verify_width)

@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -107,7 +108,7 @@ def progress_bar(total: int | None = None, desc: str = "", unit: str = "it", **o
     from tqdm import tqdm
 
     stream = sys.stderr
-    terminal = stream.isatty()
+    terminal = _on_terminal(stream)
     return tqdm(
         total=total,
         desc=desc,
@@ -115,9 +116,16 @@ def progress_bar(total: int | None = None, desc: str = "", unit: str = "it", **o
         file=stream if terminal else _PlainLines(stream),
         disable=_level["quiet"] or options.pop("disable", False),
         mininterval=TERMINAL_REDRAW_S if terminal else PLAIN_LINE_EVERY_S,
-        dynamic_ncols=terminal,
+        ncols=shutil.get_terminal_size().columns if terminal else None,
         **options,
     )
+
+
+def _on_terminal(stream) -> bool:
+    """Whether `stream` shows on a terminal; behind the noise filter, fd 2 is a pipe to it."""
+    if _filter and stream is sys.__stderr__:
+        return _filter_on_terminal[0]
+    return stream.isatty()
 
 
 @contextmanager
@@ -163,6 +171,7 @@ def is_noise(line: str) -> bool:
 
 
 _filter: list = []
+_filter_on_terminal = [False]
 
 
 def filter_stderr_noise() -> None:
@@ -178,6 +187,7 @@ def filter_stderr_noise() -> None:
     except (AttributeError, ValueError, OSError):
         return
     sys.stderr.flush()
+    _filter_on_terminal[0] = os.isatty(2)
     terminal = os.dup(2)
     child = subprocess.Popen(
         [sys.executable, "-c", "from mtp_edge.logs import run_filter; run_filter()"],

@@ -19,13 +19,16 @@ from __future__ import annotations
 import importlib
 import types
 
-from mtp_edge.errors import UserError
+from mtp_edge.errors import UserError, require
 
 MODULES = {
     "executorch": "mtp_edge.runtime.executorch_session",
     "onnxruntime": "mtp_edge.runtime.onnx_session",
     "coreml": "mtp_edge.runtime.coreml_session",
 }
+# The pip extra whose package a backend needs (ExecuTorch is a required dependency; Core ML
+# runs on Apple platforms only, where its module says so before it imports coremltools).
+EXTRAS = {"onnxruntime": ("onnxruntime", "onnx")}
 
 
 def backend(name: str) -> types.ModuleType:
@@ -35,6 +38,9 @@ def backend(name: str) -> types.ModuleType:
             f"bundle backend '{name}' is not supported by this runtime (it runs "
             f"{', '.join(MODULES)}): re-export the bundle"
         )
+    if name in EXTRAS:
+        module, extra = EXTRAS[name]
+        require(module, extra, f"a bundle for {name}")
     return importlib.import_module(MODULES[name])
 
 

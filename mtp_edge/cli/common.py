@@ -25,8 +25,14 @@ def _set_quiet(ctx: click.Context, param, value: bool) -> None:
 
 def _set_verbose(ctx: click.Context, param, value: bool) -> None:
     logs.set_verbosity(verbose=value)
-    if not value:
-        logs.filter_stderr_noise()
+
+
+def _asks_verbose(args: list[str]) -> bool:
+    """-v or --verbose among the arguments (also grouped with -q: -qv), read before parsing."""
+    return any(
+        a == "--verbose" or (a.startswith("-") and a[1:] and set(a[1:]) <= {"v", "q"} and "v" in a)
+        for a in args
+    )
 
 
 class OneLineErrors(click.Command):
@@ -56,11 +62,13 @@ class OneLineErrors(click.Command):
             ),
         ]
 
-    def main(self, *args, **kwargs):
+    def main(self, args=None, **kwargs):
+        if args is None and not _asks_verbose(sys.argv[1:]):  # a real run, not a test's
+            logs.filter_stderr_noise()
         for signum in (signal.SIGTERM, signal.SIGHUP):
             signal.signal(signum, _terminate)
         try:
-            code = super().main(*args, standalone_mode=False, **kwargs)
+            code = super().main(args, standalone_mode=False, **kwargs)
         except click.exceptions.Exit as e:
             sys.exit(e.exit_code)
         except click.ClickException as e:

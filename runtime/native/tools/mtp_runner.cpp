@@ -20,13 +20,15 @@ namespace {
 
 const char* kUsage =
     "usage: mtp-runner --bundle DIR (--prompts FILE.jsonl | --prompt TEXT | --prompt-ids 1,2,3)\n"
-    "       [--max-new-tokens N] [--repeat R] [--json OUT] [--k K]\n"
+    "       [--max-new-tokens N] [--repeat R] [--json OUT|-] [--k K]\n"
     "       [--drafter bundle|none|ngram|mtp|draft-lm|bundle+ngram|mtp+ngram|draft-lm+ngram]\n"
     "       [--ngram-sizes MIN-MAX]\n"
-    "       [--draft-confidence P] [--adaptive-k] [--no-chat] [--threads N] [--no-weight-cache]\n"
+    "       [--draft-confidence P] [--adaptive-k] [--no-chat-template] [--threads N]\n"
+    "       [--no-weight-cache]\n"
     "       [--temperature T] [--top-k K] [--top-p P] [--seed S] [--stop TEXT]...\n"
     "       [--record-drafts]\n"
     "Each prompt runs plain, then speculative; greedy output must be identical (exit 2 if not).\n"
+    "--json OUT: write the report there (- or no --json: on stdout).\n"
     "--drafter X+ngram: prompt lookup (--ngram-sizes) where the context repeats itself, the\n"
     "bundle's model drafter X elsewhere.\n"
     "--stop TEXT (repeatable): stop a run once its generated text contains TEXT, keeping the\n"
@@ -121,7 +123,7 @@ int run(int argc, char** argv) {
       options.config.adaptive_k = true;
     } else if (flag == "--record-drafts") {
       options.record_drafts = true;
-    } else if (flag == "--no-chat") {
+    } else if (flag == "--no-chat-template" || flag == "--no-chat") {  // --no-chat: older name
       options.chat = false;
     } else if (flag == "--threads") {
       engine_options.threads = number<unsigned>(flag, value());
@@ -185,7 +187,7 @@ int run(int argc, char** argv) {
   report.update(body);
   const std::string text =
       report.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
-  if (json_out.empty())
+  if (json_out.empty() || json_out == "-")
     std::cout << text;
   else
     write_atomic(json_out, text);
