@@ -1,3 +1,21 @@
-"""mtp-edge: speculative decoding for memory-bound phone and laptop chips."""
+"""mtp-edge: speculative decoding for memory-bound phone and laptop chips.
+
+    import mtp_edge
+    llm = mtp_edge.load("default")
+    print(llm.generate("Write a haiku.").text)
+
+The API's names (mtp_edge/api.py) load on first use, so that `import mtp_edge` alone stays cheap.
+"""
 
 __version__ = "0.1.0"
+
+_API_NAMES = ("Chunk", "Completion", "ContextFull", "LoadOptions", "Model", "load")
+__all__ = ["__version__", *_API_NAMES]
+
+
+def __getattr__(name: str):
+    if name in _API_NAMES:
+        from mtp_edge import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

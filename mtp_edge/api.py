@@ -1,35 +1,313 @@
 """The Python API: what the commands do, as functions a program can call.
 
-- `assemble(LoadOptions(...))` loads a bundle or a model with its drafter and returns a ready
-  `Generator` (runtime/assemble.py); `generate(gen.session, gen.encode(prompt), gen.drafter,
-  gen.config)` decodes with it (runtime/loop.py).
-- `export(ExportOptions(...))` writes a bundle, checking the exported programs through the
-  runtime of their platform (exporter/ itself never imports the runtime).
+    import mtp_edge
+    llm = mtp_edge.load("default")          # a HF directory, a .gguf file, or bundle="DIR"
+    print(llm.generate("Write a haiku.", max_new_tokens=64).text)
+    for chunk in llm.stream_chat([{"role": "user", "content": "Hello!"}]):
+        print(chunk.text, end="", flush=True)
+
+A `Model` remembers which tokens its target's static KV cache holds. Every call (generate,
+stream, chat) prefills only what follows the longest prefix the new prompt shares with them, so
+the next turn of a conversation costs in proportion to the new turn, not to the conversation.
+Output is what a fresh model would give (the cache holds exactly those tokens' K/V).
+
+One call at a time: a Model is not thread-safe (a server serializes its calls). Starting a call
+ends a stream of the same model that is still open.
+
+Lower level: `assemble(LoadOptions(...))` returns a ready `Generator` (runtime/assemble.py) and
+`generate` / `decode` (runtime/loop.py) run the loop on it; `export(ExportOptions(...))` writes a
+bundle, checking the exported programs through the runtime of their platform.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from mtp_edge.devices.acceptance import measure_bundle_acceptance
+from mtp_edge.errors import UserError
 from mtp_edge.exporter.export import ExportOptions, export_bundle
 from mtp_edge.manifest import PLATFORMS, Manifest
 from mtp_edge.runtime.assemble import Generator, LoadOptions, assemble
 from mtp_edge.runtime.backends import backend
-from mtp_edge.runtime.loop import GenerationConfig, GenerationResult, generate
+from mtp_edge.runtime.loop import (
+    GenerationConfig,
+    GenerationResult,
+    GenerationStats,
+    decode,
+    generate,
+)
+from mtp_edge.runtime.sampling import SamplingParams
 from mtp_edge.texts import heldout_text
 
 __all__ = [
+    "Chunk",
+    "Completion",
+    "ContextFull",
     "ExportOptions",
     "GenerationConfig",
     "GenerationResult",
+    "GenerationStats",
     "Generator",
     "LoadOptions",
+    "Model",
     "assemble",
+    "decode",
     "export",
     "generate",
+    "load",
 ]
+
+
+class ContextFull(UserError):
+    """The prompt or conversation does not fit the model's context (start a new conversation)."""
+
+
+@dataclass
+class Completion:
+    text: str  # cut before a stop string
+    token_ids: list[int]  # generated (an eos left out; the tokens of a stop string kept)
+    finish_reason: str  # eos | stop_string | max_tokens | context_full
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens whose K/V were still in the cache (not prefilled)
+    stats: GenerationStats
+
+    @property
+    def prefilled_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+    def to_dict(self) -> dict:
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "stats": self.stats.to_dict(),
+        }
+
+
+@dataclass
+class Chunk:
+    """A piece of a stream: the text that became final since the previous chunk."""
+
+    text: str  # never a partial UTF-8 character, never text a stop string may still cut
+    token_ids: list[int]  # the tokens generated since the previous chunk
+    prompt_tokens: int
+    cached_tokens: int
+    finish_reason: str | None = None  # set on the last chunk
+    stats: GenerationStats | None = None  # set on the last chunk
+
+
+def load(model: str | Path = "default", *, bundle: str | Path | None = None, **options) -> Model:
+    """A model ready to generate: `model` (HF directory, .gguf file or "default", on the eager
+    backend) or an exported `bundle` (with its own drafter unless `drafter=` says otherwise).
+    Keyword options are LoadOptions' fields: drafter, k, heads, adaptive_k, ngram_sizes,
+    draft_confidence, max_seq_len, chat, threads, parse_special."""
+    allowed = {f.name for f in dataclasses.fields(LoadOptions)} - {"model", "bundle"}
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise TypeError(f"load() got unknown options {unknown}; it takes {sorted(allowed)}")
+    path = None if bundle is None else str(bundle)
+    return Model(assemble(LoadOptions(model=str(model), bundle=path, **options)))
+
+
+class Model:
+    """A loaded target with its drafter, and the tokens its KV cache holds."""
+
+    def __init__(self, generator: Generator):
+        self.generator = generator
+        self._cache: list[int] = []  # the tokens whose K/V the target's cache holds, in order
+        self._open: Iterator[Chunk] | None = None  # a stream not yet finished
+
+    @property
+    def name(self) -> str:
+        return self.generator.name
+
+    @property
+    def tokenizer(self):
+        return self.generator.tokenizer
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.generator.session.max_seq_len
+
+    @property
+    def eos_ids(self) -> list[int]:
+        return list(self.tokenizer.eos_ids)
+
+    @property
+    def cached_tokens(self) -> list[int]:
+        """The tokens whose K/V the cache holds now (the next call reuses their shared start)."""
+        return list(self._cache)
+
+    def reset(self) -> None:
+        """Forget the cached conversation: the next call prefills its whole prompt."""
+        self._close_open_stream()
+        self._cache = []
+
+    def generate(self, prompt: str | Sequence[int], **sampling) -> Completion:
+        """Generate from `prompt` (text, in the chat template unless loaded with chat=False,
+        or token ids). Sampling: max_new_tokens=128, temperature=0.0 (greedy), top_k=0,
+        top_p=1.0, seed=0, stop=() (strings that end the text, left out of it)."""
+        return self._complete(self._chunks(self._prompt_ids(prompt), sampling))
+
+    def stream(self, prompt: str | Sequence[int], **sampling) -> Iterator[Chunk]:
+        """`generate`, as chunks of text as soon as they are final; stop it by closing the
+        iterator (or leaving the loop over it)."""
+        return self._chunks(self._prompt_ids(prompt), sampling)
+
+    def chat(self, messages: list[dict], **sampling) -> Completion:
+        """The assistant's answer to `messages` ({"role": system|user|assistant, "content"}),
+        rendered with the model's chat template; the conversation's cached start is reused."""
+        return self._complete(self._chunks(self._message_ids(messages), sampling))
+
+    def stream_chat(self, messages: list[dict], **sampling) -> Iterator[Chunk]:
+        """`chat`, as a stream of chunks."""
+        return self._chunks(self._message_ids(messages), sampling)
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.generator.encode(prompt)
+        ids = list(prompt)
+        vocab = self.generator.session.vocab_size
+        if not all(isinstance(i, int) and 0 <= i < vocab for i in ids):
+            raise UserError(f"a prompt of token ids takes ints in 0..{vocab - 1}")
+        return ids
+
+    def _message_ids(self, messages) -> list[int]:
+        return self.tokenizer.encode_messages(messages, self.generator.parse_special)
+
+    def _config(
+        self,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        stop: str | Sequence[str] = (),
+    ) -> GenerationConfig:
+        stop = (stop,) if isinstance(stop, str) else tuple(stop)
+        if not all(isinstance(s, str) and s for s in stop):
+            raise UserError(
+                "a stop string must be non-empty text (an empty one would match at once)"
+            )
+        return dataclasses.replace(
+            self.generator.config,
+            max_new_tokens=max_new_tokens,
+            sampling=SamplingParams(temperature, top_k, top_p, seed),
+            stop_strings=stop,
+        )
+
+    def _chunks(self, ids: list[int], sampling: dict) -> Iterator[Chunk]:
+        """Check everything now (errors belong to the call, not to the first chunk), then
+        return the stream."""
+        config = self._config(**sampling)
+        if not ids:
+            raise UserError("the prompt is empty: give at least one token of text")
+        if len(ids) >= self.max_seq_len:
+            raise ContextFull(
+                f"the prompt or conversation has {len(ids)} tokens but the context holds "
+                f"{self.max_seq_len}: start a new conversation (reset) or shorten it, or load "
+                "the model with a longer context (max_seq_len; a bundle's is fixed at export)"
+            )
+        self._close_open_stream()
+        self._open = self._stream(ids, config)
+        return self._open
+
+    def _stream(self, ids: list[int], config: GenerationConfig) -> Iterator[Chunk]:
+        gen = self.generator
+        keep = shared_prefix(self._cache, ids[:-1])  # the last prompt token is always fed
+        self._cache = self._cache[:keep]  # the call writes from `keep` on
+        text = StreamText(gen.tokenizer.decode, config.stop_strings)
+        steps = decode(gen.session, ids, gen.drafter, config, gen.tokenizer.decode, cached=keep)
+        generated: list[int] = []
+        try:
+            for step in steps:
+                generated += step.tokens
+                self._cache = (ids + generated)[: step.cache_len]
+                last = step.stop_reason is not None
+                piece = text.finish(generated) if last else text.feed(generated)
+                stats = step.stats if last else None
+                yield Chunk(piece, step.tokens, len(ids), keep, step.stop_reason, stats)
+        except GeneratorExit:
+            raise  # closed by its reader: the cache record is that of the last step
+        except BaseException:
+            self._cache = []  # stopped inside a step: trust nothing the step may have written
+            raise
+        finally:
+            steps.close()  # lets the drafter take in the last verified step
+            self._open = None
+
+    def _close_open_stream(self) -> None:
+        if self._open is not None:
+            self._open.close()
+            self._open = None
+
+    @staticmethod
+    def _complete(chunks: Iterator[Chunk]) -> Completion:
+        text, tokens = [], []
+        for chunk in chunks:
+            text.append(chunk.text)
+            tokens += chunk.token_ids
+        return Completion(
+            "".join(text),
+            tokens,
+            chunk.finish_reason,
+            chunk.prompt_tokens,
+            chunk.cached_tokens,
+            chunk.stats,
+        )
+
+
+class StreamText:
+    """Turns the tokens generated so far into the text that is final: a trailing incomplete
+    UTF-8 character waits for its other bytes, and text that may be the start of a stop string
+    waits until it is not (the stop string and what follows it are never shown)."""
+
+    def __init__(self, detokenize: Callable[[list[int]], str], stop_strings: tuple[str, ...]):
+        self.detokenize = detokenize
+        self.stop_strings = stop_strings
+        self.sent = 0  # characters already given out
+
+    def feed(self, tokens: list[int]) -> str:
+        text = cut_at_stop(self.detokenize(tokens), self.stop_strings)
+        ready = len(text.rstrip("\ufffd")) - held_back(text, self.stop_strings)
+        piece = text[self.sent : ready]
+        self.sent = max(self.sent, ready)
+        return piece
+
+    def finish(self, tokens: list[int]) -> str:
+        """The rest of the final text."""
+        return cut_at_stop(self.detokenize(tokens), self.stop_strings)[self.sent :]
+
+
+def cut_at_stop(text: str, stop_strings: tuple[str, ...]) -> str:
+    """`text` up to the earliest stop string in it."""
+    cuts = [i for i in (text.find(s) for s in stop_strings) if i >= 0]
+    return text[: min(cuts)] if cuts else text
+
+
+def held_back(text: str, stop_strings: tuple[str, ...]) -> int:
+    """How many characters at the end of `text` could begin a stop string."""
+    longest = 0
+    for stop in stop_strings:
+        for n in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:n]):
+                longest = n
+                break
+    return longest
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def export(

@@ -1,5 +1,8 @@
 """The tokenizer: a `tokenizers.Tokenizer` plus the few facts generation needs.
 
+(One file past 600 lines: the chat rendering of prompts and conversations shares the special-token
+rules with the encoders, and the GGUF rebuilding the backend's construction.)
+
 Those facts (bos/eos ids, whether to prepend bos, the chat template) live in different places
 in a Hugging Face directory and in a GGUF file; both constructors gather them here, and `save`
 writes them next to `tokenizer.json` so that a bundle needs neither source at run time.
@@ -141,13 +144,56 @@ class Tokenizer:
         """
         _check_utf8(prompt, "the prompt")
         if chat and self.chat_template is not None:
-            text = self.apply_chat_template([{"role": "user", "content": prompt}])
-            if parse_special or not self._holds_special(prompt):
-                ids = self.encode(text)
-            else:
-                ids = self._encode_template_specials_only(text, prompt)
+            return self._encode_chat([{"role": "user", "content": prompt}], parse_special)
+        return self._with_bos(self.encode(prompt, parse_special=parse_special))
+
+    def encode_messages(self, messages: list[dict], parse_special: bool = False) -> list[int]:
+        """Ids of a conversation ready for prefill: an optional system message, then user and
+        assistant turns alternating, the user's last; the template's prompt for the answer
+        follows. Special tokens typed in messages are text, as in `encode_prompt`.
+
+        A template without a system role gets the system text at the head of the first user
+        message (as templates that refuse a system role advise)."""
+        return self._encode_chat(self.template_messages(messages), parse_special)
+
+    def render_messages(self, messages: list[dict]) -> str:
+        """The conversation as text, as a runner that tokenizes by itself must receive it."""
+        return self.apply_chat_template(self.template_messages(messages))
+
+    def template_messages(self, messages: list[dict]) -> list[dict]:
+        """`messages` checked (roles, order, text), with a system message folded into the first
+        user message when the template has no system role."""
+        if self.chat_template is None:
+            raise UserError(
+                "this model has no chat template, so a conversation cannot be rendered: give a "
+                "plain prompt instead (generate), or use a chat model"
+            )
+        messages = check_messages(messages)
+        if messages[0]["role"] == "system" and not self._has_system_role():
+            system, first, *rest = messages
+            folded = f"{system['content']}\n\n{first['content']}" if system["content"] else first
+            messages = [{"role": "user", "content": folded}, *rest]
+        return messages
+
+    def _has_system_role(self) -> bool:
+        """Whether the template writes a system message (some refuse it or drop it)."""
+        marker = "\x00mtp-system-text\x00"
+        conversation = [{"role": "system", "content": marker}, {"role": "user", "content": "hi"}]
+        try:
+            return marker in self.apply_chat_template(conversation)
+        except UserError:  # the template raised, e.g. "System role not supported"
+            return False
+
+    def _encode_chat(self, messages: list[dict], parse_special: bool) -> list[int]:
+        text = self.apply_chat_template(messages)
+        contents = [m["content"] for m in messages]
+        if parse_special or not any(self._holds_special(c) for c in contents):
+            ids = self.encode(text)
         else:
-            ids = self.encode(prompt, parse_special=parse_special)
+            ids = self._encode_template_specials_only(text, self._message_spans(text, messages))
+        return self._with_bos(ids)
+
+    def _with_bos(self, ids: list[int]) -> list[int]:
         if self.add_bos and ids[:1] != [self.bos_id]:
             ids.insert(0, self.bos_id)
         return ids
@@ -155,38 +201,59 @@ class Tokenizer:
     def _holds_special(self, text: str) -> bool:
         return any(token in text for token in self._special_tokens().values())
 
-    def _encode_template_specials_only(self, text: str, prompt: str) -> list[int]:
-        """`text`, the template rendered around `prompt`, with the special tokens the template
-        wrote kept and those inside the prompt encoded as text.
+    def _encode_template_specials_only(self, text: str, spans: list[tuple[int, int]]) -> list[int]:
+        """`text`, the template rendered around messages that lie at `spans`, with the special
+        tokens the template wrote kept and those inside the messages encoded as text.
 
         Runs of text between special tokens are encoded apart, as `tokenizers` does anyway, so
-        everything outside the prompt's special tokens encodes as in `encode(text)`.
+        everything outside the messages' special tokens encodes as in `encode(text)`.
         """
-        start, end = self._user_span(text, prompt)
         special = self._special_tokens()
         encoding = self.backend.encode(text, add_special_tokens=False)
         ids: list[int] = []
         done = 0
         for token, (begin, stop) in zip(encoding.ids, encoding.offsets, strict=True):
-            if token in special and (stop <= start or begin >= end):  # the template's own
+            inside = any(begin < end and stop > start for start, end in spans)
+            if token in special and not inside:  # the template's own
                 ids += self._encode_plain(text[done:begin]) + [token]
                 done = stop
         return ids + self._encode_plain(text[done:])
 
-    def _user_span(self, text: str, prompt: str) -> tuple[int, int]:
-        """Where the user's prompt lies in `text`, the chat template rendered around it."""
-        marker = "\x00mtp-user-text\x00"
-        framed = self.apply_chat_template([{"role": "user", "content": marker}])
-        prefix, found, suffix = framed.partition(marker)
-        if found and marker not in suffix:
-            for content in (prompt, prompt.strip()):  # templates may trim the message
-                if text == prefix + content + suffix:
-                    return len(prefix), len(prefix) + len(content)
+    def _message_spans(self, text: str, messages: list[dict]) -> list[tuple[int, int]]:
+        """Where each message's text lies in `text`, the chat template rendered around them."""
+        markers = [f"\x00mtp-message-{i}\x00" for i in range(len(messages))]
+        framed = self.apply_chat_template(
+            [{**m, "content": marker} for m, marker in zip(messages, markers, strict=True)]
+        )
+        pieces, rest = [], framed
+        for marker in markers:
+            piece, found, rest = rest.partition(marker)
+            if not found or marker in rest:
+                pieces = None
+                break
+            pieces.append(piece)
+        spans, at = [], 0
+        for i, message in enumerate(messages if pieces is not None else []):
+            after = pieces[i + 1] if i + 1 < len(pieces) else rest
+            if not text.startswith(pieces[i], at):
+                break
+            at += len(pieces[i])
+            for content in (message["content"], message["content"].strip()):  # may be trimmed
+                if text.startswith(content, at) and text.startswith(after, at + len(content)):
+                    spans.append((at, at + len(content)))
+                    at += len(content)
+                    break
+            else:
+                break
+        if pieces is not None and len(spans) == len(messages) and text[at:] == rest:
+            return spans
+        typed = next(
+            t for m in messages for t in self._special_tokens().values() if t in m["content"]
+        )
         raise UserError(
-            "the prompt holds special tokens such as "
-            f"{next(t for t in self._special_tokens().values() if t in prompt)!r} and the chat "
-            "template changes the message, so they cannot be kept as text: remove them, or "
-            "parse them as special tokens (--parse-special)"
+            f"the prompt holds special tokens such as {typed!r} and the chat template changes "
+            "the message, so they cannot be kept as text: remove them, or parse them as special "
+            "tokens (--parse-special)"
         )
 
     def save(self, directory: str | Path) -> None:
@@ -363,6 +430,41 @@ class Tokenizer:
             add_bos=bool(field("tokenizer.ggml.add_bos_token", bool, bos_by_default)),
             chat_template=field("tokenizer.chat_template", str),
         )
+
+
+ROLES = ("system", "user", "assistant")
+
+
+def check_messages(messages) -> list[dict]:
+    """A conversation as chat templates expect it, or a UserError saying what is wrong: an
+    optional system message first, then user and assistant turns alternating, the user's last
+    (the model answers it); every content a text, the user's not empty."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise UserError("the conversation is empty: give at least one user message")
+    checked = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not {"role", "content"} <= message.keys():
+            raise UserError(f"message {i} must be a dict with 'role' and 'content'")
+        role, content = message["role"], message["content"]
+        if role not in ROLES:
+            raise UserError(f"message {i} has role {role!r}: the roles are {', '.join(ROLES)}")
+        if not isinstance(content, str):
+            raise UserError(f"message {i}: the content must be text, got {type(content).__name__}")
+        _check_utf8(content, f"message {i}")
+        checked.append({"role": role, "content": content})
+    first_turn = 1 if checked[0]["role"] == "system" else 0
+    for i, message in enumerate(checked[first_turn:], first_turn):
+        expected = "user" if (i - first_turn) % 2 == 0 else "assistant"
+        if message["role"] != expected:
+            raise UserError(
+                f"message {i} has role {message['role']} where {expected} belongs: a system "
+                "message may come first, then user and assistant messages alternate"
+            )
+        if expected == "user" and not message["content"].strip():
+            raise UserError(f"message {i}: the user message is empty")
+    if checked[-1]["role"] != "user":
+        raise UserError("the last message must be the user's: the model answers it")
+    return checked
 
 
 def _read_json(path: Path) -> dict:

@@ -5,10 +5,12 @@ Every drafter answers `propose(context, hidden, k, sampler)`:
 - hidden: the target's hidden states [n, D] for the positions it processed in its last call and
   kept (the prompt after prefill; the accepted inputs after a verify) — what an MTP head reads.
   Drafters with `needs_hidden = False` get None, and the loop does not ask the target for them.
-- k: the most tokens to propose (fewer, or none, is fine).
+- k: the most tokens to propose (fewer, or none, is fine); with k = 0 a drafter that keeps state
+  still takes in `hidden`.
 Drafters keep whatever state they like between calls, but must cope with any context: the loop
-may rewind (a new prompt) or extend it by any number of tokens. `observe(context, hidden)` tells
-a drafter about a step it did not draft for (another drafter did); most ignore it.
+may rewind (a new prompt, or the next turn of a conversation whose start is still cached) or
+extend it by any number of tokens. `observe(context, hidden)` tells a drafter about a step it did
+not draft for (another drafter did, or generation ended); most ignore it.
 """
 
 from __future__ import annotations
@@ -128,6 +130,7 @@ class DraftModelDrafter:
         limit = min(len(self.cached), len(context) - 1)  # always re-feed at least the last token
         while keep < limit and self.cached[keep] == context[keep]:
             keep += 1
+        self.cached = self.cached[:keep]  # true even if the prefill below is interrupted
         logits = prefill(self.session, context[keep:], keep).logits
         self.cached = list(context)
         return logits[-1]

@@ -5,12 +5,17 @@ and speculative output go through exactly the same code and can be compared toke
 
 Invariant between steps: `context` holds every token so far; the target's cache holds all of
 them but the last, which is fed (with the drafts behind it) at position `pos` by the next call.
+A call may start from a cache that already holds the prompt's first tokens (the previous turn of
+a conversation): only the rest is prefilled.
+
+`decode` yields each step's tokens as they are verified (streaming without threads: closing it
+stops generation at once); `generate` runs it to the end.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -96,17 +101,32 @@ class GenerationResult:
     top2_gaps: list[float] = field(default_factory=list)
 
 
-def generate(
+@dataclass
+class Step:
+    """What one target call added, as `decode` yields it."""
+
+    tokens: list[int]  # emitted: an eos token, and what follows an eos or a stop, left out
+    top2_gaps: list[float]  # for each emitted token, its target's best-minus-second logit
+    cache_len: int  # the target's cache holds the K/V of the context's first cache_len tokens
+    stop_reason: str | None  # set on the last step: eos | stop_string | max_tokens | context_full
+    stats: GenerationStats  # the run's stats so far (one object, updated in place)
+
+
+def decode(
     target: Session,
     prompt: list[int],
     drafter: Drafter | None,
     config: GenerationConfig,
     detokenize: Callable[[list[int]], str] | None = None,
-    on_tokens: Callable[[list[int]], None] | None = None,
-) -> GenerationResult:
-    """Generate from `prompt` with `target`, drafting with `drafter` (None: plain decoding).
+    cached: int = 0,
+) -> Iterator[Step]:
+    """Generate from `prompt` with `target`, drafting with `drafter` (None: plain decoding),
+    yielding each step's tokens as soon as they are verified.
 
-    `detokenize` is needed for stop strings; `on_tokens` receives tokens as they are emitted.
+    `cached`: the target's cache already holds the K/V of prompt[:cached] (a previous call's
+    context), so prefill starts there; at least the last prompt token is always fed, for its
+    logits. Closing the iterator stops at once; every step says how much of the cache is valid.
+    `detokenize` is needed for stop strings.
     """
     if not prompt:
         raise UserError("the prompt is empty: give at least one token of text")
@@ -116,6 +136,8 @@ def generate(
             "shorten the prompt, or give a longer context (a model: --max-seq-len N; a bundle's "
             "is fixed when it is made: export it again with mtp-export --max-seq-len N)"
         )
+    if not 0 <= cached < len(prompt):
+        raise ValueError(f"cached must be in 0..{len(prompt) - 1}, got {cached}")
     if config.stop_strings and detokenize is None:
         raise ValueError("stop strings need a detokenize function")
     sampler = Sampler(config.sampling)
@@ -124,78 +146,103 @@ def generate(
     k_now = k_max
     stats = GenerationStats(accepted_per_position=[0] * k_max, drafted_per_position=[0] * k_max)
     generated: list[int] = []
-    gaps: list[float] = []
 
-    def emit(new_tokens: list[int], logits: torch.Tensor) -> str | None:
-        """Append tokens one by one, exactly as plain decoding would; returns a stop reason."""
+    def emit(new_tokens: list[int], logits: torch.Tensor, pos: int) -> Step:
+        """Keep tokens one by one, exactly as plain decoding would, up to a stop."""
         top2 = torch.topk(logits.float(), 2, dim=-1).values
+        kept, gaps, stop = [], [], None
         for i, token in enumerate(new_tokens):
             if token in config.eos_ids:
-                return "eos"
+                stop = "eos"
+                break
             generated.append(token)
+            kept.append(token)
             gaps.append(float(top2[i, 0] - top2[i, 1]))
-            if on_tokens is not None:
-                on_tokens([token])
             if config.stop_strings:
                 tail = detokenize(generated[-64:])
                 if any(s in tail for s in config.stop_strings):
-                    return "stop_string"
+                    stop = "stop_string"
+                    break
             if len(generated) >= config.max_new_tokens:
-                return "max_tokens"
-        return None
+                stop = "max_tokens"
+                break
+        stats.generated_tokens = len(generated)
+        return Step(kept, gaps, pos, stop, stats)
 
-    # Prefill: the whole prompt in chunks; its last logits give the first token.
+    # Prefill what the cache lacks; the last logits give the first token.
     start = time.perf_counter()
-    out = prefill(target, prompt, 0, return_hidden=wants_hidden)
+    out = prefill(target, prompt[cached:], cached, return_hidden=wants_hidden)
     logits, hidden = out.logits, out.hidden
     first = sampler.pick(logits[-1], len(prompt) - 1)
     stats.ttft_ms = (time.perf_counter() - start) * 1e3
-    decode_start = time.perf_counter()
-    stop = emit([first], logits[-1:])
     context = prompt + [first]
     pos = len(prompt)
+    step = emit([first], logits[-1:], pos)
+    try:
+        yield step
+        while step.stop_reason is None:
+            step_start = time.perf_counter()
+            room = target.max_seq_len - pos  # free slots: the pending token plus any drafts
+            if room < 1:
+                yield Step([], [], pos, "context_full", stats)
+                break
+            k = min(k_now, room - 1, config.max_new_tokens - len(generated) - 1)
 
-    while stop is None:
-        room = target.max_seq_len - pos  # free slots: the pending token plus any drafts
-        if room < 1:
-            stop = "context_full"
-            break
-        k = min(k_now, room - 1, config.max_new_tokens - len(generated) - 1)
+            draft = (
+                drafter.propose(context, hidden, k, sampler) if drafter is not None else Draft([])
+            )
+            draft_tokens = draft.tokens[:k]
+            t1 = time.perf_counter()
+            out = target.forward([context[-1]] + draft_tokens, pos, return_hidden=wants_hidden)
+            if sampler.greedy:
+                n, next_token = accept_greedy(out.logits, draft_tokens, pos)
+            else:
+                probs = None if draft.probs is None else draft.probs[: len(draft_tokens)]
+                n, next_token = accept_sampling(out.logits, draft_tokens, probs, sampler, pos)
+            t2 = time.perf_counter()
 
-        t0 = time.perf_counter()
-        draft = drafter.propose(context, hidden, k, sampler) if k > 0 else Draft([])
-        draft_tokens = draft.tokens[:k]
-        t1 = time.perf_counter()
-        out = target.forward([context[-1]] + draft_tokens, pos, return_hidden=wants_hidden)
-        logits, hidden = out.logits, out.hidden
-        if sampler.greedy:
-            n, next_token = accept_greedy(logits, draft_tokens, pos)
-        else:
-            probs = None if draft.probs is None else draft.probs[: len(draft_tokens)]
-            n, next_token = accept_sampling(logits, draft_tokens, probs, sampler, pos)
-        t2 = time.perf_counter()
+            stats.draft_seconds += t1 - step_start
+            stats.verify_seconds += t2 - t1
+            stats.verify_steps += 1
+            stats.drafted_tokens += len(draft_tokens)
+            stats.accepted_tokens += n
+            for i in range(len(draft_tokens)):
+                stats.drafted_per_position[i] += 1
+                stats.accepted_per_position[i] += i < n
+            if config.adaptive_k and draft_tokens:
+                k_now = min(k_max, k_now + 2) if n == len(draft_tokens) else max(1, k_now - 1)
 
-        stats.draft_seconds += t1 - t0
-        stats.verify_seconds += t2 - t1
-        stats.verify_steps += 1
-        stats.drafted_tokens += len(draft_tokens)
-        stats.accepted_tokens += n
-        for i in range(len(draft_tokens)):
-            stats.drafted_per_position[i] += 1
-            stats.accepted_per_position[i] += i < n
-        if config.adaptive_k and draft_tokens:
-            k_now = min(k_max, k_now + 2) if n == len(draft_tokens) else max(1, k_now - 1)
+            new_tokens = draft_tokens[:n] + [next_token]
+            context += new_tokens
+            pos += n + 1
+            hidden = None if out.hidden is None else out.hidden[: n + 1]
+            step = emit(new_tokens, out.logits[: n + 1], pos)
+            stats.decode_seconds += time.perf_counter() - step_start
+            yield step
+    except GeneratorExit:
+        pass  # closed early: the last step said what the cache holds
+    if drafter is not None:  # a drafter that keeps state takes in the last verified rows
+        drafter.observe(context, hidden)
 
-        new_tokens = draft_tokens[:n] + [next_token]
-        stop = emit(new_tokens, logits[: n + 1])
-        context += new_tokens
-        pos += n + 1
-        if hidden is not None:
-            hidden = hidden[: n + 1]
 
-    stats.decode_seconds = time.perf_counter() - decode_start
-    stats.generated_tokens = len(generated)
-    return GenerationResult(generated, stop, stats, gaps)
+def generate(
+    target: Session,
+    prompt: list[int],
+    drafter: Drafter | None,
+    config: GenerationConfig,
+    detokenize: Callable[[list[int]], str] | None = None,
+    on_tokens: Callable[[list[int]], None] | None = None,
+    cached: int = 0,
+) -> GenerationResult:
+    """`decode` to the end; `on_tokens` receives each step's tokens as they are emitted."""
+    tokens: list[int] = []
+    gaps: list[float] = []
+    for step in decode(target, prompt, drafter, config, detokenize, cached):
+        tokens += step.tokens
+        gaps += step.top2_gaps
+        if on_tokens is not None and step.tokens:
+            on_tokens(step.tokens)
+    return GenerationResult(tokens, step.stop_reason, step.stats, gaps)
 
 
 def first_divergence(plain: list[int], spec: list[int]) -> int | None:

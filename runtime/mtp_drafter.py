@@ -128,11 +128,14 @@ class MtpDrafter:
             self.step_fn(hidden, torch.tensor(context[-len(hidden) :]), position)
 
     def propose(self, context, hidden, k, sampler) -> Draft:
-        if k <= 0 or hidden is None or len(hidden) == 0:
+        if hidden is None or len(hidden) == 0:
             return Draft([])
         position = len(context) - 1
         if self.cache_len is not None:
             k = min(k, self.cache_len() - position)
+        if k <= 0:  # nothing to draft, but a self head's cache must still take in the rows
+            self.observe(context, hidden)
+            return Draft([])
         if self.feeds_context:  # rows at positions len(context) - 1 - T .. len(context) - 2
             h, feed = hidden, context[-len(hidden) :]
         else:

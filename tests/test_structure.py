@@ -50,7 +50,7 @@ def package_files() -> dict[str, Path]:
 def room(module: str) -> str:
     parts = module.split(".")
     if len(parts) == 1:
-        return "ground"
+        return "api"  # the package itself re-exports the API's names (mtp_edge.load...)
     if parts[1] in ("quantize", "exporter", "runtime", "devices", "train", "cli", "api", "server"):
         return parts[1]
     return "ground"
