@@ -17,7 +17,6 @@ from click.testing import CliRunner
 from tiny import hf_reference, save_hf_dir
 
 from mtp_edge.cli import bench, devices, export, run, train
-from mtp_edge.cli.run import StopAwareStream, cut_at_stop
 from mtp_edge.logs import estimated_stage, is_noise, progress_bar, set_verbosity
 
 PROMPT = "the cat the cat the cat"
@@ -268,19 +267,6 @@ def test_system_prompt_goes_through_the_chat_template(tiny_dir, tmp_path):
     assert json.loads(system.stdout)["token_ids"] == json.loads(raw.stdout)["token_ids"]
     refused = CliRunner().invoke(run, ["-m", str(tiny_dir), "-p", "hi", "--system", "be kind"])
     assert "chat template" in one_error_line(refused)
-
-
-def test_stream_holds_back_a_stop_string_start():
-    shown: list[str] = []
-    stream = StopAwareStream(lambda ids: "".join(chr(i) for i in ids), ("END",), shown.append)
-    for piece in "hello EN":
-        stream([ord(piece)])
-    assert "".join(shown) == "hello "  # "EN" could begin END
-    stream([ord("D")])
-    stream([ord("!")])
-    final = cut_at_stop("hello END!", ("END",))
-    stream.finish(final)
-    assert "".join(shown) == final == "hello "
 
 
 def test_run_never_streams_the_stop_string(tiny_dir):
