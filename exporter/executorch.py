@@ -242,17 +242,13 @@ def metadata_methods(
     return methods
 
 
-# For the bars of the stages that report nothing until they end: (fixed, per layer) CPU seconds
-# of one method. Measured here (2-core x86-64 VM, 8da8w, cache of 2048, process time of
-# export_program on random llama models of 2, 8 and 12 layers and 0.07M, 7.9M and 47M
-# parameters): lowering to XNNPACK took 15, 42 and 65 s a method, torch.export 1-2, 4-7 and 5-8
-# s. The layer count predicts both (least squares: 4.2 + 5.0 s a layer for lowering); the
-# parameter count does not (3.5 s per million parameters from 2 to 8 layers, 0.6 from 8 to 12).
+# Bars of silent stages: (fixed, per layer) s a method, measured here (2-core VM, 8da8w, cache 2048;
+# random llamas of 2/8/12 layers, 0.07/7.9/47M params: lowering 15/42/65 s a method, export 1-8 s).
+# Layers predict it (4.2 + 5.0 s a layer); parameters do not (3.5 s/M up to 8 layers, then 0.6).
 RATES = {"export": (1.0, 0.5), "lower": (4.2, 5.0)}
 
 
 def estimate_s(stage: str, model: Transformer, methods: int = 1) -> float:
-    """How long `stage` should take for `methods` methods of `model` (see RATES)."""
     fixed, per_layer = RATES[stage]
     return methods * (fixed + per_layer * model.config.num_layers)
 
