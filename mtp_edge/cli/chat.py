@@ -1,0 +1,139 @@
+"""mtp-chat: a conversation in the terminal, its KV cache kept across turns.
+
+Each answer streams as it is verified. Ctrl-C stops the answer, not the program: what was shown
+of it stays in the conversation (the cache holds it, so the next turn goes on from there).
+"""
+
+from __future__ import annotations
+
+import signal
+
+import click
+
+from mtp_edge.cli.common import OneLineErrors, drafter_options, load_options, sampling_options, say
+from mtp_edge.errors import UserError
+
+HELP = """commands:
+  /reset   start a new conversation (the system prompt stays)
+  /stats   speed and drafting of the last answer
+  /help    this list
+  /exit    quit (also Ctrl-D); Ctrl-C stops an answer"""
+
+
+@click.command(cls=OneLineErrors)
+@drafter_options
+@sampling_options
+@click.option("--system", default=None, help="System prompt that opens the conversation.")
+def chat(system, max_new_tokens, temperature, top_k, top_p, seed, stop_strings, **opts):
+    """Chat with a model or bundle in the terminal (multi-turn, streaming, KV cache reused)."""
+    from mtp_edge.api import ContextFull, Model
+    from mtp_edge.runtime.assemble import assemble
+
+    options = load_options(opts)
+    if not options.chat:
+        raise UserError("mtp-chat renders the conversation with the chat template: drop "
+                        "--no-chat-template (mtp-run takes raw text)")  # fmt: skip
+    llm = Model(assemble(options))
+    if llm.tokenizer.chat_template is None:
+        raise UserError(
+            f"{llm.name} has no chat template, so it cannot hold a conversation: use a chat "
+            "model, or mtp-run for plain text"
+        )
+    sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                    top_p=top_p, seed=seed, stop=stop_strings)  # fmt: skip
+    opening = [{"role": "system", "content": system}] if system else []
+    llm.tokenizer.template_messages([*opening, {"role": "user", "content": "hi"}])  # checks
+    _line_editing()
+    drafter = llm.generator.drafter
+    drafting = f"drafter {drafter.name}, k={llm.generator.config.k}" if drafter else "no drafter"
+    say(f"mtp-chat: {llm.name} ({drafting}, context {llm.max_seq_len}); /help for commands")
+
+    messages = list(opening)
+    last = None  # the last answer's Completion-like record, for /stats
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:  # Ctrl-D
+            click.echo("")
+            return
+        except KeyboardInterrupt:
+            click.echo("")
+            say("(Ctrl-D or /exit quits)")
+            continue
+        text = line.strip()
+        if not text:
+            continue
+        if text.startswith("/"):
+            command = text.split()[0]
+            if command in ("/exit", "/quit"):
+                return
+            if command == "/reset":
+                messages = list(opening)
+                llm.reset()
+                say("new conversation")
+            elif command == "/stats":
+                say(_stats_line(last) if last else "no answer yet")
+            elif command == "/help":
+                say(HELP)
+            else:
+                say(f"unknown command {command}; /help lists them")
+            continue
+        messages.append({"role": "user", "content": line})
+        try:
+            last = _answer(llm, messages, sampling)
+        except ContextFull as e:
+            messages.pop()
+            say(f"{e}\n(type /reset to start a new conversation)")
+            continue
+        messages.append({"role": "assistant", "content": last["text"]})
+        if last["finish_reason"] == "context_full":
+            say("[the context is full: /reset starts a new conversation]")
+
+
+def _answer(llm, messages: list[dict], sampling: dict) -> dict:
+    """Stream the answer to stdout; Ctrl-C stops it after the current step."""
+    stopped = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: stopped.append(True))
+    shown, chunk = [], None
+    stream = llm.stream_chat(messages, **sampling)
+    try:
+        for chunk in stream:
+            shown.append(chunk.text)
+            click.echo(chunk.text, nl=False)
+            if stopped:
+                break
+    finally:
+        stream.close()
+        signal.signal(signal.SIGINT, previous)
+    click.echo("")
+    if chunk is None or chunk.finish_reason is None:
+        say("[stopped]")
+        reason, stats = "interrupted", None
+    else:
+        reason, stats = chunk.finish_reason, chunk.stats
+    prompt, cached = (chunk.prompt_tokens, chunk.cached_tokens) if chunk else (0, 0)
+    return {"text": "".join(shown), "finish_reason": reason, "stats": stats,
+            "prompt_tokens": prompt, "cached_tokens": cached}  # fmt: skip
+
+
+def _stats_line(last: dict) -> str:
+    reuse = (
+        f"prompt {last['prompt_tokens']} tokens: {last['cached_tokens']} cached, "
+        f"{last['prompt_tokens'] - last['cached_tokens']} prefilled"
+    )
+    s = last["stats"]
+    if s is None:
+        return f"[{last['finish_reason']}] {reuse}"
+    return (
+        f"[{last['finish_reason']}] {s.generated_tokens} tokens, tau {s.tau:.2f}, acceptance "
+        f"{s.acceptance_rate:.2f}, {s.decode_tokens_per_s:.1f} tok/s, ttft {s.ttft_ms:.0f} ms; "
+        f"{reuse}"
+    )
+
+
+def _line_editing() -> None:
+    """Arrow keys and history in `input()` where the readline module exists."""
+    try:
+        import readline  # noqa: F401
+    except ImportError:
+        pass
