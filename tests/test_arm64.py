@@ -34,6 +34,11 @@ CROSS = native.SOURCE_DIR / "cross"
 SYSROOT = "/usr/aarch64-linux-gnu"
 QEMU_CPU = "max,sme=off"
 INSTALL = "apt-get install -y g++-aarch64-linux-gnu qemu-user"
+# The wheel's download cache, the user's (taken before test_native's fixture points
+# XDG_CACHE_HOME at a temporary directory): downloaded once, not once per run.
+ARM64_CACHE = os.environ.get("MTP_ARM64_CACHE") or str(
+    Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mtp-edge" / "arm64"
+)
 
 # Fixtures shared by name: the host runner and tiny bundles of test_native, the tiny n-gram
 # bundle and prompts of test_devices (whose roofline calibration runs on the host, where a
@@ -53,7 +58,11 @@ def device_dir() -> Path:
         if shutil.which(tool) is None:
             pytest.skip(f"{package} is not installed: {INSTALL}")
     done = subprocess.run(
-        [str(CROSS / "build-arm64.sh"), "--jobs", "2"], capture_output=True, text=True, timeout=1800
+        [str(CROSS / "build-arm64.sh"), "--jobs", "2"],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env={**os.environ, "MTP_ARM64_CACHE": ARM64_CACHE},
     )
     last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ""
     if done.returncode != 0 and "could not download" in last:

@@ -94,13 +94,13 @@ PY
   nlohmann="$(dirname "$(dirname "$(find "$cache/nlohmann/unpacked" -path '*nlohmann/json.hpp' | head -n1)")")"
 fi
 
-if [ ! -f "$build_dir/CMakeCache.txt" ] || [ ! -f "$build_dir/Makefile" ]; then
-  rm -rf "$build_dir"
-  cmake -S "$source_dir" -B "$build_dir" -DCMAKE_BUILD_TYPE=Release \
-    -DCMAKE_TOOLCHAIN_FILE="$here/aarch64-linux-gnu.cmake" \
-    -DEXECUTORCH_ROOT="$root/executorch" -DMTP_NLOHMANN_INCLUDE="$nlohmann" >&2 \
-    || { rm -rf "$build_dir"; fail "configuring the aarch64 build failed (output above)"; }
-fi
+# Configured every time (seconds), so that the cache's paths follow MTP_ARM64_CACHE; a build
+# directory a failed configure left half-made is started afresh.
+[ -f "$build_dir/Makefile" ] || rm -rf "$build_dir"
+cmake -S "$source_dir" -B "$build_dir" -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_TOOLCHAIN_FILE="$here/aarch64-linux-gnu.cmake" \
+  -DEXECUTORCH_ROOT="$root/executorch" -DMTP_NLOHMANN_INCLUDE="$nlohmann" >&2 \
+  || { rm -rf "$build_dir"; fail "configuring the aarch64 build failed (output above)"; }
 cmake --build "$build_dir" -j "$jobs" >&2 || fail "the aarch64 build failed (output above)"
 rm -rf "$out_dir"
 cmake --install "$build_dir" --prefix "$out_dir" >/dev/null
