@@ -325,10 +325,11 @@ def _unused_states_allowed():
 
 
 class _WithoutProgressBars:
-    """stderr without tqdm bars ("...: 100%|███| 12/12 [00:01<00:00, 9.5 passes/s]"): every other
-    line (a warning, an error) passes through when it ends."""
+    """stderr without tqdm bars ("...: 100%|███| 12/12 [00:01<00:00, 9.5 passes/s]", or "...: 0
+    passes [00:00, ? passes/s]"): everything else (a warning, an error, also one written right
+    after a bar on its line) passes through when its line ends."""
 
-    BAR = re.compile(r"\|\s*\d+/\d+ \[")
+    BAR = re.compile(r"^.*?(\|\s*\d+/\d+|\d+ \w+) \[[^\]]*\]")
 
     def __init__(self, stream):
         self.stream, self.pending = stream, ""
@@ -341,8 +342,8 @@ class _WithoutProgressBars:
         return len(text)
 
     def _judge(self, line: str) -> None:
-        shown = line.split("\r")[-1]  # what a terminal would show of a redrawn line
-        if shown.strip() and not self.BAR.search(shown):
+        shown = self.BAR.sub("", line.split("\r")[-1])  # the last redraw, its bar taken out
+        if shown.strip():
             self.stream.write(shown + "\n")
 
     def flush(self) -> None:

@@ -48,6 +48,10 @@ NOISE = [
         r"\[stats\.h:\d+\] ",
         # torchao's optional CUDA kernels, absent from CPU wheels
         r"Failed to load \S+/torchao/\S+\.so: Could not load this library",
+        # coremltools at import: versions it was not tested with, its macOS-only runtime
+        r"scikit-learn version \S+ is not supported\. Minimum required version",
+        r"Torch version \S+ has not been tested with coremltools",
+        r"Failed to load _ML\w+Proxy: No module named 'coremltools\.libcoremlpython'",
         # torch deprecating what torchao registers
         r"W\d{4} [\d:.]+ +\d+ \S+torch/utils/_pytree\.py:\d+\] <enum '\w+'> is an Enum subclass",
     )

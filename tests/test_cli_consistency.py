@@ -439,3 +439,26 @@ with progress_bar(4, "work") as bar:
     assert proc.wait(timeout=60) == 0
     text = seen.decode(errors="replace")
     assert text.count("\r") >= 3 and "work: 100%" in text and "4/4" in text
+
+
+def test_core_ml_conversion_shows_errors_and_hides_its_bars():
+    """Core ML's pass bars (with and without a total) are dropped; its warnings and errors,
+    even one written right after a bar on the same line, come through."""
+    import io
+
+    from mtp_edge.exporter.coreml import _WithoutProgressBars
+
+    out = io.StringIO()
+    stream = _WithoutProgressBars(out)
+    stream.write("\rRunning MIL default pipeline:   0%|          | 0/89 [00:00<?, ? passes/s]")
+    stream.write(
+        "\rRunning MIL default pipeline: 100%|##########| 89/89 [00:01<00:00, 60 passes/s]\n"
+    )
+    stream.write(
+        "Running MIL frontend pipeline: 0 passes [00:00, ? passes/s]x.py:3: RuntimeWarning\n"
+    )
+    stream.write("ValueError: op 'gather' is not supported\nlast words")
+    stream.close()
+    assert out.getvalue() == (
+        "x.py:3: RuntimeWarning\nValueError: op 'gather' is not supported\nlast words\n"
+    )
