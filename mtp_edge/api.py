@@ -22,6 +22,7 @@ bundle, checking the exported programs through the runtime of their platform.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,7 +116,8 @@ def load(model: str | Path = "default", *, bundle: str | Path | None = None, **o
 
 
 class Model:
-    """A loaded target with its drafter, and the tokens its KV cache holds."""
+    """A loaded target with its drafter, and the tokens its KV cache holds. It serves one call
+    at a time (not thread-safe: serialize calls, as mtp-serve does)."""
 
     def __init__(self, generator: Generator):
         self.generator = generator
@@ -171,9 +173,12 @@ class Model:
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             return self.generator.encode(prompt)
-        ids = list(prompt)
         vocab = self.generator.session.vocab_size
-        if not all(isinstance(i, int) and 0 <= i < vocab for i in ids):
+        try:
+            ids = [operator.index(i) for i in prompt]  # ints, numpy's and torch's included
+        except TypeError:
+            ids = [-1]
+        if not all(0 <= i < vocab for i in ids):
             raise UserError(f"a prompt of token ids takes ints in 0..{vocab - 1}")
         return ids
 
