@@ -34,7 +34,7 @@ def main() -> None:
                 "--prompts", os.path.relpath(PROMPTS), "--max-new-tokens", str(args.max_new_tokens),
             ]  # fmt: skip
             print(" ".join(command), file=sys.stderr)
-            # exit 2 when not lossless; the JSON is written all the same
+            # exit 1 when not lossless; the JSON is written all the same
             subprocess.run([*command, "--json", str(out)], check=False)
             report = json.loads(out.read_text())
             report["command"] = " ".join(command)

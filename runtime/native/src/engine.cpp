@@ -220,7 +220,7 @@ std::vector<int64_t> Engine::encode_prompt(const std::string& text, bool chat) c
     if (!manifest_.chat_format)
       throw UserError("bundle " + manifest_.dir +
                       " has no chat_format for the native runtime: re-export it with this "
-                      "mtp-export, or feed raw text (--no-chat)");
+                      "mtp-export, or feed raw text (--no-chat-template)");
     ids = encode_chat({manifest_.chat_format->prefix, text, manifest_.chat_format->suffix});
   } else {
     for (int32_t id : tokenizer_->encode(text, /*parse_special=*/false)) ids.push_back(id);

@@ -6,6 +6,7 @@
 #include <fstream>
 #include <iostream>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -27,7 +28,9 @@ const char* kUsage =
     "       [--no-weight-cache]\n"
     "       [--temperature T] [--top-k K] [--top-p P] [--seed S] [--stop TEXT]...\n"
     "       [--record-drafts]\n"
-    "Each prompt runs plain, then speculative; greedy output must be identical (exit 2 if not).\n"
+    "Each prompt runs plain, then speculative; greedy output must be identical (exit 1 if not).\n"
+    "Short names as the Python commands: -p --prompt, -n --max-new-tokens, -s --seed,\n"
+    "-t --threads, --temp --temperature.\n"
     "--json OUT: write the report there (- or no --json: on stdout).\n"
     "--drafter X+ngram: prompt lookup (--ngram-sizes) where the context repeats itself, the\n"
     "bundle's model drafter X elsewhere.\n"
@@ -95,11 +98,11 @@ int run(int argc, char** argv) {
       bundle = value();
     } else if (flag == "--prompts") {
       prompts_path = value();
-    } else if (flag == "--prompt") {
+    } else if (flag == "--prompt" || flag == "-p") {
       prompt_text = value();
     } else if (flag == "--prompt-ids") {
       prompt_ids = value();
-    } else if (flag == "--max-new-tokens") {
+    } else if (flag == "--max-new-tokens" || flag == "-n") {
       options.max_new_tokens = number<int64_t>(flag, value());
       if (options.max_new_tokens < 1) throw mtp::UserError("--max-new-tokens must be >= 1");
     } else if (flag == "--repeat") {
@@ -109,7 +112,7 @@ int run(int argc, char** argv) {
       json_out = value();
     } else if (flag == "--k") {
       k = number<int64_t>(flag, value());
-      if (k < 0) throw mtp::UserError("--k must be >= 0");
+      if (k < 1 || k > 15) throw mtp::UserError("--k takes 1..15 (most tokens drafted per step)");
     } else if (flag == "--drafter") {
       engine_options.drafter = value();
     } else if (flag == "--ngram-sizes") {
@@ -125,11 +128,11 @@ int run(int argc, char** argv) {
       options.record_drafts = true;
     } else if (flag == "--no-chat-template" || flag == "--no-chat") {  // --no-chat: older name
       options.chat = false;
-    } else if (flag == "--threads") {
+    } else if (flag == "--threads" || flag == "-t") {
       engine_options.threads = number<unsigned>(flag, value());
     } else if (flag == "--no-weight-cache") {
       mtp::set_xnnpack_weight_cache(false);
-    } else if (flag == "--temperature") {
+    } else if (flag == "--temperature" || flag == "--temp") {
       options.config.sampling.temperature = number<double>(flag, value());
       if (!(options.config.sampling.temperature >= 0))
         throw mtp::UserError("--temperature must be >= 0 (0 = greedy)");
@@ -139,7 +142,7 @@ int run(int argc, char** argv) {
       options.config.sampling.top_p = number<double>(flag, value());
       if (!(options.config.sampling.top_p > 0 && options.config.sampling.top_p <= 1))
         throw mtp::UserError("--top-p must be in (0, 1] (1 = off)");
-    } else if (flag == "--seed") {
+    } else if (flag == "--seed" || flag == "-s") {
       options.config.sampling.seed = number<uint64_t>(flag, value());
     } else if (flag == "--stop") {
       options.config.stop_strings.push_back(value());
@@ -196,7 +199,8 @@ int run(int argc, char** argv) {
             << s["spec_tokens_per_s"] << " tok/s, speedup " << s["speedup"] << ", tau "
             << s["tau"] << ", lossless " << s["lossless"] << std::endl;
   if (options.config.sampling.greedy() && !s["lossless"].get<bool>())
-    throw mtp::UserError("speculative output diverged from plain output beyond a near-tie: a bug");
+    throw std::runtime_error(  // a fault of ours: exit 1, as the Python commands
+        "speculative output diverged from plain output beyond a near-tie: a bug");
   return 0;
 }
 
