@@ -134,11 +134,11 @@ def plain_ids(report: dict) -> list[list[int]]:
 def test_arm64_speculative_equals_plain_and_x86(
     request, runner, arm64_runner, tmp_path, bundle_name, drafters
 ):
-    """Under qemu, each drafter's speculative tokens are the plain tokens on all 48 built-in
+    """Under qemu, each drafter's speculative tokens are the plain tokens on 16 built-in
     prompts; the plain tokens are the x86 runner's, or first differ where the x86 (Python)
     plain run's two best logits nearly tie."""
     bundle_dir = request.getfixturevalue(bundle_name)
-    suite = suite_ids(bundle_dir)
+    suite = suite_ids(bundle_dir)[::3]  # 2 of each category: qemu is slow
     reports = {}
     for drafter in drafters:
         report = run_native(arm64_runner, bundle_dir, suite, tmp_path, "--drafter", drafter)
