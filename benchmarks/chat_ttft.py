@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -94,6 +95,8 @@ def main() -> None:
         "backend": llm.generator.session.name,
         "threads": torch.get_num_threads(),
         "machine": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "load_average_1m_at_end": round(os.getloadavg()[0], 2),  # other work on the machine
         "answer_tokens": args.answer_tokens,
         "repeats": args.repeats,
         "turns": rows,
@@ -101,7 +104,9 @@ def main() -> None:
     out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [
         f"Chat TTFT, {llm.name} on {report['backend']} ({report['drafter']} drafter), median of "
-        f"{args.repeats}",
+        f"{args.repeats}, {report['threads']} threads on {report['cores']} cores (load average "
+        f"{report['load_average_1m_at_end']} at the end: absolute times vary with it, both columns "
+        "alike)",
         "",
         "| turn | prompt tokens | cached | prefilled | TTFT kept cache (ms) | TTFT fresh (ms) | "
         "speedup |",
