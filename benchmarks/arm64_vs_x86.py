@@ -117,7 +117,9 @@ def markdown(r: dict) -> str:
         f"the built-in suite (chat template, encoded once on x86), {r['max_new_tokens']} new "
         f"tokens, ARM64 under `qemu-aarch64 -cpu {r['cpu']}`.",
         "",
-        f"- plain tokens ARM64 == x86: **{r['plain_identical']}/{r['prompts']}**",
+        f"- plain tokens ARM64 == x86: **{r['plain_identical']}/{r['prompts']}**; of the "
+        f"differences, {sum(bool(row['near_tie']) for row in r['rows'])} at a near-tie (x86 "
+        f"top-2 gap < {NEAR_TIE})",
         f"- speculative == plain: ARM64 {a['prompts'] - a['divergences']}/{a['prompts']}, "
         f"x86 {x['prompts'] - x['divergences']}/{x['prompts']}",
         f"- tau: ARM64 {a['tau']:.2f}, x86 {x['tau']:.2f} (emulated speeds mean nothing)",
