@@ -154,7 +154,10 @@ def calibrate_session(
     draft_ms = draft_overhead = 0.0
     sampler = Sampler(SamplingParams())
     if drafter is not None:
-        history = [(i * 7) % 500 + 10 for i in range(context)]
+        # ordinary token ids (past the first few, often special), inside any vocabulary: an
+        # id past it would make an ExecuTorch program abort
+        span = max(min(session.vocab_size, 510) - 10, 1)
+        history = [(i * 7) % span + min(10, session.vocab_size - 1) for i in range(context)]
         hidden = None
         if drafter.needs_hidden:
             hidden = session.forward(history[-8:], context - 8, return_hidden=True).hidden
