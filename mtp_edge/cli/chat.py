@@ -26,7 +26,7 @@ HELP = """commands:
 @click.option("--system", default=None, help="System prompt that opens the conversation.")
 def chat(system, max_new_tokens, temperature, top_k, top_p, seed, stop_strings, **opts):
     """Chat with a model or bundle in the terminal (multi-turn, streaming, KV cache reused)."""
-    from mtp_edge.api import ContextFull, Model
+    from mtp_edge.api import Model
     from mtp_edge.runtime.assemble import assemble
 
     options = load_options(opts)
@@ -48,10 +48,12 @@ def chat(system, max_new_tokens, temperature, top_k, top_p, seed, stop_strings, 
     drafting = f"drafter {drafter.name}, k={llm.generator.config.k}" if drafter else "no drafter"
     say(f"mtp-chat: {llm.name} ({drafting}, context {llm.max_seq_len}); /help for commands")
 
-    messages = list(opening)
-    last = None  # the last answer's Completion-like record, for /stats
+    interrupts = Interrupts()
+    signal.signal(signal.SIGINT, interrupts)
+    conversation = Conversation(llm, opening, sampling, interrupts)
     while True:
         try:
+            interrupts.at_prompt = True
             line = input("> ")
         except EOFError:  # Ctrl-D
             click.echo("")
@@ -60,51 +62,84 @@ def chat(system, max_new_tokens, temperature, top_k, top_p, seed, stop_strings, 
             click.echo("")
             say("(Ctrl-D or /exit quits)")
             continue
+        finally:
+            interrupts.at_prompt = False
+        interrupts.requested = False  # a Ctrl-C before the line was typed asks for nothing
+        if conversation.take(line):
+            return
+
+
+class Interrupts:
+    """Ctrl-C at the prompt abandons the line (input() gets a KeyboardInterrupt); anywhere else
+    it asks the answer to stop, which the stream checks between steps: never an exception in the
+    middle of a library call, which could leave a lock held or the cache half-written."""
+
+    def __init__(self):
+        self.at_prompt = False
+        self.requested = False
+
+    def __call__(self, signum, frame) -> None:
+        if self.at_prompt:
+            raise KeyboardInterrupt
+        self.requested = True
+
+
+class Conversation:
+    """The messages so far and the last answer's numbers; a line typed is a command or a turn."""
+
+    def __init__(self, llm, opening: list[dict], sampling: dict, interrupts: Interrupts):
+        self.llm, self.opening, self.sampling = llm, opening, sampling
+        self.interrupts = interrupts
+        self.messages = list(opening)
+        self.last: dict | None = None  # the last answer's record, for /stats
+
+    def take(self, line: str) -> bool:
+        """Act on one line; True means quit."""
+        from mtp_edge.api import ContextFull
+
         text = line.strip()
         if not text:
-            continue
+            return False
         if text.startswith("/"):
             command = text.split()[0]
             if command in ("/exit", "/quit"):
-                return
+                return True
             if command == "/reset":
-                messages = list(opening)
-                llm.reset()
+                self.messages = list(self.opening)
+                self.llm.reset()
                 say("new conversation")
             elif command == "/stats":
-                say(_stats_line(last) if last else "no answer yet")
+                say(_stats_line(self.last) if self.last else "no answer yet")
             elif command == "/help":
                 say(HELP)
             else:
                 say(f"unknown command {command}; /help lists them")
-            continue
-        messages.append({"role": "user", "content": line})
+            return False
+        turn = [*self.messages, {"role": "user", "content": line}]
         try:
-            last = _answer(llm, messages, sampling)
+            answer = _answer(self.llm, turn, self.sampling, self.interrupts)
         except ContextFull as e:
-            messages.pop()
             say(f"{e}\n(type /reset to start a new conversation)")
-            continue
-        messages.append({"role": "assistant", "content": last["text"]})
-        if last["finish_reason"] == "context_full":
+            return False
+        self.messages = [*turn, {"role": "assistant", "content": answer["text"]}]
+        self.last = answer
+        if answer["finish_reason"] == "context_full":
             say("[the context is full: /reset starts a new conversation]")
+        return False
 
 
-def _answer(llm, messages: list[dict], sampling: dict) -> dict:
+def _answer(llm, messages: list[dict], sampling: dict, interrupts: Interrupts) -> dict:
     """Stream the answer to stdout; Ctrl-C stops it after the current step."""
-    stopped = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: stopped.append(True))
     shown, chunk = [], None
     stream = llm.stream_chat(messages, **sampling)
     try:
         for chunk in stream:
             shown.append(chunk.text)
             click.echo(chunk.text, nl=False)
-            if stopped:
+            if interrupts.requested:
                 break
     finally:
         stream.close()
-        signal.signal(signal.SIGINT, previous)
     click.echo("")
     if chunk is None or chunk.finish_reason is None:
         say("[stopped]")
