@@ -228,7 +228,8 @@ def test_prompt_with_invalid_utf8_is_refused(chat):
 def test_mtp_run_refuses_invalid_utf8(ok_dir):
     from mtp_edge.cli import run
 
-    result = CliRunner().invoke(run, ["--model", str(ok_dir), "--prompt", "a\udcffb", "--json", "-"])
+    args = ["--model", str(ok_dir), "--prompt", "a\udcffb", "--json", "-"]
+    result = CliRunner().invoke(run, args)
     assert_one_line_exit_2(result, "not valid UTF-8 text")
 
 

@@ -87,8 +87,8 @@ def graph() -> dict[str, set[str]]:
 
 def test_every_package_is_found():
     modules = set(package_files())
-    names = ("mtp_edge.cli", "mtp_edge.cli.run", "mtp_edge.manifest", "mtp_edge.runtime.loop", "mtp_edge.train",
-             "mtp_edge.exporter.export", "mtp_edge.devices.harness")  # fmt: skip
+    names = ("mtp_edge.cli", "mtp_edge.cli.run", "mtp_edge.manifest", "mtp_edge.runtime.loop",
+             "mtp_edge.train", "mtp_edge.exporter.export", "mtp_edge.devices.harness")  # fmt: skip
     for name in names:
         assert name in modules
 
