@@ -10,24 +10,7 @@ import org.mtpedge.demo.Native;
  * and one prefilling the whole conversation each turn.
  */
 public final class ChatCheck {
-  private static byte[] utf8(String s) {
-    return s.getBytes(StandardCharsets.UTF_8);
-  }
-
-  private static String text(byte[] b) {
-    return new String(b, StandardCharsets.UTF_8);
-  }
-
-  private static String quote(String s) {
-    StringBuilder out = new StringBuilder("\"");
-    for (int i = 0; i < s.length(); i++) {
-      char c = s.charAt(i);
-      if (c == '"' || c == '\\') out.append('\\').append(c);
-      else if (c < 0x20) out.append(String.format("\\u%04x", (int) c));
-      else out.append(c);
-    }
-    return out.append('"').toString();
-  }
+  // utf8, text and quote: JniCheck's (compiled with it)
 
   /** One answer: {"result": ..., "pieces": [...]}; the listener stops after stopAfter pieces. */
   private static String answer(long chat, String options, int stopAfter) {
@@ -35,15 +18,15 @@ public final class ChatCheck {
     byte[] result =
         Native.chatGenerate(
             chat,
-            utf8(options),
+            JniCheck.utf8(options),
             p -> {
-              pieces.add(text(p));
+              pieces.add(JniCheck.text(p));
               return pieces.size() != stopAfter;
             });
-    StringBuilder out = new StringBuilder("{\"result\": ").append(text(result));
+    StringBuilder out = new StringBuilder("{\"result\": ").append(JniCheck.text(result));
     out.append(", \"pieces\": [");
     for (int i = 0; i < pieces.size(); i++) {
-      out.append(i > 0 ? "," : "").append(quote(pieces.get(i)));
+      out.append(i > 0 ? "," : "").append(JniCheck.quote(pieces.get(i)));
     }
     return out.append("]}").toString();
   }
@@ -51,40 +34,41 @@ public final class ChatCheck {
   private static String error(Runnable call) {
     try {
       call.run();
-      return quote("no exception");
+      return JniCheck.quote("no exception");
     } catch (RuntimeException e) {
-      return quote(e.getClass().getName() + ": " + e.getMessage());
+      return JniCheck.quote(e.getClass().getName() + ": " + e.getMessage());
     }
   }
 
   public static void main(String[] args) {
-    long engine = Native.open(utf8(args[0])), other = Native.open(utf8(args[0]));
-    long chat = Native.chatCreate(engine, utf8("")), whole = Native.chatCreate(other, utf8(""));
+    long engine = Native.open(JniCheck.utf8(args[0])), other = Native.open(JniCheck.utf8(args[0]));
+    long chat = Native.chatCreate(engine, JniCheck.utf8(""));
+    long whole = Native.chatCreate(other, JniCheck.utf8(""));
     String options = "{\"max_new_tokens\": 16, \"temperature\": 0, \"speculative\": ";
     for (String speculative : new String[] {"false", "true"}) {
       Native.chatReset(chat);
       Native.chatReset(whole);
       for (String turn : new String[] {"the cat sat on the mat", "and then? the cat é 🤗"}) {
-        boolean added = Native.chatAddUser(chat, utf8(turn));
-        System.out.println(added && Native.chatAddUser(whole, utf8(turn)));
+        boolean added = Native.chatAddUser(chat, JniCheck.utf8(turn));
+        System.out.println(added && Native.chatAddUser(whole, JniCheck.utf8(turn)));
         System.out.println(answer(chat, options + speculative + "}", 0));
         System.out.println(answer(whole, options + speculative + ", \"reuse_cache\": false}", 0));
       }
     }
     // The stop button: the listener says stop after three pieces; the conversation goes on.
     Native.chatReset(chat);
-    Native.chatAddUser(chat, utf8("hi, hi, hi, hi"));
+    Native.chatAddUser(chat, JniCheck.utf8("hi, hi, hi, hi"));
     System.out.println(answer(chat, options + "true}", 3));
-    Native.chatAddUser(chat, utf8("and then?"));
+    Native.chatAddUser(chat, JniCheck.utf8("and then?"));
     System.out.println(answer(chat, options + "true}", 0));
     // A listener that throws: the exception reaches the caller unchanged.
-    Native.chatAddUser(chat, utf8("again"));
+    Native.chatAddUser(chat, JniCheck.utf8("again"));
     System.out.println(
         error(
             () ->
                 Native.chatGenerate(
                     chat,
-                    utf8("{}"),
+                    JniCheck.utf8("{}"),
                     p -> {
                       throw new IllegalStateException("listener stop");
                     })));
@@ -92,20 +76,20 @@ public final class ChatCheck {
     System.out.println(
         error(
             () -> {
-              Native.chatAddUser(chat, utf8("one more"));
-              Native.chatAddUser(chat, utf8("twice"));
+              Native.chatAddUser(chat, JniCheck.utf8("one more"));
+              Native.chatAddUser(chat, JniCheck.utf8("twice"));
             }));
     Native.chatReset(chat);
-    System.out.println(error(() -> Native.chatGenerate(chat, utf8("{}"), p -> true)));
+    System.out.println(error(() -> Native.chatGenerate(chat, JniCheck.utf8("{}"), p -> true)));
     // Turns until the context is full: chatAddUser says false; after a reset it takes turns.
     int turns = 0;
-    while (Native.chatAddUser(chat, utf8("a".repeat(60) + " " + turns))) {
+    while (Native.chatAddUser(chat, JniCheck.utf8("a".repeat(60) + " " + turns))) {
       answer(chat, "{\"max_new_tokens\": 4}", 0);
       turns++;
     }
     System.out.println(turns);
     Native.chatReset(chat);
-    System.out.println(Native.chatAddUser(chat, utf8("the cat sat on the mat")));
+    System.out.println(Native.chatAddUser(chat, JniCheck.utf8("the cat sat on the mat")));
     System.out.println(answer(chat, options + "false}", 0));
     Native.chatFree(chat);
     Native.chatFree(whole);

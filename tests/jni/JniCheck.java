@@ -8,16 +8,16 @@ import org.mtpedge.demo.Native;
  * line, for tests/test_android_demo.py to check: args BUNDLE_DIR PROMPTS_JSONL PROMPT.
  */
 public final class JniCheck {
-  private static byte[] utf8(String s) {
+  static byte[] utf8(String s) {
     return s.getBytes(StandardCharsets.UTF_8);
   }
 
-  private static String text(byte[] b) {
+  static String text(byte[] b) {
     return new String(b, StandardCharsets.UTF_8);
   }
 
   /** A JSON string literal (the test parses it back). */
-  private static String quote(String s) {
+  static String quote(String s) {
     StringBuilder out = new StringBuilder("\"");
     for (int i = 0; i < s.length(); i++) {
       char c = s.charAt(i);
