@@ -267,10 +267,15 @@ class DraftRecorder:
         draft = self.drafter.propose(context, hidden, k, sampler)
         gaps, self.gaps = self.gaps, None
         lookup = (self.hybrid.from_lookup if self.hybrid else 0) > lookups
-        self.steps[-1].append(
-            (list(draft.tokens[:k]), None if lookup or not gaps else gaps, lookup)
-        )
+        if k > 0:  # the loop also asks for 0 tokens (to keep a head's state), as a step without
+            # a draft, which the runner does not report
+            self.steps[-1].append(
+                (list(draft.tokens[:k]), None if lookup or not gaps else gaps, lookup)
+            )
         return draft
+
+    def observe(self, context, hidden):
+        self.drafter.observe(context, hidden)
 
 
 def same_drafts(python_steps, native_steps, what: str, tie: float = NEAR_TIE) -> bool:
