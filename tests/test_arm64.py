@@ -134,11 +134,12 @@ def plain_ids(report: dict) -> list[list[int]]:
 def test_arm64_speculative_equals_plain_and_x86(
     request, runner, arm64_runner, tmp_path, bundle_name, drafters
 ):
-    """Under qemu, each drafter's speculative tokens are the plain tokens on 16 built-in
+    """Under qemu, each drafter's speculative tokens are the plain tokens on 6 built-in
     prompts; the plain tokens are the x86 runner's, or first differ where the x86 (Python)
     plain run's two best logits nearly tie."""
     bundle_dir = request.getfixturevalue(bundle_name)
-    suite = suite_ids(bundle_dir)[::3]  # 2 of each category: qemu is slow
+    suite = suite_ids(bundle_dir)[::8]  # 6 prompts of 6 categories: qemu is slow (the
+    # default bundle on 16 prompts is benchmarks/arm64_vs_x86.py's)
     reports = {}
     for drafter in drafters:
         report = run_native(arm64_runner, bundle_dir, suite, tmp_path, "--drafter", drafter)
@@ -162,7 +163,7 @@ def test_arm64_speculative_equals_plain_and_x86(
 def test_arm64_tokens_do_not_depend_on_the_cpu_model(mtp_bundle, device_dir, tmp_path):
     """XNNPACK picks other int8 kernels per CPU (cortex-a53: NEON mlal; cortex-a76: dot
     product; max,sme=off: i8mm): the same plain and speculative tokens on each."""
-    suite = suite_ids(mtp_bundle)[:4]
+    suite = suite_ids(mtp_bundle)[:2]
     lines = [
         json.dumps({"id": i, "category": c, "prompt_ids": ids, "max_new_tokens": 16})
         for i, c, ids in suite
