@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import json
-
 import click
 
-from mtp_edge.cli.common import OneLineErrors, say
+from mtp_edge.cli.common import OneLineErrors, json_option, say, write_json
 from mtp_edge.files import check_output
 
 
@@ -25,7 +23,22 @@ from mtp_edge.files import check_output
     "(repeatable; default: offline text + the target's own responses).",
 )
 @click.option("--k", default=4, show_default=True, help="Draft steps unrolled in training.")
-@click.option("--steps", default=3000, show_default=True)
+@click.option(
+    "--minutes",
+    type=float,
+    default=None,
+    help="Wall-clock budget for writing, labelling and training together: the run measures "
+    "this machine's rates and gives writing the share that buys text for the steps training "
+    "can do, then stops each stage on its deadline (what was written and labelled is kept; "
+    "training saves a checkpoint). With --resume it counts the time already spent: --minutes "
+    "60 after 40 spent trains 20 more. Instead of --steps; one process only.",
+)
+@click.option(
+    "--steps",
+    default=None,
+    type=int,
+    help="Training steps  [default: 3000; with --minutes, as many as fit]",
+)
 @click.option(
     "--batch-size",
     default=512,
@@ -35,15 +48,26 @@ from mtp_edge.files import check_output
 )
 @click.option("--lr", default=1e-3, show_default=True)
 @click.option("-s", "--seed", default=0, show_default=True)
-@click.option("--resume", is_flag=True, help="Continue from the last checkpoint next to --out.")
 @click.option(
-    "--draft-vocab", default=8192, show_default=True, help="Size of the reduced draft vocabulary."
+    "--resume",
+    is_flag=True,
+    help="Continue an interrupted or finished run next to --out: its written text and labels "
+    "are reused and training continues from the last checkpoint (give more --steps or "
+    "--minutes to train further).",
+)
+@click.option(
+    "--draft-vocab",
+    default="auto",
+    show_default=True,
+    help="Size of the reduced draft vocabulary, or auto: the fewest tokens (a multiple of 256, "
+    "1024-32768) that cover 99% of the target's predictions on the training text.",
 )
 @click.option(
     "--gen-tokens",
-    default=100_000,
-    show_default=True,
-    help="Response tokens the target writes for the default corpus.",
+    default=None,
+    type=int,
+    help="Response tokens the target writes for the default corpus  [default: 100000; with "
+    "--minutes, as many as its share of the time allows]",
 )
 @click.option(
     "--self-prompt-tokens",
@@ -121,9 +145,23 @@ from mtp_edge.files import check_output
     is_flag=True,
     help="Write (or extend) the cached training text next to --out, then stop.",
 )
+@click.option(
+    "--device",
+    type=click.Choice(["cpu", "cuda"]),
+    default="cpu",
+    show_default=True,
+    help="Where the heads train (the target writes and labels on the CPU). cuda is written to "
+    "work but tested on CPU only.",
+)
+@json_option(
+    "the run's summary (held-out results, every evaluation; - prints it instead of the report)"
+)
 @click.option("-o", "--out", required=True, help="Output heads file (.safetensors).")
-def train(data, freeze_lm_head, writer, **options):
-    """Train MTP draft heads for a target by self-distillation (runs under torchrun too)."""
+def train(data, freeze_lm_head, writer, json_out, **options):
+    """Train MTP draft heads for a target by self-distillation (runs under torchrun too).
+
+    The heads written are the run's best on held-out text; the run ends with a report of
+    their acceptance, the draft step's cost and the command that exports them."""
     from mtp_edge.train import TrainOptions, train_heads
 
     check_output(options["out"], "--out")
@@ -131,5 +169,7 @@ def train(data, freeze_lm_head, writer, **options):
         data=tuple(data), train_lm_head=not freeze_lm_head, writer=writer or "", **options
     )
     summary = train_heads(options, progress=say)
-    if summary:
-        click.echo(json.dumps(summary))
+    if json_out:
+        write_json(json_out, summary)
+    if summary.get("report") and json_out != "-":
+        click.echo(summary["report"])

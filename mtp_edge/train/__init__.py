@@ -8,13 +8,18 @@ Four stages, each a plain function:
 2. labels: the frozen target, teacher-forced over each sequence: per position its final hidden
    state and its argmax next token.
 3. draft vocabulary: the tokens the target predicts most often (the head's LM head covers only
-   these, which keeps a draft step cheap).
+   these, which keeps a draft step cheap); by default the fewest that cover 99% of its
+   predictions on the training text.
 4. training-time test (EAGLE-3): whole sequences at once; from every position, k unrolled steps
    on the head's own hidden state (and, for heads that read the target's cache, attention over
    the target's last-layer K/V plus the head's own K/V of the earlier steps, as drafting writes
    them), each scored against the target's distribution over the draft vocabulary (soft labels;
    `--labels hard`: its argmax); early steps weigh more, as a later draft only counts when the
    earlier ones were accepted.
+
+`--minutes N` gives the stages one wall-clock budget (budget.py: how it is split, measured on
+this machine as the run goes); the output is the best held-out heads of the run, and the run
+ends with a one-screen report (report.py).
 
 Runs under `torchrun --nproc_per_node=N` (gloo): ranks share the generation, label and train on
 their own shard of sequences, and DistributedDataParallel averages the gradients. Only rank 0
@@ -28,15 +33,20 @@ Modules, each importing only those above it:
   requests it writes itself, an exported target's session, the cache of what it wrote.
 - labels: stages 2 and 3: Labels from the eager or exported target (cached), the draft
   vocabulary.
+- budget: --minutes: the stages' deadlines, the rule that splits the time.
 - context: the attention of heads that attend, for all origins at once (TrainContext).
-- loop: stage 4 and the run: batches, losses, held-out evaluation, checkpoints, DDP,
-  train_heads.
+- loop: stage 4: batches, losses, held-out evaluation, the learning-rate schedule,
+  checkpoints.
+- rates: what the run measures (labelling and training-step rates; a draft step's cost).
+- report: the final report.
+- run: the run (train_heads): stages in order, DDP, resuming, the best held-out heads.
 """
 
 from mtp_edge.train.corpus import Sequence, doc_topics
 from mtp_edge.train.labels import Labels, draft_vocabulary, label_sequences, label_with_session
-from mtp_edge.train.loop import rope_tables, sequence_batch, train_heads
+from mtp_edge.train.loop import rope_tables, sequence_batch
 from mtp_edge.train.options import TrainOptions
+from mtp_edge.train.run import train_heads
 from mtp_edge.train.writer import (
     Int8Linear,
     build_corpus,

@@ -44,9 +44,11 @@ def training_attend(context: TrainContext, step: int, own: list) -> Attend:
     t + step + 1, sees the target's keys at positions <= t and the head's own keys of steps
     0..step from the same origin — exactly the cache slots drafting will have written."""
     b, length = context.key_ok.shape
-    positions = torch.arange(length) + step + 1
+    device = context.key_ok.device
+    positions = torch.arange(length, device=device) + step + 1
     cos, sin = context.cos[positions], context.sin[positions]  # [L, hd]
-    causal = torch.ones(length, length, dtype=torch.bool).tril()[None] & context.key_ok[:, None]
+    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()[None]
+    causal = causal & context.key_ok[:, None]
 
     def attend(q, k, v):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -76,7 +78,8 @@ def training_self_attend(context: TrainContext, keep: list) -> Attend:
     # Origin t at rotary position t (drafting puts it at t + 1: rotary scores depend only on
     # the distance between positions, so the two agree).
     cos, sin = context.cos[:length], context.sin[:length]
-    causal = torch.ones(length, length, dtype=torch.bool).tril()[None] & context.key_ok[:, None]
+    causal = torch.ones(length, length, dtype=torch.bool, device=context.key_ok.device).tril()
+    causal = causal[None] & context.key_ok[:, None]
 
     def attend(q, k, v):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

@@ -18,6 +18,7 @@ from mtp_edge.errors import UserError
 class Sequence:
     tokens: list[int]
     start: int  # first position a draft may start from (the last prompt token of a chat turn)
+    kind: str = ""  # the kind of text, for per-category results ("": the user's, unknown)
 
 
 # Pure-Python stdlib modules: their docstrings and sources are prose and code that ship offline.
@@ -62,7 +63,12 @@ def offline_texts() -> list[str]:
 
 
 def text_sequences(
-    texts: list[str], tokenizer, seq_len: int, budget: int | None, rng: random.Random
+    texts: list[str],
+    tokenizer,
+    seq_len: int,
+    budget: int | None,
+    rng: random.Random,
+    kind: str = "",
 ) -> list[Sequence]:
     """Blocks of about seq_len tokens, in random order, until `budget` tokens (None: all)."""
     blocks = []
@@ -77,7 +83,7 @@ def text_sequences(
             break
         ids = tokenizer.encode(block)[:seq_len]
         if len(ids) >= 2:
-            sequences.append(Sequence(ids, 0))
+            sequences.append(Sequence(ids, 0, kind))
             total += len(ids)
     return sequences
 
@@ -250,32 +256,41 @@ def instruction_prompts(seed: int) -> Iterator[str]:
     """An endless, seeded stream of instruction prompts over the offline material: the kinds of
     request a chat model gets (explain, summarize, rewrite, answer, code, math, translate,
     structured output, chat, long form)."""
+    return (prompt for _, prompt in kinded_prompts(seed))
+
+
+def kinded_prompts(seed: int) -> Iterator[tuple[str, str]]:
+    """instruction_prompts with the kind of each (its template's group: "code", "math", ...)."""
     m = _material()
     rng = random.Random(seed)
     kinds = sorted(_TEMPLATES)
     while True:
-        template = rng.choice(_TEMPLATES[rng.choice(kinds)])
+        kind = rng.choice(kinds)
+        template = rng.choice(_TEMPLATES[kind])
         (func, doc), (func2, _) = rng.choice(m.functions), rng.choice(m.functions)
         a, b = rng.randint(2, 99), rng.randint(2, 99)
-        yield template.format(
-            para=rng.choice(m.paragraphs),
-            snippet=rng.choice(m.snippets),
-            func=func,
-            func2=func2,
-            doc=doc,
-            docline=doc.split(". ")[0].rstrip(".") + ".",
-            who=rng.choice(_PEOPLE),
-            mood=rng.choice(_MOODS),
-            topic=rng.choice(m.topics),
-            task=rng.choice(_TASKS),
-            activity=rng.choice(_ACTIVITIES),
-            subject=rng.choice(_SUBJECTS),
-            language=rng.choice(_LANGUAGES),
-            sentence=rng.choice(_SENTENCES),
-            item=rng.choice(_ITEMS),
-            a=a,
-            b=b,
-            c=a * rng.randint(2, 9) + b,
-            n=rng.randint(2, 12),
-            p=rng.choice((5, 10, 15, 20, 25, 40, 75)),
+        yield (
+            kind,
+            template.format(
+                para=rng.choice(m.paragraphs),
+                snippet=rng.choice(m.snippets),
+                func=func,
+                func2=func2,
+                doc=doc,
+                docline=doc.split(". ")[0].rstrip(".") + ".",
+                who=rng.choice(_PEOPLE),
+                mood=rng.choice(_MOODS),
+                topic=rng.choice(m.topics),
+                task=rng.choice(_TASKS),
+                activity=rng.choice(_ACTIVITIES),
+                subject=rng.choice(_SUBJECTS),
+                language=rng.choice(_LANGUAGES),
+                sentence=rng.choice(_SENTENCES),
+                item=rng.choice(_ITEMS),
+                a=a,
+                b=b,
+                c=a * rng.randint(2, 9) + b,
+                n=rng.randint(2, 12),
+                p=rng.choice((5, 10, 15, 20, 25, 40, 75)),
+            ),
         )

@@ -1,12 +1,9 @@
-"""The training-time test: batches, losses, held-out evaluation, checkpoints, DDP, the run."""
+"""The training-time test: batches, losses, held-out evaluation, the schedule, checkpoints."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,33 +13,18 @@ import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from mtp_edge.checkpoints import load_model
 from mtp_edge.errors import UserError
 from mtp_edge.files import write_with
 from mtp_edge.logs import progress_bar
 from mtp_edge.model import rope_frequencies
 from mtp_edge.mtp import (
-    MTPConfig,
     MTPHead,
-    cache_attention_config,
-    carry_vocabulary,
-    init_from_target,
-    load_heads,
-    save_heads,
-    target_fingerprint,
-    target_lm_head,
 )
 from mtp_edge.train.context import TrainContext
 from mtp_edge.train.labels import (
     Labels,
-    cached_labels,
-    draft_vocabulary,
-    label_counts,
-    label_sequences,
-    label_with_session,
 )
-from mtp_edge.train.options import TrainOptions, artifact_paths
-from mtp_edge.train.writer import build_corpus, open_target_bundle
+from mtp_edge.train.options import TrainOptions
 
 IGNORE = -100  # label of a position the loss skips (outside the draft vocabulary, or past the end)
 
@@ -58,12 +40,13 @@ class Batch:
 
 def sequence_batch(labels: Labels, seqs, embedding, k: int, rope, cache: bool) -> Batch:
     """B whole sequences, padded to the longest: every position is a draft origin."""
-    bounds = labels.bounds[torch.as_tensor(seqs)]
+    bounds = labels.bounds[torch.as_tensor(seqs, device=labels.bounds.device)]
     offset, n, first = bounds[:, 0:1], bounds[:, 1:2], bounds[:, 2:3]
     length = int(n.max())
-    t = torch.arange(length)[None]  # local origin
+    device = labels.tokens.device
+    t = torch.arange(length, device=device)[None]  # local origin
     idx = offset + torch.minimum(t, n - 1)  # [B, L]
-    steps = torch.arange(1, k + 1)
+    steps = torch.arange(1, k + 1, device=device)
     local = t[..., None] + steps  # [B, L, J] position step j reads
     valid = (t >= first)[..., None] & (local <= (n - 1)[..., None])
     reads = offset[..., None] + torch.minimum(local, (n - 1)[..., None])
@@ -81,7 +64,7 @@ def origin_batch(labels: Labels, origins: torch.Tensor, embedding, k: int) -> Ba
     """Draft origins from anywhere in the text, as one row [1, N]: for heads without attention,
     which read only the hidden state and the tokens, so that no prompt position or padding is
     computed (a sequence batch spends about half its work on those)."""
-    steps = torch.arange(1, k + 1)
+    steps = torch.arange(1, k + 1, device=origins.device)
     left = labels.remaining[origins, None]
     valid = (steps <= left)[None]
     reads = (origins[:, None] + torch.minimum(steps, left))[None]
@@ -179,7 +162,7 @@ def evaluate(
     a teacher-forced estimate.
     """
     sums, counts, feature, feature_counts, hits, scored = (
-        torch.zeros(k, dtype=torch.float64) for _ in range(6)
+        torch.zeros(k, dtype=torch.float64, device=embedding.device) for _ in range(6)
     )
     context = head.needs_context
     count = (
@@ -207,6 +190,7 @@ def evaluate(
             dist.all_reduce(t)
     acceptance = (hits / scored.clamp(min=1)).tolist()
     return {
+        "origins": int(scored[0]),
         "loss": float(weighted_loss(sums, counts, weights.to(sums.dtype))),
         "feature_loss": round(float(weighted_loss(feature, feature_counts, weights.double())), 4),
         "acceptance": [round(a, 4) for a in acceptance],
@@ -219,17 +203,32 @@ def _describe(result: dict) -> str:
     return f"loss {result['loss']:.3f}  acceptance {accepted}  tau~{result['tau']:.2f}"
 
 
-def learning_rate(step: int, options: TrainOptions) -> float:
-    """Linear warm-up, then cosine decay to a tenth of --lr."""
-    if step < options.warmup:
+# Under --minutes the schedule runs on the share of the training time spent, not on steps (how
+# many steps fit is only known at the end): the warm-up takes this share of it.
+WARMUP_SHARE = 0.05
+
+
+def learning_rate(step: int, options: TrainOptions, time_share: float | None = None) -> float:
+    """Linear warm-up, then cosine decay to a tenth of --lr: over --steps, or over the training
+    time (`time_share`: the share of it spent so far) under --minutes."""
+    if time_share is not None:
+        if time_share < WARMUP_SHARE:
+            return options.lr * max(time_share / WARMUP_SHARE, 1 / options.warmup)
+        done = (time_share - WARMUP_SHARE) / (1 - WARMUP_SHARE)
+    elif step < options.warmup:
         return options.lr * (step + 1) / options.warmup
-    done = (step - options.warmup) / max(1, options.steps - options.warmup)
+    else:
+        done = (step - options.warmup) / max(1, options.steps - options.warmup)
     return options.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, done))))
 
 
-def save_checkpoint(path_st: Path, path_json: Path, head, optimizer, state: dict) -> None:
-    """Head and AdamW state as tensors in safetensors, scalars in JSON (no pickle)."""
+def save_checkpoint(
+    path_st: Path, path_json: Path, head, optimizer, state: dict, best: dict | None = None
+) -> None:
+    """Head and AdamW state (and the best held-out head's weights, `best`) as tensors in
+    safetensors, scalars in JSON (no pickle)."""
     tensors = {f"head.{n}": t.detach().contiguous() for n, t in head.state_dict().items()}
+    tensors.update({f"best.{n}": t.contiguous() for n, t in (best or {}).items()})
     params = [p for group in optimizer.param_groups for p in group["params"]]
     for i, p in enumerate(params):
         for key, value in optimizer.state.get(p, {}).items():
@@ -238,7 +237,9 @@ def save_checkpoint(path_st: Path, path_json: Path, head, optimizer, state: dict
     write_with(path_json, lambda tmp: tmp.write_text(json.dumps(state, indent=2) + "\n"))
 
 
-def load_checkpoint(path_st: Path, path_json: Path, head, optimizer) -> dict:
+def load_checkpoint(path_st: Path, path_json: Path, head, optimizer) -> tuple[dict, dict]:
+    """The state saved by save_checkpoint, loaded into `head` and `optimizer`; returns the
+    scalars and the best held-out head's weights (empty when none was kept)."""
     try:
         state = json.loads(path_json.read_text())
         with safe_open(str(path_st), framework="pt") as f:
@@ -252,276 +253,6 @@ def load_checkpoint(path_st: Path, path_json: Path, head, optimizer) -> dict:
     for name, tensor in tensors.items():
         if name.startswith("optim."):
             _, i, key = name.split(".", 2)
-            optimizer.state[params[int(i)]][key] = tensor
-    return state
-
-
-def _distributed() -> tuple[int, int, bool]:
-    """(rank, world size, whether we started the process group) from torchrun's environment."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return 0, 1, False
-    started = not dist.is_initialized()
-    if started:
-        dist.init_process_group("gloo")
-    return dist.get_rank(), world, started
-
-
-def _split(n: int, fraction: float, seed: int, world: int) -> tuple[list[int], list[int]]:
-    """Sequence indices for training and held-out evaluation, at least one per rank each."""
-    cut = max(world, round(n * fraction))
-    if n - cut < world:
-        raise UserError(
-            f"the training text makes only {n} sequences, too few to train and hold out some "
-            f"on {world} process(es): give more text"
-        )
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-    return sorted(order[cut:]), sorted(order[:cut])
-
-
-def _without_steps(recipe: dict) -> dict:
-    """A resumed run may change --steps (train longer); everything else must match."""
-    return {k: v for k, v in recipe.items() if k != "steps"}
-
-
-def train_heads(options: TrainOptions, progress: Callable[[str], None] | None = None) -> dict:
-    """Train MTP heads for options.model and write options.out (+ .json); returns a summary."""
-    began = time.perf_counter()
-    rank, world, started = _distributed()
-    try:
-        return _train(options, rank, world, progress or print, began)
-    finally:
-        if started:
-            dist.destroy_process_group()
-
-
-def _train(options, rank, world, progress, began) -> dict:
-    def say(message: str) -> None:
-        if rank == 0:
-            progress(message)
-
-    if options.threads:
-        torch.set_num_threads(options.threads)
-    paths = artifact_paths(options.out)
-    if rank == 0:
-        Path(options.out).parent.mkdir(parents=True, exist_ok=True)
-    loaded = load_model(options.model)
-    target = loaded.model.requires_grad_(False)
-    target_hash = target_fingerprint(target)
-    c = target.config
-    start = None
-    if options.init:  # continue training these heads: their design carries over
-        start = load_heads(options.init, target, loaded.name)
-        options.attention = start.config.attention
-        say(f"starting from {options.init} ({start.config.attention} attention)")
-    session, bundle_hash = None, None
-    if options.bundle:
-        session, bundle_hash = open_target_bundle(options.bundle, loaded)
-    # The cache of written text is keyed by who wrote it.
-    text_hash, writer = {
-        "bundle": (bundle_hash, session),
-        "fp32": (target_hash, target),
-        "int8": ("int8-" + target_hash, None),
-    }[options.writer]
-    say(
-        f"{'the exported target' if options.writer == 'bundle' else options.writer + ' target'}"
-        f" writes the text; {'the exported target' if session else 'the target'} labels it"
-    )
-
-    sequences = build_corpus(loaded, options, text_hash, rank, world, say, writer)
-    if options.write_only:
-        tokens = sum(len(s.tokens) - s.start for s in sequences)
-        say(f"wrote the text: {len(sequences)} sequences, {tokens} tokens to draft from")
-        return {"sequences": len(sequences), "draft_tokens": tokens}
-    train_ids, heldout_ids = _split(len(sequences), options.heldout, options.seed, world)
-    say(f"labelling {sum(len(s.tokens) for s in sequences)} tokens in {len(sequences)} sequences")
-
-    cache = options.attention == "target_cache"  # labels keep the target's last-layer K/V
-    shown = say if rank == 0 else None  # progress bars: the first process's only
-    context = options.attention != "none"
-
-    def label(ids: list[int], part: str) -> Labels:
-        chosen = [sequences[i] for i in ids[rank::world]]
-        # The exported program returns no K/V: heads that read the cache learn it from the
-        # eager target (the bundle still writes the text).
-        by_session = session is not None and not cache
-        source = bundle_hash if by_session else target_hash
-        path = paths["labels"].with_name(f"{paths['labels'].name}.{part}{rank}.safetensors")
-        return cached_labels(
-            path,
-            chosen,
-            source,
-            cache,
-            lambda: (
-                label_with_session(session, chosen, shown)
-                if by_session
-                else label_sequences(target, chosen, cache, say=shown)
-            ),
-            say,
-        )
-
-    train, heldout = label(train_ids, "train"), label(heldout_ids, "heldout")
-
-    counts = label_counts(train, c.vocab_size)
-    heldout_counts = label_counts(heldout, c.vocab_size)
-    if world > 1:
-        dist.all_reduce(counts)
-        dist.all_reduce(heldout_counts)
-    # Heads trained further (--init) take the vocabulary of the text they now learn, at their
-    # own size: text of another kind uses other tokens (v6's 8192, chosen on template answers,
-    # covered 93.6% of the target's choices on answers to self-written requests).
-    size = options.draft_vocab if start is None else start.config.draft_vocab_size
-    draft_ids, coverage = draft_vocabulary(counts, size)
-    to_draft = torch.full((c.vocab_size,), IGNORE, dtype=torch.long)
-    to_draft[draft_ids] = torch.arange(len(draft_ids))
-    say(
-        f"draft vocabulary {len(draft_ids)} tokens: covers {coverage:.1%} of the target's "
-        f"predictions in training, "
-        f"{float(heldout_counts[draft_ids].sum() / heldout_counts.sum().clamp(min=1)):.1%} held out"
-    )
-
-    torch.manual_seed(options.seed)
-    config = MTPConfig(
-        hidden_size=c.hidden_size,
-        intermediate_size=options.intermediate_size or c.intermediate_size,
-        vocab_size=c.vocab_size,
-        draft_vocab_size=len(draft_ids),
-        rms_norm_eps=c.rms_norm_eps,
-        num_blocks=options.num_blocks,
-        target_name=loaded.name,
-        target_hash=target_hash,
-        k=options.k,
-        **(cache_attention_config(target, options.attention) if context else {}),
-    )
-    if start is not None:
-        config = MTPConfig.from_dict({**start.config.to_dict(), "k": options.k, "recipe": {}})
-        head = MTPHead(config)
-        head.load_state_dict(start.float().state_dict())
-        carry_vocabulary(head, start, target, draft_ids)
-    else:
-        head = init_from_target(MTPHead(config), target, draft_ids)
-    head.lm_head.weight.requires_grad_(options.train_lm_head)
-    model = head
-    if world > 1:
-        model = torch.nn.parallel.DistributedDataParallel(head)
-    optimizer = torch.optim.AdamW(
-        [p for p in head.parameters() if p.requires_grad],
-        lr=options.lr,
-        betas=(0.9, 0.95),
-        weight_decay=options.weight_decay,
-    )
-    weights = options.step_decay ** torch.arange(options.k, dtype=torch.float32)
-    embedding = target.embed_tokens.weight.detach()
-    teacher_head = target_lm_head(target).detach()[draft_ids]
-    soft = options.labels == "soft"
-    longest = int(max(train.bounds[:, 1].max(), heldout.bounds[:, 1].max()))
-    rope = rope_tables(c, longest + options.k + 1)
-
-    step, history = 0, []
-    recipe = options.recipe()
-    if options.resume and paths["checkpoint"].is_file():
-        state = load_checkpoint(paths["checkpoint"], paths["checkpoint_json"], head, optimizer)
-        if (
-            _without_steps(state["recipe"]) != _without_steps(recipe)
-            or state["world_size"] != world
-        ):
-            raise UserError(
-                f"{paths['checkpoint']} was made with other options or another number of "
-                "processes: rerun with the same ones, or without --resume"
-            )
-        if not torch.equal(head.draft_ids, draft_ids):
-            raise UserError(
-                f"the training text changed since {paths['checkpoint']}: rerun without --resume"
-            )
-        step, history = state["step"], state["history"]
-        say(f"resumed at step {step}")
-    elif options.resume:
-        say(f"no checkpoint at {paths['checkpoint']}: starting from scratch")
-
-    def held_out() -> dict:
-        return evaluate(
-            head,
-            heldout,
-            embedding,
-            options.k,
-            to_draft,
-            weights,
-            world,
-            rope,
-            teacher_head,
-            soft,
-            options.batch_size,
-            show=rank == 0,
-        )
-
-    def training_batch(generator) -> Batch:
-        """--batch-size draft origins drawn at random from the whole text; for heads with
-        attention, random whole sequences holding about that many (they need the context)."""
-        if not context:
-            draw = torch.randint(len(train.starts), (options.batch_size,), generator=generator)
-            return origin_batch(train, train.starts[draw], embedding, options.k)
-        order = torch.randperm(len(train.bounds), generator=generator).tolist()
-        group = batches_of(train, order, options.batch_size)[0]
-        return sequence_batch(train, group, embedding, options.k, rope, context)
-
-    if step == 0:
-        history.append({"step": 0, **held_out()})
-        say("step 0  held-out " + _describe(history[-1]))
-    running, last_log = [], time.perf_counter()
-    bar = progress_bar(options.steps, "training", unit="step", initial=step, disable=rank != 0)
-    while step < options.steps:
-        # Batches depend only on (seed, rank, step), so a resumed run draws the same ones.
-        generator = torch.Generator().manual_seed(options.seed * 1_000_003 + rank * 7919 + step)
-        batch = training_batch(generator)
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, options)
-        logits, hidden = model(batch.h, batch.embs, batch.context, return_hidden=True)
-        sums, counts = draft_losses(logits, batch, train, to_draft, teacher_head, soft)
-        loss = weighted_loss(sums, counts, weights)
-        if options.feature_loss:
-            loss = loss + options.feature_loss * weighted_loss(
-                *feature_losses(hidden, batch, train), weights
-            )
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        optimizer.step()
-        running.append(float(loss.detach()))
-        step += 1
-        bar.set_postfix_str(f"loss {running[-1]:.3f}", refresh=False)
-        bar.update(1)
-
-        if step % options.eval_every == 0 or step == options.steps:
-            history.append({"step": step, "train_loss": sum(running) / len(running), **held_out()})
-        if rank == 0 and (step % options.checkpoint_every == 0 or step == options.steps):
-            state = {"step": step, "recipe": recipe, "world_size": world, "history": history}
-            save_checkpoint(paths["checkpoint"], paths["checkpoint_json"], head, optimizer, state)
-        if step % options.log_every == 0 or step == options.steps:
-            rate = len(running) / (time.perf_counter() - last_log)
-            line = f"step {step}/{options.steps}  loss {sum(running) / len(running):.3f}"
-            line += f"  held-out {_describe(history[-1])} (step {history[-1]['step']})"
-            say(f"{line}  lr {learning_rate(step - 1, options):.1e}  {rate:.1f} steps/s")
-            running, last_log = [], time.perf_counter()
-    bar.close()
-
-    final = history[-1]
-    summary = {
-        "out": str(options.out),
-        "target": loaded.name,
-        "steps": step,
-        "world_size": world,
-        "train_tokens": int(train.bounds[:, 1].sum()),
-        "sequences": len(sequences),
-        "draft_vocab": len(draft_ids),
-        "coverage": round(coverage, 4),
-        "heldout_loss": round(final["loss"], 4),
-        "heldout_acceptance": final["acceptance"],
-        "heldout_tau": final["tau"],
-        "seconds": round(time.perf_counter() - began, 1),
-    }
-    config.recipe = {**recipe, **{k: v for k, v in summary.items() if k != "out"}}
-    summary["history"] = history
-    if rank == 0:
-        save_heads(head, config, options.out)
-        say(f"wrote {options.out}: held-out {_describe(final)}, {summary['seconds']:.0f} s")
-    return summary
+            optimizer.state[params[int(i)]][key] = tensor.to(params[int(i)].device)
+    best = {n[5:]: t for n, t in tensors.items() if n.startswith("best.")}
+    return state, best

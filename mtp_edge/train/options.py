@@ -14,14 +14,19 @@ class TrainOptions:
     model: str = "default"
     data: tuple[str, ...] = ()  # text files; empty: offline text + the target's own responses
     k: int = 4  # unrolled draft steps
-    steps: int = 3000
+    # Wall-clock minutes for writing, labelling and training together (budget.py splits them);
+    # None: the fixed amounts below (--steps, --gen-tokens).
+    minutes: float | None = None
+    steps: int | None = None  # None: 3000, or as many as --minutes allows
     # Draft origins per step (per rank): drawn from anywhere in the text for heads without
     # attention, in whole sequences for heads with attention.
     batch_size: int = 512
     lr: float = 1e-3
     seed: int = 0
     resume: bool = False
-    draft_vocab: int = 8192
+    # Draft vocabulary size, or "auto": the smallest that covers COVERAGE_GOAL of the target's
+    # predictions on the training text (labels.py, coverage_vocabulary_size)
+    draft_vocab: int | str = "auto"
     num_blocks: int = 1
     intermediate_size: int = 0  # 0: the target's
     # "none", "target_cache" or "self" (mtp.py; measured in README.md, "The MTP drafter")
@@ -34,7 +39,9 @@ class TrainOptions:
     # (benchmarks/README.md, "MTP head training").
     feature_loss: float = 0.0
     train_lm_head: bool = True  # False: the draft LM head stays the target's rows, frozen
-    gen_tokens: int = 100_000  # response tokens the target writes (default corpus only)
+    # Response tokens the target writes (default corpus only); None: 100k, or as many as
+    # --minutes allows
+    gen_tokens: int | None = None
     # More response tokens, to requests the target writes itself (Magpie: sampled from the
     # start of a user turn of its own chat template): requests as varied as the model's own
     # idea of what users ask, beyond the templates over offline material.
@@ -64,16 +71,38 @@ class TrainOptions:
     # hidden states): it writes and labels the text instead of the eager model, so the heads
     # learn the exported (quantized) target's states and choices — what they will be run on.
     bundle: str | None = None
+    device: str = "cpu"  # where training runs ("cuda": the head, its batches and the labels)
 
     def __post_init__(self):
         self.data = tuple(self.data)
         self.writer = self.writer or ("bundle" if self.bundle else "int8")
+        if self.minutes is not None and self.steps is not None:
+            raise UserError(
+                "--minutes sets how long training runs and --steps how many steps: give one"
+            )
+        if self.minutes is None:
+            self.steps = 3000 if self.steps is None else self.steps
+            self.gen_tokens = 100_000 if self.gen_tokens is None else self.gen_tokens
+        if isinstance(self.draft_vocab, str) and self.draft_vocab != "auto":
+            try:
+                self.draft_vocab = int(self.draft_vocab)
+            except ValueError:
+                raise UserError(
+                    f"--draft-vocab must be a number of tokens or auto, got {self.draft_vocab}"
+                ) from None
         checks = [
             (self.k >= 1, f"--k must be >= 1, got {self.k}"),
-            (self.steps >= 1, f"--steps must be >= 1, got {self.steps}"),
+            (
+                self.minutes is None or self.minutes > 0,
+                f"--minutes must be > 0, got {self.minutes}",
+            ),
+            (self.steps is None or self.steps >= 1, f"--steps must be >= 1, got {self.steps}"),
             (self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}"),
             (self.lr > 0, f"--lr must be > 0, got {self.lr}"),
-            (self.draft_vocab >= 1, f"--draft-vocab must be >= 1, got {self.draft_vocab}"),
+            (
+                self.draft_vocab == "auto" or self.draft_vocab >= 1,
+                f"--draft-vocab must be >= 1 or auto, got {self.draft_vocab}",
+            ),
             (self.num_blocks >= 1, f"--num-blocks must be >= 1, got {self.num_blocks}"),
             (0 < self.heldout < 1, f"--heldout must be in (0, 1), got {self.heldout}"),
             (self.seq_len >= 2, f"--seq-len must be >= 2, got {self.seq_len}"),
@@ -87,7 +116,7 @@ class TrainOptions:
                 "--writer bundle writes with the exported target: give it with --bundle",
             ),
             (
-                min(self.gen_tokens, self.raw_tokens, self.self_prompt_tokens) >= 0,
+                min(self.gen_tokens or 0, self.raw_tokens, self.self_prompt_tokens) >= 0,
                 "token budgets must be >= 0",
             ),
             (
@@ -96,10 +125,18 @@ class TrainOptions:
             ),
             (self.labels in ("soft", "hard"), f"--labels must be soft or hard, got {self.labels}"),
             (self.feature_loss >= 0, f"--feature-loss must be >= 0, got {self.feature_loss}"),
+            (
+                self.device == "cpu" or self.device.startswith("cuda"),
+                f"--device must be cpu or cuda, got {self.device}",
+            ),
         ]
         for ok, message in checks:
             if not ok:
                 raise UserError(message)
+
+    def response_tokens(self) -> int | None:
+        """Response tokens to write: --gen-tokens (None under --minutes: until its deadline)."""
+        return self.gen_tokens
 
     def recipe(self) -> dict:
         """What the heads file records about how it was made (file names, not local paths)."""
@@ -112,6 +149,7 @@ class TrainOptions:
             "eval_every",
             "checkpoint_every",
             "write_only",
+            "device",
         ):
             values.pop(key)
         values["model"] = Path(self.model).name

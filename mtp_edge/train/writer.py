@@ -18,10 +18,11 @@ from mtp_edge.errors import UserError
 from mtp_edge.logs import progress_bar
 from mtp_edge.model import KVCache, Transformer
 from mtp_edge.mtp import target_fingerprint
+from mtp_edge.train.budget import Budget, minutes_left
 from mtp_edge.train.corpus import (
     Sequence,
     chat_sequences,
-    instruction_prompts,
+    kinded_prompts,
     offline_texts,
     text_sequences,
 )
@@ -31,7 +32,8 @@ from mtp_edge.train.options import TrainOptions, artifact_paths
 def _writing_bar(total: int, desc: str, unit: str, initial: int):
     """A progress bar of the text written, shown by the first process of a distributed run."""
     later = dist.is_available() and dist.is_initialized() and dist.get_rank() != 0
-    return progress_bar(total, desc, unit=unit, initial=min(initial, total), disable=later)
+    initial = initial if total is None else min(initial, total)
+    return progress_bar(total, desc, unit=unit, initial=initial, disable=later)
 
 
 def _batched_forward(model: Transformer, tokens, cols, offsets, key_ok, caches) -> torch.Tensor:
@@ -126,9 +128,12 @@ def generate_batch(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     ended: list[bool] | None = None,
+    on_step: Callable[[int], bool] | None = None,
 ) -> list[list[int]]:
     """Greedy (or, with a temperature, sampled) continuations of several prompts at once (eos
-    left out; `ended`, if given, receives whether each row stopped at eos).
+    left out; `ended`, if given, receives whether each row stopped at eos). `on_step`, if
+    given, hears the tokens each decoding step added and answers whether to stop there (a
+    deadline): the rows keep what they wrote so far, a prefix of their full continuation.
 
     One decode step reads the weights once for the whole batch, which is what makes writing a
     self-distillation corpus affordable on a CPU. Prompts are left-padded to a common length.
@@ -174,12 +179,14 @@ def generate_batch(
             chosen = torch.multinomial(probs, 1, generator=generator)[:, 0]
         else:
             chosen = logits.argmax(-1)
+        added = 0
         for row, token in zip(rows, chosen.tolist(), strict=True):
             if not done[row]:
                 done[row] = token in eos_ids
                 if not done[row]:
                     outputs[row].append(token)
-        if all(done):
+                    added += 1
+        if all(done) or (on_step is not None and on_step(added)):
             break
         tokens, cols = chosen[:, None], cols[-1:] + 1
         finished = sum(done[row] for row in rows)
@@ -280,8 +287,11 @@ def self_written_requests(
     return requests[:count]
 
 
-def generate_with_session(session, prompts: list[list[int]], max_new: int, eos_ids) -> list:
-    """Greedy continuations (eos left out), one prompt at a time through an exported target."""
+def generate_with_session(
+    session, prompts: list[list[int]], max_new: int, eos_ids, on_step=None
+) -> list:
+    """Greedy continuations (eos left out), one prompt at a time through an exported target;
+    `on_step` as in generate_batch, heard once per response (the rest are then left out)."""
     from mtp_edge.runtime.loop import GenerationConfig, generate
 
     config = GenerationConfig(max_new_tokens=max_new, k=0, eos_ids=tuple(eos_ids))
@@ -294,7 +304,9 @@ def generate_with_session(session, prompts: list[list[int]], max_new: int, eos_i
         config.max_new_tokens = min(max_new, room)
         ids = generate(session, prompt, None, config).token_ids
         outputs.append([t for t in ids if t not in eos_ids])
-    return outputs
+        if on_step is not None and on_step(len(outputs[-1])):
+            break
+    return outputs + [[] for _ in prompts[len(outputs) :]]
 
 
 def open_target_bundle(path: str, loaded: LoadedModel):
@@ -336,18 +348,24 @@ def generated_sequences(
     world: int,
     progress: Callable[[str], None],
     writer,
+    budget: Budget | None = None,
 ) -> list[Sequence]:
-    """Prompt + the target's greedy response, until `gen_tokens` response tokens, written by
-    `writer` (an eager model in batches, or an exported target's session one at a time).
+    """Prompt + the target's greedy response, until `gen_tokens` response tokens (or, with a
+    `budget`, until its writing deadline), written by `writer` (an eager model in batches, or an
+    exported target's session one at a time).
 
     Responses are appended to the cache file as they are made, so an interrupted run (or any
     later run with the same target and seed) continues where it stopped.
     """
+    # A resumed --minutes run whose writing had ended reads back exactly the text it wrote.
+    frozen = budget.frozen_text if budget is not None else None
+    limits = frozen or [options.response_tokens(), options.self_prompt_tokens]
+    timed = None if frozen else budget
     sequences = _responses(
         loaded, options, target_hash, rank, world, progress, writer,
-        instruction_prompts(options.seed), options.gen_tokens,
+        kinded_prompts(options.seed), limits[0], timed,
     )  # fmt: skip
-    if options.self_prompt_tokens:
+    if options.self_prompt_tokens and limits[1] and not (timed and timed.writing_over()):
         # About one request per 150 response tokens; more are written if they run out.
         count = options.self_prompt_tokens // 150 + 16
         path = artifact_paths(options.out)["requests"]
@@ -358,10 +376,12 @@ def generated_sequences(
             try:
                 sequences += _responses(
                     loaded, options, target_hash, rank, world, progress, writer,
-                    iter(requests), options.self_prompt_tokens,
+                    (("self-written", r) for r in requests), limits[1], timed,
                 )  # fmt: skip
                 break
             except StopIteration:
+                if timed and timed.writing_over():
+                    break
                 count = count * 3 // 2
                 requests = self_written_requests(
                     loaded, count, options.seed, path, progress, writer, options.gen_batch
@@ -370,35 +390,61 @@ def generated_sequences(
 
 
 def _responses(
-    loaded, options, target_hash, rank, world, progress, writer, prompts, budget: int
+    loaded, options, target_hash, rank, world, progress, writer, prompts, limit, budget=None
 ) -> list[Sequence]:
+    """Responses to `prompts` until `limit` response tokens (None: no limit) or, with a
+    `budget`, its writing deadline: a batch cut by the deadline keeps what it wrote (each row a
+    prefix of its greedy response, as --gen-max-new cuts them too)."""
     path = artifact_paths(options.out)["generated"]
     cached = _read_generated(path, target_hash)
     tokenizer = loaded.tokenizer
     seen: set[str] = set()  # template prompts repeat; a repeat would leak into the held-out set
+    kinds: dict[str, str] = {}
     sequences: list[Sequence] = []
     total = 0
-    bar = _writing_bar(budget, "writing responses", "tok", 0)
-    while total < budget:
+    wanted = float("inf") if limit is None else limit
+    bar = _writing_bar(limit, "writing responses", "tok", 0)
+
+    def step(added: int) -> bool:
+        bar.update(added)
+        if budget is None:
+            return False
+        over = budget.wrote(added)
+        bar.set_postfix_str(minutes_left(budget.writing_until, budget.clock), refresh=False)
+        return over
+
+    while total < wanted and not (budget and budget.writing_over()):
         batch = []
         while len(batch) < options.gen_batch * world:
-            prompt = next(prompts)
+            kind, prompt = next(prompts)
             ids = tokenizer.encode_prompt(prompt)
             if prompt not in seen and len(ids) <= options.seq_len:
                 seen.add(prompt)
+                kinds[prompt] = kind
                 batch.append((prompt, ids))
         todo = [(p, ids) for p, ids in batch if p not in cached]
         mine = todo[rank::world]
         mine.sort(key=lambda item: len(item[1]))  # similar lengths pad less
-        responses = []
+        responses, cut = [], False
         if mine:
             eager = isinstance(writer, Transformer)
-            outs = (generate_batch if eager else generate_with_session)(
-                writer,
-                [ids for _, ids in mine],
-                options.gen_max_new,
-                tokenizer.eos_ids,
-            )
+            if budget is not None:
+                budget.writer_starts()
+            if eager:
+                outs = generate_batch(
+                    writer,
+                    [ids for _, ids in mine],
+                    options.gen_max_new,
+                    tokenizer.eos_ids,
+                    on_step=step,
+                )
+            else:
+                outs = generate_with_session(
+                    writer, [ids for _, ids in mine], options.gen_max_new, tokenizer.eos_ids, step
+                )
+            cut = budget is not None and budget.writing_over()
+            if budget is not None:
+                budget.wrote_batch(sum(len(ids) for _, ids in mine), sum(map(len, outs)))
             responses = [
                 {
                     "target": target_hash,
@@ -408,6 +454,7 @@ def _responses(
                     "response": tokenizer.decode(out),
                 }
                 for (p, ids), out in zip(mine, outs, strict=True)
+                if out or not cut  # a row the deadline cut before it began is not an answer
             ]
         if world > 1:
             gathered = [None] * world
@@ -418,22 +465,30 @@ def _responses(
                 f.writelines(json.dumps(e, ensure_ascii=False) + "\n" for e in responses)
         for entry in responses:
             cached[entry["prompt"]] = entry
-        if not any(cached[p]["response_ids"] for p, _ in batch):
+        if not cut and not any(cached[p]["response_ids"] for p, _ in batch):
             raise UserError(
                 f"{loaded.name} ended every response at once (eos first): it cannot write its own "
                 "training text; give text files with --data"
             )
+        new_prompts = {p for p, _ in mine}
         for prompt, _ in batch:
-            entry = cached[prompt]
-            if entry["response_ids"] and total < budget:
+            entry = cached.get(prompt)
+            if entry and entry["response_ids"] and total < wanted:
                 sequences.append(
                     Sequence(
-                        entry["prompt_ids"] + entry["response_ids"], len(entry["prompt_ids"]) - 1
+                        entry["prompt_ids"] + entry["response_ids"],
+                        len(entry["prompt_ids"]) - 1,
+                        kinds[prompt],
                     )
                 )
                 total += len(entry["response_ids"])
-        bar.update(min(total, budget) - bar.n)
+                if budget is not None and prompt not in new_prompts:
+                    budget.text_reused(len(entry["response_ids"]))
+        if budget is None:
+            bar.update(min(total, wanted) - bar.n)
     bar.close()
+    if budget is not None:
+        budget.written_text.append(total)
     progress(f"the target's responses: {total} tokens")
     return sequences
 
@@ -446,9 +501,11 @@ def build_corpus(
     world: int,
     progress: Callable[[str], None],
     writer=None,
+    budget: Budget | None = None,
 ) -> list[Sequence]:
     """The training text. `writer` writes the responses (generated_sequences); by default the
-    eager target as --writer says (int8 or fp32)."""
+    eager target as --writer says (int8 or fp32). With a `budget`, writing stops on its
+    deadline (user text is not written, so the budget does not touch it)."""
     rng = random.Random(options.seed)
     if options.data:
         texts, chats = [], []
@@ -464,11 +521,15 @@ def build_corpus(
         sequences = text_sequences(texts, loaded.tokenizer, options.seq_len, None, rng) + chats
     else:
         sequences = text_sequences(
-            offline_texts(), loaded.tokenizer, options.seq_len, options.raw_tokens, rng
+            offline_texts(), loaded.tokenizer, options.seq_len, options.raw_tokens, rng, "offline"
         )
         if writer is None:
             writer = int8_writer(loaded.model) if options.writer == "int8" else loaded.model
+        if budget is not None and budget.frozen_text is None:
+            offline = sum(len(s.tokens) for s in sequences)
+            budget.start_writing(options.batch_size, offline)
+            progress(f"writing for up to {budget.writing_until - budget.clock():.0f} s")
         sequences += generated_sequences(
-            loaded, options, target_hash, rank, world, progress, writer
+            loaded, options, target_hash, rank, world, progress, writer, budget
         )
     return sequences

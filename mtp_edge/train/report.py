@@ -1,0 +1,95 @@
+"""The report a run ends with: one screen of what the heads reach on held-out text, what a draft
+step costs, where the time went, and the command that exports the heads."""
+
+from __future__ import annotations
+
+import shlex
+
+from mtp_edge.model import Transformer
+from mtp_edge.mtp import MTPHead
+from mtp_edge.train.budget import Budget
+from mtp_edge.train.rates import draft_cost
+
+STAGES = ("loading", "measuring", "writing", "labelling", "training", "evaluation")
+
+
+def _clock(seconds: float) -> str:
+    seconds = round(seconds)
+    return f"{seconds // 60}:{seconds % 60:02d}"
+
+
+def _positions(acceptance: list[float]) -> str:
+    return " ".join(f"{a:5.2f}" for a in acceptance)
+
+
+def matmul_params(target: Transformer) -> int:
+    """Weights a token's forward multiplies by: all but the embedding table, which is looked up
+    (a tied LM head multiplies by it, so it counts once then)."""
+    total = sum(p.numel() for p in target.parameters())
+    if target.lm_head is not None:
+        total -= target.embed_tokens.weight.numel()
+    return total
+
+
+def final_report(
+    options,
+    model_name: str,
+    target: Transformer,
+    head: MTPHead,
+    summary: dict,
+    categories: dict[str, dict],
+    budget: Budget | None,
+    text: dict,
+) -> str:
+    """The report's lines (held-out tau and acceptance per draft position, per kind of text
+    when the text has kinds; the draft step's cost, measured; stage times; tokens; the export
+    command)."""
+    cost = draft_cost(head, target)
+    k = len(summary["heldout_acceptance"])
+    header = " ".join(f"{j:>5}" for j in range(1, k + 1))
+    lines = [
+        f"heads for {model_name}: {options.out}",
+        f"held-out      tau {summary['heldout_tau']:.2f}  loss {summary['heldout_loss']:.3f}  "
+        f"(best of {len(summary['history'])} evaluations: step {summary['best_step']} of "
+        f"{summary['steps']})",
+        f"  position    {header}",
+        f"  acceptance  {_positions(summary['heldout_acceptance'])}",
+    ]
+    if categories:
+        lines.append("  by kind of text: tau, acceptance per position (draft origins)")
+        width = max(map(len, categories))
+        for kind, result in categories.items():
+            lines.append(
+                f"    {kind:<{width}}  {result['tau']:.2f}  {_positions(result['acceptance'])}"
+                f"  ({result['origins']})"
+            )
+    lines.append(
+        f"draft cost    a head step {cost['draft_ms']:.2f} ms = {cost['ratio']:.1%} of a target "
+        f"forward(1) ({cost['target_ms']:.1f} ms), eager, batch 1, measured"
+    )
+    lines.append(
+        f"vocabulary    {summary['draft_vocab']} draft tokens: cover {summary['coverage']:.1%} "
+        f"of the target's predictions in training, {summary['heldout_coverage']:.1%} held out"
+    )
+    lines.append(
+        f"text          {text['sequences']} sequences; {text['written']} tokens written by the "
+        f"target, {text['labelled']} labelled; {summary['train_tokens']} trained on"
+    )
+    if budget is not None:
+        spent = budget.spent_by_stage()
+        stages = ", ".join(f"{s} {_clock(spent[s])}" for s in STAGES if s in spent)
+        lines.append(
+            f"time          {stages} (total {_clock(budget.spent_s())} of {_clock(budget.total_s)})"
+        )
+        if budget.write_tps:
+            gops = 2 * matmul_params(target) * budget.write_tps / 1e9
+            lines.append(
+                f"writer        {budget.write_tps:.0f} tokens/s = {gops:.0f} Gop/s "
+                f"(2 x {matmul_params(target) / 1e9:.2f}G weights x tokens/s)"
+            )
+    model = "default" if options.model == "default" else shlex.quote(options.model)
+    lines.append(
+        "export        mtp-export --target android --model "
+        f"{model} --heads {shlex.quote(str(options.out))}"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,215 @@
+"""mtp-train --minutes (stages on deadlines, resuming with the time spent), the draft vocabulary
+sized by coverage, the best held-out heads kept, and the report. Time here is a clock the tests
+drive: every reading advances it, so a run's deadlines fall on the same work on any machine."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+from tiny import hf_reference, save_hf_dir
+
+from mtp_edge.checkpoints import load_model
+from mtp_edge.cli import train
+from mtp_edge.errors import UserError
+from mtp_edge.mtp import load_heads, target_lm_head
+from mtp_edge.train import TrainOptions, train_heads, writer
+from mtp_edge.train.labels import (
+    AUTO_VOCAB_RANGE,
+    COVERAGE_GOAL,
+    Labels,
+    coverage_vocabulary_size,
+)
+from mtp_edge.train.loop import IGNORE, evaluate, rope_tables
+from mtp_edge.train.options import artifact_paths
+
+WORDS = "the cat sat on a mat and then the dog ran to the park while birds sang in trees".split()
+
+
+class TickingClock:
+    """A clock that advances `tick` seconds at every reading."""
+
+    def __init__(self, tick: float):
+        self.now, self.tick = 1000.0, tick
+
+    def __call__(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A tiny HF model directory (a 2048-token vocabulary, so that the draft vocabulary is
+    chosen) and a text file of words."""
+    root = tmp_path_factory.mktemp("budget")
+    reference = hf_reference(
+        "llama",
+        vocab=2048,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    save_hf_dir(reference, root / "model", vocab=2048)
+    rng = random.Random(0)
+    text = "\n".join(" ".join(rng.choice(WORDS) for _ in range(20)) for _ in range(300))
+    (root / "words.txt").write_text(text)
+    return root
+
+
+def options(root, name: str, **overrides) -> TrainOptions:
+    values = dict(
+        out=str(root / name / "heads.safetensors"),
+        model=str(root / "model"),
+        data=(str(root / "words.txt"),),
+        batch_size=64,
+        seq_len=64,
+        lr=3e-3,
+        warmup=10,
+    )
+    values.update(overrides)
+    return TrainOptions(**values)
+
+
+def spent(out) -> dict:
+    return json.loads(artifact_paths(out)["checkpoint_json"].read_text())["budget"]["spent"]
+
+
+def test_budget_writes_labels_trains_and_resumes(tiny_dir, monkeypatch):
+    """--minutes on the default corpus: the target writes until its deadline, labelling and
+    training stop on theirs, a checkpoint and valid heads are written, and the seconds spent
+    per stage are recorded. --resume with more minutes reuses the text and labels, continues
+    from the checkpoint and trains only for the minutes left; with none left it refuses."""
+    settings = dict(data=(), raw_tokens=300, gen_max_new=12, gen_batch=3, minutes=1.0)
+    first = options(tiny_dir, "budget", **settings)
+    lines: list[str] = []
+    summary = train_heads(first, lines.append, clock=TickingClock(0.05))
+    paths = artifact_paths(first.out)
+    assert paths["generated"].is_file() and paths["checkpoint"].is_file()
+    stages = spent(first.out)
+    assert {"writing", "labelling", "training", "evaluation"} <= set(stages)
+    assert sum(stages.values()) <= 60 + 2  # evaluation may pass the budget by a few readings
+    assert summary["steps"] >= 1 and summary["heldout_tau"] >= 1
+    state = json.loads(paths["checkpoint_json"].read_text())
+    assert state["step"] == summary["steps"] and state["budget"]["written_text"][0] > 0
+    model = load_model(first.model)
+    load_heads(first.out, model.model, model.name)
+    assert "mtp-export --target android --model" in summary["report"]
+    assert f"--heads {first.out}" in summary["report"]
+
+    def no_writing(*args, **kwargs):
+        raise AssertionError("a resumed run wrote text again")
+
+    monkeypatch.setattr(writer, "generate_batch", no_writing)
+    again = options(tiny_dir, "budget", **{**settings, "minutes": 1.5}, resume=True)
+    lines = []
+    resumed = train_heads(again, lines.append, clock=TickingClock(0.05))
+    assert f"resumed at step {summary['steps']}" in lines
+    assert sum("labels read from" in line for line in lines) == 2
+    assert resumed["steps"] > summary["steps"]
+    later = spent(again.out)
+    assert later["training"] > stages["training"] and sum(later.values()) <= 90 + 2
+    assert resumed["sequences"] == summary["sequences"]
+    load_heads(again.out, model.model, model.name)
+
+    with pytest.raises(UserError, match="already spent"):
+        train_heads(options(tiny_dir, "budget", **settings, resume=True), print)
+
+
+def test_training_stops_on_its_deadline_and_keeps_the_labels(tiny_dir):
+    """--data (nothing to write): labelling and training stop on their deadlines, a run with
+    too little time for all the text labels a prefix of it and says so."""
+    clock = TickingClock(0.5)  # slow "machine": few sequences labelled, few steps
+    lines: list[str] = []
+    summary = train_heads(options(tiny_dir, "deadline", minutes=0.5), lines.append, clock=clock)
+    assert any(line.startswith("labelled ") and "by the deadline" in line for line in lines)
+    state = json.loads(
+        artifact_paths(tiny_dir / "deadline" / "heads.safetensors")["checkpoint_json"].read_text()
+    )
+    assert state["step"] == summary["steps"]
+    assert sum(state["budget"]["spent"].values()) <= 30 + 10 * 0.5
+
+
+def test_draft_vocabulary_by_coverage():
+    """The smallest multiple of 256 in [1024, 32768] whose most frequent tokens cover 99%."""
+    counts = torch.zeros(50_000, dtype=torch.long)
+    counts[:3000] = 33  # 99,000 of 100,000 predictions: 3000 tokens cover exactly 99%
+    counts[3000:4000] = 1
+    assert coverage_vocabulary_size(counts) == 3072  # 3000 rounded up to a multiple of 256
+    counts[2999] = 32  # now 3000 tokens fall one short: the 3001st is needed
+    assert coverage_vocabulary_size(counts) == 3072
+    assert coverage_vocabulary_size(torch.ones(50_000)) == AUTO_VOCAB_RANGE[1]
+    few = torch.zeros(50_000)
+    few[:10] = 100
+    assert coverage_vocabulary_size(few) == AUTO_VOCAB_RANGE[0]
+    assert coverage_vocabulary_size(torch.ones(97)) == 97  # smaller than the range: all
+
+
+def test_auto_vocabulary_on_a_tiny_model(tiny_dir):
+    """--draft-vocab auto (the default) on a tiny model: the size covers COVERAGE_GOAL of the
+    target's predictions in the training labels, and one multiple of 256 fewer would not."""
+    opts = options(tiny_dir, "auto", steps=2)
+    summary = train_heads(opts, print)
+    path = artifact_paths(opts.out)["labels"]
+    labels = load_file(str(path.with_name(path.name + ".train0.safetensors")))
+    predictions = labels["argmax"][labels["starts"] + 1].tolist()
+    frequencies = sorted(
+        (predictions.count(t) for t in set(predictions)), reverse=True
+    )  # independent of the code under test: plain counting
+    size = summary["draft_vocab"]
+    assert size % 256 == 0 and AUTO_VOCAB_RANGE[0] <= size <= 2048
+    assert sum(frequencies[:size]) >= COVERAGE_GOAL * len(predictions)
+    if size > AUTO_VOCAB_RANGE[0]:
+        assert sum(frequencies[: size - 256]) < COVERAGE_GOAL * len(predictions)
+    assert summary["coverage"] >= COVERAGE_GOAL and 0 < summary["heldout_coverage"] <= 1
+
+
+def test_the_best_heldout_heads_are_kept(tiny_dir):
+    """Heads trained further at a learning rate that ruins them: the file written is the best
+    evaluated (here the start), and evaluating it again gives that evaluation's result."""
+    good = options(tiny_dir, "good", steps=60, eval_every=30)
+    train_heads(good, print)
+    ruin = options(tiny_dir, "ruined", steps=20, eval_every=5, lr=3.0, warmup=1, init=good.out)
+    summary = train_heads(ruin, print)
+    history = summary["history"]
+    best = max(history, key=lambda e: (e["tau"], -e["loss"]))
+    assert summary["best_step"] == best["step"] != history[-1]["step"]
+    assert summary["heldout_tau"] == best["tau"]
+
+    target = load_model(ruin.model).model
+    head = load_heads(ruin.out, target, "tiny").float()
+    path = artifact_paths(ruin.out)["labels"]
+    stored = load_file(str(path.with_name(path.name + ".heldout0.safetensors")))
+    names = ("hidden", "tokens", "argmax", "remaining", "starts", "bounds", "keys", "values")
+    heldout = Labels(*(stored.get(n) for n in names))
+    to_draft = torch.full((target.config.vocab_size,), IGNORE, dtype=torch.long)
+    to_draft[head.draft_ids] = torch.arange(len(head.draft_ids))
+    weights = 0.8 ** torch.arange(4, dtype=torch.float32)
+    again = evaluate(
+        head, heldout, target.embed_tokens.weight, 4, to_draft, weights, 1,
+        rope_tables(target.config, 80), target_lm_head(target)[head.draft_ids], False, 64,
+    )  # fmt: skip
+    assert again["tau"] == pytest.approx(best["tau"], abs=0.02)
+    assert again["loss"] == pytest.approx(best["loss"], rel=0.02)
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--minutes", "-1"], "--minutes must be > 0"),
+        (["--minutes", "0"], "--minutes must be > 0"),
+        (["--minutes", "5", "--steps", "100"], "give one"),
+        (["--draft-vocab", "many"], "--draft-vocab must be a number of tokens or auto"),
+        (["--draft-vocab", "0"], "--draft-vocab must be >= 1 or auto"),
+    ],
+)
+def test_bad_budget_input_is_one_line(tmp_path, args, fragment):
+    result = CliRunner().invoke(train, [*args, "-o", str(tmp_path / "h.safetensors")])
+    lines = result.stderr.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: ")
+    assert fragment in lines[0] and "Traceback" not in result.output
+    assert not list(tmp_path.iterdir())
