@@ -127,6 +127,7 @@ class Suite:
             {"ar_tokens": 0, "ar_s": 0.0, "spec_tokens": 0, "spec_s": 0.0} for _ in range(repeat)
         ]
         self.steps = self.drafted = self.accepted = 0
+        self.drafted_steps = self.fallback_steps = 0
         self.accepted_pos = [0] * k
         self.drafted_pos = [0] * k
         self.ttft_ar: list[float] = []
@@ -140,6 +141,7 @@ class Suite:
             max_new_tokens=max_new_tokens or p.max_new_tokens,
             k=config.k,
             adaptive_k=config.adaptive_k,
+            fallback=config.fallback,
             sampling=config.sampling,
             eos_ids=config.eos_ids,
         )
@@ -161,6 +163,8 @@ class Suite:
         self.steps += s.verify_steps
         self.drafted += s.drafted_tokens
         self.accepted += s.accepted_tokens
+        self.drafted_steps += s.drafted_steps
+        self.fallback_steps += s.fallback_steps
         for j in range(self.k):
             if j < len(s.accepted_per_position):
                 self.accepted_pos[j] += s.accepted_per_position[j]
@@ -178,6 +182,8 @@ class Suite:
             "tau": round(s.tau, 4),
             "acceptance_rate": round(s.acceptance_rate, 4),
             "verify_steps": s.verify_steps,
+            "drafted_steps": s.drafted_steps,
+            "fallback_steps": s.fallback_steps,
             "draft_ms_per_step": round(s.draft_seconds * 1e3 / max(s.verify_steps, 1), 4),
             "verify_ms_per_step": round(s.verify_seconds * 1e3 / max(s.verify_steps, 1), 4),
             "ar_ms_per_step": round(
@@ -215,6 +221,10 @@ class Suite:
             "speedup": round(_rate(sp, ar), 4),
             "tau": round(sum(r["spec_tokens"] - 1 for r in rows) / max(self.steps, 1), 4),
             "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else 0.0,
+            # speculative steps that verified drafts, and those the fallback kept plain
+            "drafted_steps": self.drafted_steps,
+            "fallback_steps": self.fallback_steps,
+            "verify_steps": self.steps,
             "acceptance_by_position": [
                 round(a / d, 4) if d else None
                 for a, d in zip(self.accepted_pos, self.drafted_pos, strict=True)
@@ -277,7 +287,7 @@ def to_markdown(report: dict) -> str:
         "",
         f"backend **{report.get('backend')}**, drafter **{report.get('drafter')}**, "
         f"k={report.get('k')}, draft confidence floor {report.get('draft_confidence', 0)}, "
-        f"{s['prompts']} prompts, greedy",
+        f"{_fallback_words(report)}{s['prompts']} prompts, greedy",
         "",
         "| plain tok/s | speculative tok/s | speedup | tau | acceptance | verify/decode "
         "| draft/decode | lossless |",
@@ -308,6 +318,19 @@ def to_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _fallback_words(report: dict) -> str:
+    """How often the fallback kept a speculative step plain, for the report's header."""
+    if "fallback" not in report:
+        return ""  # a report from before the fallback, or from the native runner
+    if not report["fallback"]:
+        return "fallback off, "
+    s = report["summary"]
+    return (
+        f"fallback on ({s['fallback_steps']} of {s['verify_steps']} steps kept plain, "
+        f"{s['drafted_steps']} drafted), "
+    )
+
+
 def bench_report(gen, suite: Suite, command: str, prompts, max_new_tokens, progress) -> dict:
     """One setup's mtp-bench report (`gen`: runtime/assemble.py's Generator); for an ExecuTorch
     bundle with ExecuTorch's TextLLMRunner decoding the same .pte as the peer baseline."""
@@ -320,6 +343,7 @@ def bench_report(gen, suite: Suite, command: str, prompts, max_new_tokens, progr
         "drafter": "none" if gen.drafter is None else gen.drafter.name,
         "k": gen.config.k,
         "draft_confidence": gen.draft_confidence,
+        "fallback": gen.config.fallback,
         "threads": torch.get_num_threads(),
         "command": command,
         **suite.body(),
@@ -334,4 +358,3 @@ def bench_report(gen, suite: Suite, command: str, prompts, max_new_tokens, progr
             bundle_dir / "target.pte", bundle_dir / "tokenizer.json", runs
         )
     return report
-

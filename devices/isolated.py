@@ -23,7 +23,8 @@ from mtp_edge.runtime.assemble import LoadOptions
 
 
 def compare_spec(spec: str) -> dict:
-    """`DIR[,k=N][,drafter=NAME][,confidence=P]` -> the LoadOptions fields it overrides."""
+    """`DIR[,k=N][,drafter=NAME][,confidence=P][,fallback=on|off]` -> the LoadOptions fields
+    it overrides."""
     path, *settings = spec.split(",")
     out: dict = {"bundle": path}
     for setting in settings:
@@ -34,9 +35,12 @@ def compare_spec(spec: str) -> dict:
             out["drafter"] = value
         elif key == "confidence" and _is_probability(value):
             out["draft_confidence"] = float(value)
+        elif key == "fallback" and value in ("on", "off"):
+            out["fallback"] = value == "on"
         else:
             raise UserError(
-                f"--compare {spec}: expected DIR[,k=N][,drafter=NAME][,confidence=P], "
+                f"--compare {spec}: expected DIR[,k=N][,drafter=NAME][,confidence=P]"
+                "[,fallback=on|off], "
                 f"not {setting!r}"
             )
     return out

@@ -38,7 +38,8 @@ def machine_description() -> dict:
 
 def label(report: dict) -> str:
     name = Path(report.get("bundle") or report.get("model") or "?").name
-    return f"{name} ({report.get('drafter')}, k={report.get('k')})"
+    fallback = ", no fallback" if report.get("fallback") is False else ""
+    return f"{name} ({report.get('drafter')}, k={report.get('k')}{fallback})"
 
 
 def write_report(out_dir: str | Path, reports: list[dict], command: str, machine: dict) -> Path:

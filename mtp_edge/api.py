@@ -105,7 +105,7 @@ class Chunk:
 def load(model: str | Path = "default", *, bundle: str | Path | None = None, **options) -> Model:
     """A model ready to generate: `model` (HF directory, .gguf file or "default", on the eager
     backend) or an exported `bundle` (with its own drafter unless `drafter=` says otherwise).
-    Keyword options are LoadOptions' fields: drafter, k, heads, adaptive_k, ngram_sizes,
+    Keyword options are LoadOptions' fields: drafter, k, heads, adaptive_k, fallback, ngram_sizes,
     draft_confidence, max_seq_len, chat, threads, parse_special."""
     allowed = {f.name for f in dataclasses.fields(LoadOptions)} - {"model", "bundle"}
     unknown = sorted(set(options) - allowed)

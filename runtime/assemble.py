@@ -42,6 +42,9 @@ class LoadOptions:
     k: int | None = None  # most tokens drafted per step
     heads: str | None = None  # MTP heads file for a model (default: the shipped heads)
     adaptive_k: bool = False
+    # draft each step only as many tokens as measured acceptance and costs say pay, none when
+    # drafting does not (runtime/fallback.py): never slower than plain decoding by much
+    fallback: bool = True
     ngram_sizes: str | None = None  # "MIN-MAX" for ngram and the lookup of X+ngram
     draft_confidence: float | None = None  # model drafters' floor on the best probability
     max_seq_len: int = 2048  # static KV cache length (a model; a bundle has its own)
@@ -77,6 +80,8 @@ class Generator:
         label = f"{Path(self.bundle or self.name).name} k={self.config.k}"
         if self.drafter is not None and self.draft_confidence:
             label += f" confidence={self.draft_confidence:g}"
+        if self.drafter is not None and not self.config.fallback:
+            label += " no-fallback"
         return label
 
     def render(self, prompt: str) -> str:
@@ -141,6 +146,7 @@ def assemble(
         max_new_tokens=max_new_tokens,
         k=DEFAULT_K if k is None else k,
         adaptive_k=options.adaptive_k,
+        fallback=options.fallback,
         sampling=sampling or SamplingParams(),
         stop_strings=tuple(stop_strings),
         eos_ids=tuple(tokenizer.eos_ids),

@@ -22,6 +22,7 @@ import torch
 
 from mtp_edge.errors import UserError
 from mtp_edge.runtime.drafters import Draft, Drafter
+from mtp_edge.runtime.fallback import Fallback, session_costs
 from mtp_edge.runtime.sampling import Sampler, SamplingParams, accept_greedy, accept_sampling
 from mtp_edge.runtime.session import Session, prefill
 
@@ -31,6 +32,9 @@ class GenerationConfig:
     max_new_tokens: int = 128
     k: int = 4  # most tokens drafted per step
     adaptive_k: bool = False  # grow k by 2 after a fully accepted step, shrink by 1 otherwise
+    # draft per step only as many tokens (0..k) as measured acceptance and costs say pay
+    # (runtime/fallback.py); off here so that measurements of a drafter see all its drafts
+    fallback: bool = False
     sampling: SamplingParams = field(default_factory=SamplingParams)
     eos_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
@@ -47,6 +51,8 @@ class GenerationStats:
     generated_tokens: int = 0
     verify_steps: int = 0  # target calls after prefill
     drafted_tokens: int = 0
+    drafted_steps: int = 0  # verify steps that carried at least one drafted token
+    fallback_steps: int = 0  # steps the fallback drafted nothing for, as drafting did not pay
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # steps that kept draft i
     drafted_per_position: list[int] = field(default_factory=list)  # steps that drafted i
@@ -84,6 +90,8 @@ class GenerationStats:
             "accepted_per_position": self.accepted_per_position,
             "drafted_per_position": self.drafted_per_position,
             "drafted_tokens": self.drafted_tokens,
+            "drafted_steps": self.drafted_steps,
+            "fallback_steps": self.fallback_steps,
             "accepted_tokens": self.accepted_tokens,
             "draft_ms": round(self.draft_seconds * 1e3, 3),
             "verify_ms": round(self.verify_seconds * 1e3, 3),
@@ -144,6 +152,9 @@ def decode(
     wants_hidden = drafter is not None and drafter.needs_hidden
     k_max = config.k if drafter is not None else 0
     k_now = k_max
+    fallback = None
+    if drafter is not None and config.fallback and k_max > 0:
+        fallback = Fallback(k_max, session_costs(target))
     stats = GenerationStats(accepted_per_position=[0] * k_max, drafted_per_position=[0] * k_max)
     generated: list[int] = []
 
@@ -187,11 +198,22 @@ def decode(
                 yield Step([], [], pos, "context_full", stats)
                 break
             k = min(k_now, room - 1, config.max_new_tokens - len(generated) - 1)
+            requested, shadow = k, False
+            if fallback is not None:
+                requested, shadow = fallback.plan(k)
+                stats.fallback_steps += k > 0 and requested == 0
+                if shadow:  # drafted to learn whether drafting pays again, never verified
+                    requested = k
 
             draft = (
-                drafter.propose(context, hidden, k, sampler) if drafter is not None else Draft([])
+                drafter.propose(context, hidden, requested, sampler)
+                if drafter is not None
+                else Draft([])
             )
-            draft_tokens = draft.tokens[:k]
+            if shadow:
+                fallback.start_shadow(draft.tokens[:k], len(context))
+                draft = Draft([])
+            draft_tokens = draft.tokens[:requested]
             t1 = time.perf_counter()
             out = target.forward([context[-1]] + draft_tokens, pos, return_hidden=wants_hidden)
             if sampler.greedy:
@@ -205,6 +227,7 @@ def decode(
             stats.verify_seconds += t2 - t1
             stats.verify_steps += 1
             stats.drafted_tokens += len(draft_tokens)
+            stats.drafted_steps += bool(draft_tokens)
             stats.accepted_tokens += n
             for i in range(len(draft_tokens)):
                 stats.drafted_per_position[i] += 1
@@ -214,6 +237,9 @@ def decode(
 
             new_tokens = draft_tokens[:n] + [next_token]
             context += new_tokens
+            if fallback is not None:
+                fallback.record_step(requested, len(draft_tokens), n, t1 - step_start, t2 - t1)
+                fallback.check_shadow(context)
             pos += n + 1
             hidden = None if out.hidden is None else out.hidden[: n + 1]
             step = emit(new_tokens, out.logits[: n + 1], pos)

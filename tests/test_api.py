@@ -179,7 +179,8 @@ def check_chat_reuse(make_model, drafters, new: int = NEW):
 
 
 def test_chat_reuses_the_cache_and_gives_a_fresh_models_tokens(model_dir):
-    check_chat_reuse(lambda drafter: load(model_dir, drafter), DRAFTERS)
+    # fallback off: drafting must be exercised, and on a model this small it rarely pays
+    check_chat_reuse(lambda drafter: load(model_dir, drafter, fallback=False), DRAFTERS)
 
 
 def test_reuse_of_generated_tokens_and_reset(model_dir):
@@ -344,6 +345,7 @@ def test_chat_reuse_on_an_executorch_bundle(mtp_bundle):
     """The same on the bundle's own backend: its drafter (mtp), ngram and none."""
 
     def make_model(drafter):
-        return mtp_edge.load(bundle=mtp_bundle, drafter=None if drafter == "mtp" else drafter)
+        drafter = None if drafter == "mtp" else drafter
+        return mtp_edge.load(bundle=mtp_bundle, drafter=drafter, fallback=False)
 
     check_chat_reuse(make_model, DRAFTERS, new=12)

@@ -262,8 +262,9 @@ def test_mtp_bundle_is_lossless_greedy_and_sampled(mtp_bundle):
         "--max-new-tokens",
         "40",
     ]
-    # The head alone and ungated (random heads are never confident), then the bundle's policy.
-    head = ["--drafter", "mtp", "--draft-confidence", "0"]
+    # The head alone, ungated (random heads are never confident) and drafting every step (the
+    # fallback would stop drafts that do not pay), then the bundle's policy.
+    head = ["--drafter", "mtp", "--draft-confidence", "0", "--no-fallback"]
     spec = json.loads(CliRunner().invoke(run, [*args, *head]).stdout)
     plain = json.loads(CliRunner().invoke(run, [*args, "--drafter", "none"]).stdout)
     assert spec["token_ids"] == plain["token_ids"]

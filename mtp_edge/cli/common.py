@@ -162,6 +162,13 @@ def drafter_options(f):
             help="Grow k after a fully accepted step, shrink it after a miss.",
         ),
         click.option(
+            "--fallback/--no-fallback",
+            default=True,
+            show_default=True,
+            help="Draft each step only as many tokens as measured acceptance and costs say "
+            "pay, none where drafting does not (then check now and then whether it pays again).",
+        ),
+        click.option(
             "--ngram-sizes",
             default=None,
             help="n-gram drafter (and the lookup of X+ngram): MIN-MAX n (default 1-3, or the "
@@ -251,6 +258,7 @@ def load_options(opts: dict):
         k=opts["k"],
         heads=opts["heads"],
         adaptive_k=opts["adaptive_k"],
+        fallback=opts["fallback"],
         ngram_sizes=opts["ngram_sizes"],
         draft_confidence=opts["draft_confidence"],
         max_seq_len=opts["max_seq_len"],

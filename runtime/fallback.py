@@ -1,0 +1,209 @@
+"""Online fallback: each step drafts the number of tokens that pays best, none when none pays.
+
+A step that drafts k' tokens emits E(k') = 1 + sum_{i<=k'} prod_{j<=i} a_j tokens on average
+(a_j: the chance that draft position j is accepted once the ones before it were) and costs
+C(k') = verify(k'+1) + k' * draft, where verify(1) is a plain decoding step. Both sides move with
+the prompt (a drafter that helps on code may not on questions) and with the machine (a verify of
+five tokens costs 1.0-1.5 decodes depending on backend, model and load), so both are measured
+while generating: acceptance per position as an exponentially weighted average of the steps just
+verified, costs from the loop's own timings of its calls. Each step takes the k' in 0..k with
+the most tokens per second; k' = 0 is plain decoding.
+
+While it does not draft, the controller still learns whether drafting would pay again: a
+"shadow" draft is proposed and never verified, only compared with the tokens the target then
+emits. Where a draft costs next to nothing (prompt lookup) every plain step shadows; for a model
+drafter shadows come at growing intervals. Only how many tokens are drafted changes, never how
+the target's tokens are chosen: output stays exactly what it is without the fallback.
+
+Costs belong to the session (the backend, the model, the machine), so they are kept per session
+across generations; acceptance belongs to the text, so each generation starts from a prior.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+ACCEPTANCE_WEIGHT = 0.3  # weight of the newest step in the acceptance averages
+COST_WEIGHT = 0.2  # weight of the newest timing in the cost averages
+PRIOR_ACCEPTANCE = 0.5  # the first position's, before a generation's first verified draft
+PRIOR_VERIFY_SLOPE = 0.1  # verify(T) ~ verify(1) * (1 + slope (T - 1)) until T is measured
+OUTLIER = 3.0  # a timing above this multiple of its average counts as this multiple
+CHEAP_SHADOW = 0.02  # shadow every plain step when a k-token draft costs under 2% of a decode
+FIRST_PROBE_INTERVAL, MAX_PROBE_INTERVAL = 2, 32  # plain steps between shadows of a model drafter
+REMEASURE_PLAIN_AFTER = 100  # drafted steps after which one plain step refreshes verify(1)
+
+
+class StepCosts:
+    """Seconds per target call of each width, and per requested draft token, as measured."""
+
+    def __init__(self):
+        self.verify: dict[int, float] = {}  # width -> average seconds
+        self.verify_samples: dict[int, int] = {}
+        self.draft: float | None = None  # seconds per requested draft token
+        self.steps_since_plain = 0  # drafted steps since the last measured plain step
+
+    def record_verify(self, width: int, seconds: float) -> None:
+        samples = self.verify_samples.get(width, 0)
+        if samples <= 1:  # the first call of a width may pay a warm-up: the second replaces it
+            self.verify[width] = seconds
+        else:
+            self.verify[width] = _average_time(self.verify[width], seconds)
+        self.verify_samples[width] = samples + 1
+        self.steps_since_plain = 0 if width == 1 else self.steps_since_plain + 1
+
+    def record_draft(self, requested: int, seconds: float) -> None:
+        per_token = seconds / requested
+        self.draft = per_token if self.draft is None else _average_time(self.draft, per_token)
+
+    def verify_seconds(self, width: int) -> float | None:
+        """Measured, else interpolated between measured widths, else scaled from the nearest
+        one by the prior slope; None before any call was measured."""
+        if width in self.verify:
+            return self.verify[width]
+        below = [w for w in self.verify if w < width]
+        above = [w for w in self.verify if w > width]
+        if below and above:
+            lo, hi = max(below), min(above)
+            share = (width - lo) / (hi - lo)
+            return self.verify[lo] + share * (self.verify[hi] - self.verify[lo])
+        if not below and not above:
+            return None
+        near = max(below) if below else min(above)
+        return self.verify[near] * _prior_ratio(width) / _prior_ratio(near)
+
+
+def _prior_ratio(width: int) -> float:
+    return 1 + PRIOR_VERIFY_SLOPE * (width - 1)
+
+
+def _average(old: float, new: float, weight: float) -> float:
+    return old + weight * (new - old)
+
+
+def _average_time(old: float, new: float) -> float:
+    """A timing's average; a stall (another process took the core) counts as OUTLIER x."""
+    return _average(old, min(new, OUTLIER * old) if old > 0 else new, COST_WEIGHT)
+
+
+_costs_by_session: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def session_costs(session) -> StepCosts:
+    """The costs measured on `session` so far (kept as long as the session lives)."""
+    try:
+        return _costs_by_session.setdefault(session, StepCosts())
+    except TypeError:  # a session that cannot be weakly referenced learns per generation
+        return StepCosts()
+
+
+class Fallback:
+    """Chooses each step's draft length from measured acceptance and costs (module docstring).
+
+    The loop asks `plan(k)` before drafting, reports each step with `record_step`, and hands
+    every context it extends to `check_shadow`.
+    """
+
+    def __init__(self, k_max: int, costs: StepCosts):
+        # per draft position; None until seen, then read as the position before it
+        self.observed: list[float | None] = [None] * k_max
+        self.costs = costs
+        self.shadow: list[int] = []  # a draft proposed but not verified
+        self.shadow_start = 0  # index in the context where the shadow draft's first token goes
+        self.shadow_checked = 0
+        self.probe_interval = FIRST_PROBE_INTERVAL
+        self.plain_since_shadow = 0
+
+    @property
+    def acceptance(self) -> list[float]:
+        """Per position, the chance a draft token is kept once the ones before it were; a
+        position not seen yet in this generation is taken to be like the one before it."""
+        out, last = [], PRIOR_ACCEPTANCE
+        for a in self.observed:
+            last = last if a is None else a
+            out.append(last)
+        return out
+
+    def expected_tokens(self, k: int) -> float:
+        """Tokens a step drafting k emits on average, its bonus token included."""
+        total, reach = 1.0, 1.0
+        for a in self.acceptance[:k]:
+            reach *= a
+            total += reach
+        return total
+
+    def step_seconds(self, k: int) -> float | None:
+        verify = self.costs.verify_seconds(k + 1)
+        if verify is None:
+            return None
+        return verify + k * (self.costs.draft or 0.0)
+
+    def best_k(self, k: int) -> int:
+        """The draft length in 0..k with the most expected tokens per second."""
+        if self.costs.verify_seconds(1) is None:
+            return 0  # measure a plain step first: everything else is judged against it
+        rates = [self.expected_tokens(n) / self.step_seconds(n) for n in range(k + 1)]
+        return max(range(k + 1), key=lambda n: (rates[n], -n))
+
+    def plan(self, k: int) -> tuple[int, bool]:
+        """(tokens to draft and verify, whether to draft k more as a shadow only) for a step
+        that may draft up to k."""
+        if k <= 0:
+            return 0, False
+        if self.costs.steps_since_plain >= REMEASURE_PLAIN_AFTER:
+            return 0, self._wants_shadow(k)
+        best = self.best_k(k)
+        if best > 0:
+            self.probe_interval = FIRST_PROBE_INTERVAL
+            return best, False
+        return 0, self._wants_shadow(k)
+
+    def _wants_shadow(self, k: int) -> bool:
+        if self.shadow:
+            return False  # one at a time: the pending one is still being compared
+        v1, draft = self.costs.verify_seconds(1), self.costs.draft
+        if draft is None or v1 is None or k * draft <= CHEAP_SHADOW * v1:
+            return True
+        self.plain_since_shadow += 1
+        if self.plain_since_shadow < self.probe_interval:
+            return False
+        self.plain_since_shadow = 0
+        self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
+        return True
+
+    def record_step(
+        self,
+        requested: int,
+        drafted: int,
+        accepted: int,
+        draft_seconds: float,
+        verify_seconds: float,
+    ) -> None:
+        """A verified step: `requested` tokens asked of the drafter (a shadow's included),
+        `drafted` of them verified, `accepted` kept."""
+        if requested > 0:
+            self.costs.record_draft(requested, draft_seconds)
+        self.costs.record_verify(drafted + 1, verify_seconds)
+        for i in range(min(accepted + 1, drafted)):
+            self._observe(i, i < accepted)
+
+    def start_shadow(self, tokens: list[int], start: int) -> None:
+        """A draft for the context's indices start.. that the target will not verify."""
+        self.shadow, self.shadow_start, self.shadow_checked = list(tokens), start, 0
+
+    def check_shadow(self, context: list[int]) -> None:
+        """Compare the pending shadow draft with the tokens the target has emitted since."""
+        while self.shadow and self.shadow_checked < len(self.shadow):
+            index = self.shadow_start + self.shadow_checked
+            if index >= len(context):
+                return
+            hit = context[index] == self.shadow[self.shadow_checked]
+            self._observe(self.shadow_checked, hit)
+            self.shadow_checked += 1
+            if not hit:
+                break
+        self.shadow = []
+
+    def _observe(self, position: int, accepted: bool) -> None:
+        if position < len(self.observed):
+            estimate = self.acceptance[position]
+            self.observed[position] = _average(estimate, float(accepted), ACCEPTANCE_WEIGHT)
