@@ -18,6 +18,13 @@ from mtp_edge.cli import train
 from mtp_edge.errors import UserError
 from mtp_edge.mtp import load_heads, target_lm_head
 from mtp_edge.train import TrainOptions, train_heads, writer
+from mtp_edge.train.budget import (
+    EVALUATION_SHARE,
+    MAX_WRITING_SHARE,
+    MIN_WRITING_SHARE,
+    PASSES_PER_ORIGIN,
+    Budget,
+)
 from mtp_edge.train.labels import (
     AUTO_VOCAB_RANGE,
     COVERAGE_GOAL,
@@ -132,6 +139,32 @@ def test_training_stops_on_its_deadline_and_keeps_the_labels(tiny_dir):
     )
     assert state["step"] == summary["steps"]
     assert sum(state["budget"]["spent"].values()) <= 30 + 10 * 0.5
+
+
+def test_the_split_rule():
+    """Writing gets the seconds that buy the text training can read PASSES_PER_ORIGIN times in
+    the time left (budget.py's formula), from the rates measured; labelling the same without
+    writing; training what is left less the evaluation reserve."""
+    now = [0.0]
+    budget = Budget(2.0, clock=lambda: now[0])  # 120 s, of which 9.6 are kept for evaluation
+    assert budget.room_s() == pytest.approx(120 * (1 - EVALUATION_SHARE))
+    budget.label_tps, budget.step_s = 100.0, 1.0
+    budget.start_writing(batch_origins=100, text_tokens=0)
+    room = budget.room_s()
+    assert budget.writing_until == pytest.approx(MAX_WRITING_SHARE * room)  # no rate yet
+    budget.writer_starts()
+    now[0] = 1.0
+    budget.wrote(20)  # 20 tokens/s
+    per_token = 1 / 20 + 1.5 / 100 + PASSES_PER_ORIGIN * 1.0 / 100
+    fixed = 20 * (1 / 100 + PASSES_PER_ORIGIN * 1.0 / 100)  # the 20 tokens already written
+    more = (budget.room_s() - fixed) / per_token / 20
+    assert MIN_WRITING_SHARE * room < 1.0 + more < MAX_WRITING_SHARE * room
+    assert budget.writing_until == pytest.approx(1.0 + more)
+    now[0] = budget.writing_until
+    assert budget.writing_over()
+    label_share = (1 / 100) / (1 / 100 + PASSES_PER_ORIGIN * 1.0 / 100)
+    assert budget.labelling_seconds(100) == pytest.approx(budget.room_s() * label_share)
+    assert budget.training_deadline() == pytest.approx(120 * (1 - EVALUATION_SHARE))
 
 
 def test_draft_vocabulary_by_coverage():

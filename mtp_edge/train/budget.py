@@ -1,23 +1,31 @@
 """`mtp-train --minutes N`: one wall-clock budget for writing, labelling and training.
 
-The split (`Budget.writing_seconds`): the heads learn the target, not their text, only when the
-text is large next to what training draws from it (the heads memorised 76k tokens drawn ~10
-times; v4's 590k tokens drawn 1.3 times did not). So the budget buys text and the steps to read
-it together: every written token costs the time to write it, to label it (with its share of the
-prompt) and to be drawn PASSES_PER_ORIGIN times by training,
+The split: the heads learn the target, not their text, only when the text is large next to
+what training draws from it (heads drawing ~10 times on 76k tokens memorised them; v4 drawing
+1.3 times on 590k did not). So the budget buys text and the steps that read it together. Every
+written token costs the time to write it, to label it (with its share of the prompt) and to be
+drawn PASSES_PER_ORIGIN times by training; the text already there (offline text, text reused
+from the cache) costs only the last two. Writing goes on while it pays:
 
-    T = (time left - reserve - cost of the offline text) / (1/write + f/label + P x step/B)
+    T = (time left - evaluation reserve - cost of the text already there)
+        / (1/write + f/label + P x step/B)
 
-tokens (write, label: tokens/s; f: labelled tokens per written token; step: seconds per
-training step of B origins; P: PASSES_PER_ORIGIN). Writing stops after T/write seconds;
-labelling and training then share what is left, each stopping on its own deadline. The rates
-are measured: labelling and a training step on a short probe before writing (random tokens:
-their cost does not depend on the content), writing on its own first batches (re-planned after
-each batch). Without writing (--data), labelling gets the same rule with write = infinity.
+more tokens, that is T/write more seconds (write, label: tokens/s; f: labelled tokens per
+written token; step: seconds per training step of B origins; P: PASSES_PER_ORIGIN), with
+writing kept between MIN_WRITING_SHARE and MAX_WRITING_SHARE of the time. Labelling then gets
+the same rule with write = infinity (and at most 1 - MIN_TRAINING_SHARE of what is left);
+training runs to the end of the budget less EVALUATION_SHARE, kept for held-out evaluations
+and the report. Each stage stops on its own deadline. The rates are measured on this machine:
+labelling and a training step on a short probe before writing (random tokens: their cost does
+not depend on the content), writing on its own decoding steps (the plan is redone at each).
+
+Under --resume, the seconds earlier runs spent per stage (recorded in <out>.ckpt.json) count
+against the same budget: `--minutes 60` after 40 spent has 20 left.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
@@ -60,6 +68,7 @@ class Budget:
         # the same from an earlier run whose writing had ended: a resumed run reads that back.
         self.written_text: list[int] = []
         self.frozen_text: list[int] | None = None
+        self.after_batch: Callable[[], None] | None = None  # records the time spent so far
 
     def spent_s(self) -> float:
         return sum(self.before.values()) + self.clock() - self.began
@@ -100,7 +109,7 @@ class Budget:
         """Seconds of writing still worth spending from now (the rule in the module docstring),
         given the draft origins already in the text (no more writing, but labelling and
         training); None while the writer's rate is unknown."""
-        left = self.left_s() * (1 - EVALUATION_SHARE)
+        left = self.room_s()
         per_origin = self._training_s_per_origin(batch_origins)
         label_s = 1 / self.label_tps if self.label_tps else 0.0
         fixed = text_tokens * (label_s + per_origin)
@@ -110,7 +119,7 @@ class Budget:
     def labelling_seconds(self, batch_origins: int) -> float:
         """Seconds of labelling worth spending from now: the same rule with the text already
         there (labelled tokens stand for draft origins), and training's share kept."""
-        left = self.left_s() * (1 - EVALUATION_SHARE)
+        left = self.room_s()
         if not self.label_tps:
             return left * (1 - MIN_TRAINING_SHARE)
         per_token = 1 / self.label_tps + self._training_s_per_origin(batch_origins)
@@ -123,10 +132,20 @@ class Budget:
         until = self.deadline(self.labelling_seconds(batch_origins))
         return lambda: "" if self.past(until) else minutes_left(until, self.clock)
 
+    def end(self) -> float:
+        """The clock reading at which the budget runs out."""
+        return self.clock() + self.left_s()
+
+    def room_s(self) -> float:
+        """Seconds left for writing, labelling and training: the budget left less the
+        evaluation reserve (EVALUATION_SHARE of the whole budget)."""
+        if math.isinf(self.total_s):
+            return math.inf
+        return max(0.0, self.left_s() - self.total_s * EVALUATION_SHARE)
+
     def training_deadline(self) -> float:
-        """Training stops here: the budget less the evaluation reserve (of the whole budget)."""
-        reserve = self.total_s * EVALUATION_SHARE
-        return self.clock() + max(0.0, self.left_s() - reserve)
+        """Training stops here: the end of the budget less the evaluation reserve."""
+        return self.clock() + self.room_s()
 
     # --- writing: re-planned as the writer's rate becomes known --------------------------
 
@@ -138,7 +157,7 @@ class Budget:
         self.text_tokens = text_tokens  # draft origins the text holds so far
         self._written, self._writing_s, self._since = 0, 0.0, None
         self._writing_began = self.clock()
-        self._writing_room = self.left_s() * (1 - EVALUATION_SHARE)
+        self._writing_room = self.room_s()
         self.writing_until = self._writing_began + self._writing_room * MAX_WRITING_SHARE
 
     def _replan_writing(self) -> None:
@@ -177,6 +196,8 @@ class Budget:
         if response_tokens:
             self.labelled_per_written = (prompt_tokens + response_tokens) / response_tokens
         self._since = None
+        if self.after_batch is not None:
+            self.after_batch()
 
     def describe_plan(self) -> str:
         rates = []
@@ -190,6 +211,8 @@ class Budget:
 
 
 def minutes_left(deadline: float, clock: Callable[[], float]) -> str:
-    """'m:ss left' until `deadline`, for progress lines."""
+    """'m:ss left' until `deadline`, for progress lines ("" without one)."""
+    if math.isinf(deadline):
+        return ""
     seconds = max(0, round(deadline - clock()))
     return f"{seconds // 60}:{seconds % 60:02d} left"

@@ -227,12 +227,12 @@ def save_checkpoint(
 ) -> None:
     """Head and AdamW state (and the best held-out head's weights, `best`) as tensors in
     safetensors, scalars in JSON (no pickle)."""
-    tensors = {f"head.{n}": t.detach().contiguous() for n, t in head.state_dict().items()}
-    tensors.update({f"best.{n}": t.contiguous() for n, t in (best or {}).items()})
+    tensors = {f"head.{n}": t.detach().cpu().contiguous() for n, t in head.state_dict().items()}
+    tensors.update({f"best.{n}": t.cpu().contiguous() for n, t in (best or {}).items()})
     params = [p for group in optimizer.param_groups for p in group["params"]]
     for i, p in enumerate(params):
         for key, value in optimizer.state.get(p, {}).items():
-            tensors[f"optim.{i}.{key}"] = torch.as_tensor(value).contiguous()
+            tensors[f"optim.{i}.{key}"] = torch.as_tensor(value).cpu().contiguous()
     write_with(path_st, lambda tmp: save_file(tensors, str(tmp)))
     write_with(path_json, lambda tmp: tmp.write_text(json.dumps(state, indent=2) + "\n"))
 

@@ -3,6 +3,7 @@ step costs, where the time went, and the command that exports the heads."""
 
 from __future__ import annotations
 
+import math
 import shlex
 
 from mtp_edge.model import Transformer
@@ -38,7 +39,7 @@ def final_report(
     head: MTPHead,
     summary: dict,
     categories: dict[str, dict],
-    budget: Budget | None,
+    timer: Budget,
     text: dict,
 ) -> str:
     """The report's lines (held-out tau and acceptance per draft position, per kind of text
@@ -75,18 +76,18 @@ def final_report(
         f"text          {text['sequences']} sequences; {text['written']} tokens written by the "
         f"target, {text['labelled']} labelled; {summary['train_tokens']} trained on"
     )
-    if budget is not None:
-        spent = budget.spent_by_stage()
-        stages = ", ".join(f"{s} {_clock(spent[s])}" for s in STAGES if s in spent)
+    spent = timer.spent_by_stage()
+    stages = ", ".join(f"{s} {_clock(spent[s])}" for s in STAGES if s in spent)
+    total = f"total {_clock(timer.spent_s())}"
+    if not math.isinf(timer.total_s):
+        total += f" of {_clock(timer.total_s)}"
+    lines.append(f"time          {stages} ({total})")
+    if timer.write_tps:
+        gops = 2 * matmul_params(target) * timer.write_tps / 1e9
         lines.append(
-            f"time          {stages} (total {_clock(budget.spent_s())} of {_clock(budget.total_s)})"
+            f"writer        {timer.write_tps:.0f} tokens/s = {gops:.1f} Gop/s "
+            f"(2 x {matmul_params(target) / 1e9:.2f}G weights x tokens/s)"
         )
-        if budget.write_tps:
-            gops = 2 * matmul_params(target) * budget.write_tps / 1e9
-            lines.append(
-                f"writer        {budget.write_tps:.0f} tokens/s = {gops:.0f} Gop/s "
-                f"(2 x {matmul_params(target) / 1e9:.2f}G weights x tokens/s)"
-            )
     model = "default" if options.model == "default" else shlex.quote(options.model)
     lines.append(
         "export        mtp-export --target android --model "

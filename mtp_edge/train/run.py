@@ -9,6 +9,7 @@ under --minutes the seconds spent per stage and how much text was written)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -147,10 +148,11 @@ def _train(options: TrainOptions, rank: int, world: int, progress, clock) -> dic
     if rank == 0:
         Path(options.out).parent.mkdir(parents=True, exist_ok=True)
     state = _read_state(paths["checkpoint_json"]) if options.resume else {}
-    budget = None
+    # The stages' clock: a budget under --minutes, else one without end (stage times, rates).
+    timer, budget = Budget(math.inf, clock=clock), None
     if options.minutes is not None:
         earlier = state.get("budget", {})
-        budget = Budget(options.minutes, earlier.get("spent"), clock)
+        timer = budget = Budget(options.minutes, earlier.get("spent"), clock)
         budget.frozen_text = earlier.get("written_text")
         if budget.left_s() <= 0:
             raise UserError(
@@ -158,7 +160,7 @@ def _train(options: TrainOptions, rank: int, world: int, progress, clock) -> dic
                 f"{budget.spent_s() / 60:.1f} minutes ({paths['checkpoint_json']}): give more "
                 "minutes to train further"
             )
-        budget.stage("loading")
+    timer.stage("loading")
 
     def keep_state(extra: dict | None = None) -> None:
         """<out>.ckpt.json: the budget so far (and the training state, when given)."""
@@ -166,10 +168,10 @@ def _train(options: TrainOptions, rank: int, world: int, progress, clock) -> dic
             return
         record = dict(extra or {})
         if budget is not None:
-            record["budget"] = {
-                "spent": budget.spent_by_stage(),
-                "written_text": budget.frozen_text or (budget.written_text + [0, 0])[:2],
-            }
+            record["budget"] = {"spent": budget.spent_by_stage()}
+            if written_all:  # what a resumed run reads back instead of writing more
+                written = budget.frozen_text or (budget.written_text + [0, 0])[:2]
+                record["budget"]["written_text"] = written
         text = json.dumps(record, indent=2) + "\n"
         write_with(paths["checkpoint_json"], lambda tmp: tmp.write_text(text))
 
@@ -202,9 +204,15 @@ def _train(options: TrainOptions, rank: int, world: int, progress, clock) -> dic
         measure_rates(budget, target, session if by_session else None, options)
         say(f"{options.minutes:g} minutes; measured: {budget.describe_plan()}")
 
-    sequences = build_corpus(loaded, options, text_hash, rank, world, say, writer, budget)
+    earlier_training = {k: v for k, v in state.items() if k != "budget"}
+    written_all = False
+    if budget is not None:  # an interrupted run's writing time counts too
+        budget.after_batch = lambda: keep_state(earlier_training)
+    sequences = build_corpus(loaded, options, text_hash, rank, world, say, writer, timer)
+    written_all = True
     if budget is not None:
-        keep_state({k: v for k, v in state.items() if k != "budget"})
+        budget.after_batch = None
+        keep_state(earlier_training)
     written = sum(len(s.tokens) - s.start - 1 for s in sequences if s.kind not in ("", "offline"))
     if options.write_only:
         tokens = sum(len(s.tokens) - s.start for s in sequences)
@@ -215,10 +223,8 @@ def _train(options: TrainOptions, rank: int, world: int, progress, clock) -> dic
 
     shown = say if rank == 0 else None  # progress bars: the first process's only
     context = options.attention != "none"
-    stop = None
-    if budget is not None:
-        budget.stage("labelling")
-        stop = budget.labelling_stop(options.batch_size)
+    timer.stage("labelling")
+    stop = None if budget is None else budget.labelling_stop(options.batch_size)
 
     def label(ids: list[int], part: str) -> tuple[Labels, list]:
         chosen = [sequences[i] for i in ids[rank::world]]
@@ -340,8 +346,7 @@ def _train(options: TrainOptions, rank: int, world: int, progress, clock) -> dic
         say(f"no checkpoint at {paths['checkpoint']}: starting from scratch")
 
     def held_out(data: Labels = heldout, show: bool = True) -> dict:
-        if budget is not None:
-            budget.stage("evaluation")
+        timer.stage("evaluation")
         result = evaluate(
             head,
             data,
@@ -356,8 +361,7 @@ def _train(options: TrainOptions, rank: int, world: int, progress, clock) -> dic
             options.batch_size,
             show=show and rank == 0,
         )
-        if budget is not None:
-            budget.stage("training")
+        timer.stage("training")
         return result
 
     def remember(entry: dict) -> None:
@@ -388,8 +392,7 @@ def _train(options: TrainOptions, rank: int, world: int, progress, clock) -> dic
         group = batches_of(train, order, options.batch_size)[0]
         return sequence_batch(train, group, embedding, options.k, rope, context)
 
-    if budget is not None:
-        budget.stage("training")
+    timer.stage("training")
     if step == 0:
         remember({"step": 0, **held_out()})
         say("step 0  held-out " + _describe(history[-1]))
@@ -465,8 +468,9 @@ def _train(options: TrainOptions, rank: int, world: int, progress, clock) -> dic
     if step == first_step:  # no step this run (no time left for one): keep the state anyway
         checkpoint()
 
+    timer.stage("evaluation")
     if budget is not None:
-        budget.stage("evaluation")
+        say(f"evaluating the best heads ({minutes_left(budget.end(), budget.clock)})")
     if best is not None:
         head.load_state_dict(best)
     final = best_entry or history[-1]
@@ -499,7 +503,7 @@ def _train(options: TrainOptions, rank: int, world: int, progress, clock) -> dic
         say(f"wrote {options.out}: held-out {_describe(final)} (step {final['step']})")
         text = {"written": written, "labelled": labelled, "sequences": len(sequences)}
         summary["report"] = final_report(
-            options, loaded.name, target, head, summary, categories, budget, text
+            options, loaded.name, target, head, summary, categories, timer, text
         )
         if budget is not None:
             keep_state({**_read_state(paths["checkpoint_json"]), "report": summary["report"]})

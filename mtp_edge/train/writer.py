@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import random
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -406,11 +407,14 @@ def _responses(
     bar = _writing_bar(limit, "writing responses", "tok", 0)
 
     def step(added: int) -> bool:
+        """Tokens written by a decoding step (or a whole batch): the bar, the budget."""
         bar.update(added)
         if budget is None:
             return False
         over = budget.wrote(added)
-        bar.set_postfix_str(minutes_left(budget.writing_until, budget.clock), refresh=False)
+        left = minutes_left(budget.writing_until, budget.clock)
+        if left:
+            bar.set_postfix_str(left, refresh=False)
         return over
 
     while total < wanted and not (budget and budget.writing_over()):
@@ -430,18 +434,20 @@ def _responses(
             eager = isinstance(writer, Transformer)
             if budget is not None:
                 budget.writer_starts()
-            if eager:
-                outs = generate_batch(
-                    writer,
-                    [ids for _, ids in mine],
-                    options.gen_max_new,
-                    tokenizer.eos_ids,
-                    on_step=step,
-                )
+            # Under a deadline, every decoding step counts (and may stop the batch); else the
+            # batch is counted when it is done.
+            timed = budget is not None and budget.writing_until < math.inf
+            prompt_ids, longest = [ids for _, ids in mine], options.gen_max_new
+            if eager and timed:
+                outs = generate_batch(writer, prompt_ids, longest, tokenizer.eos_ids, on_step=step)
+            elif eager:
+                outs = generate_batch(writer, prompt_ids, longest, tokenizer.eos_ids)
             else:
                 outs = generate_with_session(
-                    writer, [ids for _, ids in mine], options.gen_max_new, tokenizer.eos_ids, step
+                    writer, prompt_ids, longest, tokenizer.eos_ids, step if timed else None
                 )
+            if not timed:
+                step(sum(map(len, outs)))
             cut = budget is not None and budget.writing_over()
             if budget is not None:
                 budget.wrote_batch(sum(len(ids) for _, ids in mine), sum(map(len, outs)))
@@ -484,8 +490,7 @@ def _responses(
                 total += len(entry["response_ids"])
                 if budget is not None and prompt not in new_prompts:
                     budget.text_reused(len(entry["response_ids"]))
-        if budget is None:
-            bar.update(min(total, wanted) - bar.n)
+        bar.update(min(total, wanted) - bar.n)  # the text kept (decoding steps counted more)
     bar.close()
     if budget is not None:
         budget.written_text.append(total)
@@ -528,7 +533,8 @@ def build_corpus(
         if budget is not None and budget.frozen_text is None:
             offline = sum(len(s.tokens) for s in sequences)
             budget.start_writing(options.batch_size, offline)
-            progress(f"writing for up to {budget.writing_until - budget.clock():.0f} s")
+            if budget.writing_until < math.inf:
+                progress(f"writing for up to {budget.writing_until - budget.clock():.0f} s")
         sequences += generated_sequences(
             loaded, options, target_hash, rank, world, progress, writer, budget
         )
