@@ -322,7 +322,7 @@ def _fallback_words(report: dict) -> str:
     """How often the fallback kept a speculative step plain, for the report's header."""
     if "fallback" not in report:
         return ""  # a report from before the fallback, or from the native runner
-    if not report["fallback"]:
+    if report["fallback"] is False:
         return "fallback off, "
     s = report["summary"]
     return (
@@ -343,7 +343,7 @@ def bench_report(gen, suite: Suite, command: str, prompts, max_new_tokens, progr
         "drafter": "none" if gen.drafter is None else gen.drafter.name,
         "k": gen.config.k,
         "draft_confidence": gen.draft_confidence,
-        "fallback": gen.config.fallback,
+        "fallback": gen.config.fallback is not False,  # on unless turned off: it runs greedy
         "threads": torch.get_num_threads(),
         "command": command,
         **suite.body(),

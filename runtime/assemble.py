@@ -43,8 +43,9 @@ class LoadOptions:
     heads: str | None = None  # MTP heads file for a model (default: the shipped heads)
     adaptive_k: bool = False
     # draft each step only as many tokens as measured acceptance and costs say pay, none when
-    # drafting does not (runtime/fallback.py): never slower than plain decoding by much
-    fallback: bool = True
+    # drafting does not (runtime/fallback.py): None, when decoding greedily (a seed then still
+    # gives the same samples); True also when sampling; False never
+    fallback: bool | None = None
     ngram_sizes: str | None = None  # "MIN-MAX" for ngram and the lookup of X+ngram
     draft_confidence: float | None = None  # model drafters' floor on the best probability
     max_seq_len: int = 2048  # static KV cache length (a model; a bundle has its own)
@@ -80,7 +81,7 @@ class Generator:
         label = f"{Path(self.bundle or self.name).name} k={self.config.k}"
         if self.drafter is not None and self.draft_confidence:
             label += f" confidence={self.draft_confidence:g}"
-        if self.drafter is not None and not self.config.fallback:
+        if self.drafter is not None and self.config.fallback is False:
             label += " no-fallback"
         return label
 

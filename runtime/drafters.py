@@ -10,7 +10,9 @@ Every drafter answers `propose(context, hidden, k, sampler)`:
 Drafters keep whatever state they like between calls, but must cope with any context: the loop
 may rewind (a new prompt, or the next turn of a conversation whose start is still cached) or
 extend it by any number of tokens. `observe(context, hidden)` tells a drafter about a step it did
-not draft for (another drafter did, or generation ended); most ignore it.
+not draft for (another drafter did, or generation ended); most ignore it. A drafter made of
+several (the hybrid) may say which of them drafts next, `source(context)`, for the fallback
+(runtime/fallback.py), which measures each source apart.
 """
 
 from __future__ import annotations
@@ -92,6 +94,10 @@ class HybridDrafter:
         self.name = f"{model.name}+ngram"
         self.needs_hidden = model.needs_hidden
         self.from_lookup = 0  # drafts the lookup made (for reports)
+
+    def source(self, context) -> str:
+        """Which drafter the next proposal comes from (they differ in cost and acceptance)."""
+        return "lookup" if self.lookup.propose(context, None, 1, None).tokens else self.model.name
 
     def propose(self, context, hidden, k, sampler) -> Draft:
         draft = self.lookup.propose(context, None, k, sampler) if k > 0 else Draft([])

@@ -15,6 +15,10 @@ emits. Where a draft costs next to nothing (prompt lookup) every plain step shad
 drafter shadows come at growing intervals. Only how many tokens are drafted changes, never how
 the target's tokens are chosen: output stays exactly what it is without the fallback.
 
+A drafter that combines sources (mtp+ngram: the lookup where the context repeats, the model
+elsewhere) says which one will draft (`source(context)`): each source has its own acceptance and
+draft cost, so that free, often right lookups still draft where the model's drafts do not pay.
+
 Costs belong to the session (the backend, the model, the machine), so they are kept per session
 across generations; acceptance belongs to the text, so each generation starts from a prior.
 """
@@ -22,6 +26,7 @@ across generations; acceptance belongs to the text, so each generation starts fr
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 ACCEPTANCE_WEIGHT = 0.3  # weight of the newest step in the acceptance averages
 COST_WEIGHT = 0.2  # weight of the newest timing in the cost averages
@@ -39,7 +44,7 @@ class StepCosts:
     def __init__(self):
         self.verify: dict[int, float] = {}  # width -> average seconds
         self.verify_samples: dict[int, int] = {}
-        self.draft: float | None = None  # seconds per requested draft token
+        self.draft: dict[str, float] = {}  # draft source -> seconds per requested token
         self.steps_since_plain = 0  # drafted steps since the last measured plain step
 
     def record_verify(self, width: int, seconds: float) -> None:
@@ -51,9 +56,9 @@ class StepCosts:
         self.verify_samples[width] = samples + 1
         self.steps_since_plain = 0 if width == 1 else self.steps_since_plain + 1
 
-    def record_draft(self, requested: int, seconds: float) -> None:
-        per_token = seconds / requested
-        self.draft = per_token if self.draft is None else _average_time(self.draft, per_token)
+    def record_draft(self, source: str, requested: int, seconds: float) -> None:
+        per_token, old = seconds / requested, self.draft.get(source)
+        self.draft[source] = per_token if old is None else _average_time(old, per_token)
 
     def verify_seconds(self, width: int) -> float | None:
         """Measured, else interpolated between measured widths, else scaled from the nearest
@@ -99,59 +104,61 @@ def session_costs(session) -> StepCosts:
 class Fallback:
     """Chooses each step's draft length from measured acceptance and costs (module docstring).
 
-    The loop asks `plan(k)` before drafting, reports each step with `record_step`, and hands
-    every context it extends to `check_shadow`.
+    The loop asks `plan(k, context)` before drafting, reports each step with `record_step`, and
+    hands every context it extends to `check_shadow`. `source_of(context)` names the drafter's
+    source that will draft next (one name for a drafter with one source).
     """
 
-    def __init__(self, k_max: int, costs: StepCosts):
-        # per draft position; None until seen, then read as the position before it
-        self.observed: list[float | None] = [None] * k_max
-        self.costs = costs
+    def __init__(self, k_max: int, costs: StepCosts, source_of: Callable[[list[int]], str]):
+        self.k_max, self.costs, self.source_of = k_max, costs, source_of
+        # per source and draft position; None until seen, then read as the position before it
+        self.observed: dict[str, list[float | None]] = {}
+        self.source = ""  # the current step's
         self.shadow: list[int] = []  # a draft proposed but not verified
+        self.shadow_source = ""
         self.shadow_start = 0  # index in the context where the shadow draft's first token goes
         self.shadow_checked = 0
         self.probe_interval = FIRST_PROBE_INTERVAL
         self.plain_since_shadow = 0
 
-    @property
-    def acceptance(self) -> list[float]:
+    def acceptance(self, source: str) -> list[float]:
         """Per position, the chance a draft token is kept once the ones before it were; a
         position not seen yet in this generation is taken to be like the one before it."""
         out, last = [], PRIOR_ACCEPTANCE
-        for a in self.observed:
+        for a in self.observed.get(source, [None] * self.k_max):
             last = last if a is None else a
             out.append(last)
         return out
 
-    def expected_tokens(self, k: int) -> float:
+    def expected_tokens(self, k: int, source: str) -> float:
         """Tokens a step drafting k emits on average, its bonus token included."""
         total, reach = 1.0, 1.0
-        for a in self.acceptance[:k]:
+        for a in self.acceptance(source)[:k]:
             reach *= a
             total += reach
         return total
 
-    def step_seconds(self, k: int) -> float | None:
-        verify = self.costs.verify_seconds(k + 1)
-        if verify is None:
-            return None
-        return verify + k * (self.costs.draft or 0.0)
+    def step_seconds(self, k: int, source: str) -> float:
+        return self.costs.verify_seconds(k + 1) + k * self.costs.draft.get(source, 0.0)
 
-    def best_k(self, k: int) -> int:
+    def best_k(self, k: int, source: str) -> int:
         """The draft length in 0..k with the most expected tokens per second."""
         if self.costs.verify_seconds(1) is None:
             return 0  # measure a plain step first: everything else is judged against it
-        rates = [self.expected_tokens(n) / self.step_seconds(n) for n in range(k + 1)]
+        rates = [
+            self.expected_tokens(n, source) / self.step_seconds(n, source) for n in range(k + 1)
+        ]
         return max(range(k + 1), key=lambda n: (rates[n], -n))
 
-    def plan(self, k: int) -> tuple[int, bool]:
+    def plan(self, k: int, context: list[int]) -> tuple[int, bool]:
         """(tokens to draft and verify, whether to draft k more as a shadow only) for a step
         that may draft up to k."""
         if k <= 0:
             return 0, False
+        self.source = self.source_of(context)
         if self.costs.steps_since_plain >= REMEASURE_PLAIN_AFTER:
             return 0, self._wants_shadow(k)
-        best = self.best_k(k)
+        best = self.best_k(k, self.source)
         if best > 0:
             self.probe_interval = FIRST_PROBE_INTERVAL
             return best, False
@@ -160,7 +167,7 @@ class Fallback:
     def _wants_shadow(self, k: int) -> bool:
         if self.shadow:
             return False  # one at a time: the pending one is still being compared
-        v1, draft = self.costs.verify_seconds(1), self.costs.draft
+        v1, draft = self.costs.verify_seconds(1), self.costs.draft.get(self.source)
         if draft is None or v1 is None or k * draft <= CHEAP_SHADOW * v1:
             return True
         self.plain_since_shadow += 1
@@ -181,14 +188,15 @@ class Fallback:
         """A verified step: `requested` tokens asked of the drafter (a shadow's included),
         `drafted` of them verified, `accepted` kept."""
         if requested > 0:
-            self.costs.record_draft(requested, draft_seconds)
+            self.costs.record_draft(self.source, requested, draft_seconds)
         self.costs.record_verify(drafted + 1, verify_seconds)
         for i in range(min(accepted + 1, drafted)):
-            self._observe(i, i < accepted)
+            self._observe(self.source, i, i < accepted)
 
     def start_shadow(self, tokens: list[int], start: int) -> None:
         """A draft for the context's indices start.. that the target will not verify."""
         self.shadow, self.shadow_start, self.shadow_checked = list(tokens), start, 0
+        self.shadow_source = self.source
 
     def check_shadow(self, context: list[int]) -> None:
         """Compare the pending shadow draft with the tokens the target has emitted since."""
@@ -197,13 +205,14 @@ class Fallback:
             if index >= len(context):
                 return
             hit = context[index] == self.shadow[self.shadow_checked]
-            self._observe(self.shadow_checked, hit)
+            self._observe(self.shadow_source, self.shadow_checked, hit)
             self.shadow_checked += 1
             if not hit:
                 break
         self.shadow = []
 
-    def _observe(self, position: int, accepted: bool) -> None:
-        if position < len(self.observed):
-            estimate = self.acceptance[position]
-            self.observed[position] = _average(estimate, float(accepted), ACCEPTANCE_WEIGHT)
+    def _observe(self, source: str, position: int, accepted: bool) -> None:
+        if position < self.k_max:
+            estimate = self.acceptance(source)[position]
+            observed = self.observed.setdefault(source, [None] * self.k_max)
+            observed[position] = _average(estimate, float(accepted), ACCEPTANCE_WEIGHT)

@@ -32,9 +32,11 @@ class GenerationConfig:
     max_new_tokens: int = 128
     k: int = 4  # most tokens drafted per step
     adaptive_k: bool = False  # grow k by 2 after a fully accepted step, shrink by 1 otherwise
-    # draft per step only as many tokens (0..k) as measured acceptance and costs say pay
-    # (runtime/fallback.py); off here so that measurements of a drafter see all its drafts
-    fallback: bool = False
+    # Draft per step only as many tokens (0..k) as measured acceptance and costs say pay
+    # (runtime/fallback.py). True: always; None: when greedy (its choices follow timings, so
+    # sampling with it gives other samples from run to run for one seed, each as the target
+    # would draw); False (here, so that measurements of a drafter see all its drafts): never.
+    fallback: bool | None = False
     sampling: SamplingParams = field(default_factory=SamplingParams)
     eos_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
@@ -153,8 +155,10 @@ def decode(
     k_max = config.k if drafter is not None else 0
     k_now = k_max
     fallback = None
-    if drafter is not None and config.fallback and k_max > 0:
-        fallback = Fallback(k_max, session_costs(target))
+    use_fallback = sampler.greedy if config.fallback is None else config.fallback
+    if drafter is not None and use_fallback and k_max > 0:
+        source_of = getattr(drafter, "source", lambda context: drafter.name)
+        fallback = Fallback(k_max, session_costs(target), source_of)
     stats = GenerationStats(accepted_per_position=[0] * k_max, drafted_per_position=[0] * k_max)
     generated: list[int] = []
 
@@ -200,7 +204,7 @@ def decode(
             k = min(k_now, room - 1, config.max_new_tokens - len(generated) - 1)
             requested, shadow = k, False
             if fallback is not None:
-                requested, shadow = fallback.plan(k)
+                requested, shadow = fallback.plan(k, context)
                 stats.fallback_steps += k > 0 and requested == 0
                 if shadow:  # drafted to learn whether drafting pays again, never verified
                     requested = k

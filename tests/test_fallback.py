@@ -111,8 +111,8 @@ def requested_per_step(monkeypatch) -> list[int]:
     plans = []
     plan = Fallback.plan
 
-    def recording(self, k):
-        planned = plan(self, k)
+    def recording(self, k, context):
+        planned = plan(self, k, context)
         plans.append(planned[0])
         return planned
 
@@ -188,26 +188,46 @@ def test_the_controller_alone():
         costs.record_verify(width, seconds)
     assert costs.verify_seconds(3) == pytest.approx(1.1)  # interpolated
     assert costs.verify_seconds(6) == pytest.approx(1.2 * 1.5 / 1.4)  # by the prior slope
-    controller = Fallback(4, costs)
-    costs.record_draft(4, 0.04)
-    assert controller.plan(4)[0] > 0  # the prior says drafting pays
+    controller = Fallback(4, costs, lambda context: "model")
+    costs.record_draft("model", 4, 0.04)
+    assert controller.plan(4, [])[0] > 0  # the prior says drafting pays
     for _ in range(6):
         controller.record_step(4, 4, 0, 0.04, 1.2)
-    assert controller.plan(4) == (0, False)  # a model drafter (1% per token) shadows later
-    shadows = [controller.plan(4)[1] for _ in range(3)]
+    assert controller.plan(4, []) == (0, False)  # a model drafter (1% per token) shadows later
+    shadows = [controller.plan(4, [])[1] for _ in range(3)]
     assert shadows == [True, False, False]  # after FIRST_PROBE_INTERVAL plain steps
     controller.start_shadow([20, 99, 22, 23], 20)
     controller.check_shadow(list(range(21)))  # 20 arrived: the first shadow token was right
-    assert controller.shadow and controller.observed[1] is None
+    assert controller.shadow and controller.observed["model"][1] is None
     controller.check_shadow(list(range(22)))  # 21 arrived: the second was wrong, the end
-    assert controller.shadow == [] and controller.observed[0] > controller.observed[1]
-    cheap = Fallback(4, costs)
-    costs.draft = 1e-6
-    for _ in range(6):
-        cheap.record_step(0, 0, 0, 0.0, 1.0)  # plain steps: acceptance stays at the prior
-    assert cheap.plan(4)[0] > 0
-    cheap.observed = [0.0] * 4
-    assert cheap.plan(4) == (0, True)  # free to shadow: every plain step does
+    observed = controller.observed["model"]
+    assert controller.shadow == [] and observed[0] > observed[1]
+
+
+def test_sources_are_judged_apart():
+    """A free, right lookup keeps drafting where the model's drafts stopped paying; while the
+    lookup is silent, plain steps shadow nothing (a model drafter shadows at intervals)."""
+    costs = StepCosts()
+    for width in (1, 1, 5, 5):
+        costs.record_verify(width, 1.0 + 0.05 * (width - 1))
+    costs.record_draft("model", 4, 0.12)
+    costs.record_draft("lookup", 4, 0.0001)
+    hits = {"now": False}
+    controller = Fallback(4, costs, lambda context: "lookup" if hits["now"] else "model")
+    for _ in range(8):
+        assert controller.plan(4, [])[0] >= 0
+        controller.record_step(4, 4, 0, 0.12, 1.2)  # the model's drafts: all wrong
+    assert controller.plan(4, [])[0] == 0
+    hits["now"] = True
+    for _ in range(3):
+        planned, shadow = controller.plan(4, [])
+        assert planned > 0 and not shadow
+        controller.record_step(planned, planned, planned, 0.0001, 1.2)  # the lookup's: right
+    assert controller.plan(4, []) == (4, False)
+    assert controller.acceptance("lookup")[0] > 0.8 > 0.1 > controller.acceptance("model")[0]
+    cheap = Fallback(4, costs, lambda context: "lookup")
+    cheap.observed["lookup"] = [0.0] * 4
+    assert cheap.plan(4, []) == (0, True)  # free to shadow: every plain step does
 
 
 # --- lossless, on real timings -----------------------------------------------------------------
@@ -230,7 +250,9 @@ def random_plans(monkeypatch, seed: int) -> None:
     """The controller plans at random (any length, plain steps, shadows): the loop must stay
     lossless whatever it is told."""
     rng = random.Random(seed)
-    monkeypatch.setattr(Fallback, "plan", lambda self, k: (rng.randint(0, k), rng.random() < 0.3))
+    monkeypatch.setattr(
+        Fallback, "plan", lambda self, k, context: (rng.randint(0, k), rng.random() < 0.3)
+    )
 
 
 @pytest.mark.parametrize("kind", ["ngram", "mtp", "mtp-self", "mtp+ngram"])
@@ -282,6 +304,39 @@ def test_executorch_greedy_output_is_the_same_with_and_without_the_fallback(monk
     tokens = {name: r.token_ids for name, r in results.items()}
     assert tokens["off"] == tokens["plain"] == tokens["on"] == tokens["random"]
     assert results["on"].stats.drafted_tokens > 0
+
+
+def test_the_flag_and_its_default(tmp_path, monkeypatch):
+    """mtp-run falls back by default when greedy, never with --no-fallback, and when sampling
+    only with --fallback (so that by default one seed gives one output); tokens never change."""
+    import json
+
+    from click.testing import CliRunner
+    from tiny import hf_reference, save_hf_dir
+
+    from mtp_edge.cli import run
+
+    model = save_hf_dir(hf_reference("llama", seed=3), tmp_path / "tiny")
+    plans = requested_per_step(monkeypatch)
+    args = ["-m", str(model), "-p", "the cat the cat the", "--no-chat-template", "-n", "24"]
+    args += ["--drafter", "ngram", "--json", "-"]
+
+    def tokens_and_plans(*extra) -> tuple[list[int], int]:
+        plans.clear()
+        result = CliRunner().invoke(run, [*args, *extra])
+        assert result.exit_code == 0, result.output
+        out = json.loads(result.stdout)
+        assert {"drafted_steps", "fallback_steps"} <= set(out["stats"])
+        return out["token_ids"], len(plans)
+
+    greedy, planned = tokens_and_plans()
+    assert planned > 0
+    assert tokens_and_plans("--no-fallback") == (greedy, 0)
+    assert tokens_and_plans("--drafter", "none")[0] == greedy
+    sampling = ["--temperature", "0.8", "--seed", "5"]
+    sampled, planned = tokens_and_plans(*sampling)
+    assert planned == 0 and tokens_and_plans(*sampling) == (sampled, 0)
+    assert tokens_and_plans(*sampling, "--fallback")[1] > 0
 
 
 # --- sampling ----------------------------------------------------------------------------------

@@ -163,10 +163,10 @@ def drafter_options(f):
         ),
         click.option(
             "--fallback/--no-fallback",
-            default=True,
-            show_default=True,
+            default=None,
             help="Draft each step only as many tokens as measured acceptance and costs say "
-            "pay, none where drafting does not (then check now and then whether it pays again).",
+            "pay, none where drafting does not (default: on when greedy; --fallback also when "
+            "sampling, where one seed then gives other samples from run to run).",
         ),
         click.option(
             "--ngram-sizes",
