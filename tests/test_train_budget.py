@@ -238,6 +238,11 @@ def test_the_best_heldout_heads_are_kept(tiny_dir):
         (["--minutes", "5", "--steps", "100"], "give one"),
         (["--draft-vocab", "many"], "--draft-vocab must be a number of tokens or auto"),
         (["--draft-vocab", "0"], "--draft-vocab must be >= 1 or auto"),
+        pytest.param(
+            ["--device", "cuda"],
+            "no CUDA device here",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here"),
+        ),
     ],
 )
 def test_bad_budget_input_is_one_line(tmp_path, args, fragment):

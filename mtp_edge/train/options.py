@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+
 from mtp_edge.errors import UserError
 
 
@@ -133,6 +135,8 @@ class TrainOptions:
         for ok, message in checks:
             if not ok:
                 raise UserError(message)
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise UserError(f"--device {self.device}: no CUDA device here; train with --device cpu")
 
     def response_tokens(self) -> int | None:
         """Response tokens to write: --gen-tokens (None under --minutes: until its deadline)."""

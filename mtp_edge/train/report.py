@@ -19,6 +19,10 @@ def _clock(seconds: float) -> str:
     return f"{seconds // 60}:{seconds % 60:02d}"
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}G" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
 def _positions(acceptance: list[float]) -> str:
     return " ".join(f"{a:5.2f}" for a in acceptance)
 
@@ -86,7 +90,7 @@ def final_report(
         gops = 2 * matmul_params(target) * timer.write_tps / 1e9
         lines.append(
             f"writer        {timer.write_tps:.0f} tokens/s = {gops:.1f} Gop/s "
-            f"(2 x {matmul_params(target) / 1e9:.2f}G weights x tokens/s)"
+            f"(2 x {_count(matmul_params(target))} weights x tokens/s)"
         )
     model = "default" if options.model == "default" else shlex.quote(options.model)
     lines.append(

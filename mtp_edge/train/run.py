@@ -453,7 +453,9 @@ def _train(options: TrainOptions, rank: int, world: int, progress, clock) -> dic
         else:
             evaluate_now = save_now = last or clock() - last_eval >= every_s
         if evaluate_now:
-            remember({"step": step, "train_loss": sum(running) / len(running), **held_out()})
+            # No bar of its own under the training bar (in a log, a nested bar is noise).
+            result = held_out(show=False)
+            remember({"step": step, "train_loss": sum(running) / len(running), **result})
             last_eval = clock()
         if save_now:
             checkpoint()

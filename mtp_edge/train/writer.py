@@ -364,7 +364,7 @@ def generated_sequences(
     timed = None if frozen else budget
     sequences = _responses(
         loaded, options, target_hash, rank, world, progress, writer,
-        kinded_prompts(options.seed), limits[0], timed,
+        kinded_prompts(options.seed), limits[0], timed, frozen is not None,
     )  # fmt: skip
     if options.self_prompt_tokens and limits[1] and not (timed and timed.writing_over()):
         # About one request per 150 response tokens; more are written if they run out.
@@ -378,6 +378,7 @@ def generated_sequences(
                 sequences += _responses(
                     loaded, options, target_hash, rank, world, progress, writer,
                     (("self-written", r) for r in requests), limits[1], timed,
+                    frozen is not None,
                 )  # fmt: skip
                 break
             except StopIteration:
@@ -391,11 +392,22 @@ def generated_sequences(
 
 
 def _responses(
-    loaded, options, target_hash, rank, world, progress, writer, prompts, limit, budget=None
+    loaded,
+    options,
+    target_hash,
+    rank,
+    world,
+    progress,
+    writer,
+    prompts,
+    limit,
+    budget=None,
+    replay: bool = False,
 ) -> list[Sequence]:
     """Responses to `prompts` until `limit` response tokens (None: no limit) or, with a
     `budget`, its writing deadline: a batch cut by the deadline keeps what it wrote (each row a
-    prefix of its greedy response, as --gen-max-new cuts them too)."""
+    prefix of its greedy response, as --gen-max-new cuts them too). `replay`: only the cached
+    responses, as a --minutes run that stopped writing read them (a resumed run's text)."""
     path = artifact_paths(options.out)["generated"]
     cached = _read_generated(path, target_hash)
     tokenizer = loaded.tokenizer
@@ -427,6 +439,12 @@ def _responses(
                 kinds[prompt] = kind
                 batch.append((prompt, ids))
         todo = [(p, ids) for p, ids in batch if p not in cached]
+        if replay and len(todo) == len(batch):
+            raise UserError(
+                f"the text an earlier run wrote is gone from {path}: rerun without --resume"
+            )
+        if replay:
+            todo = []
         mine = todo[rank::world]
         mine.sort(key=lambda item: len(item[1]))  # similar lengths pad less
         responses, cut = [], False
@@ -471,7 +489,7 @@ def _responses(
                 f.writelines(json.dumps(e, ensure_ascii=False) + "\n" for e in responses)
         for entry in responses:
             cached[entry["prompt"]] = entry
-        if not cut and not any(cached[p]["response_ids"] for p, _ in batch):
+        if not cut and not any(cached.get(p, {}).get("response_ids") for p, _ in batch):
             raise UserError(
                 f"{loaded.name} ended every response at once (eos first): it cannot write its own "
                 "training text; give text files with --data"
