@@ -16,7 +16,7 @@ from tiny import hf_reference, save_hf_dir
 from mtp_edge.checkpoints import load_model
 from mtp_edge.cli import train
 from mtp_edge.errors import UserError
-from mtp_edge.mtp import load_heads, target_lm_head
+from mtp_edge.mtp import MTPConfig, MTPHead, load_heads, target_lm_head
 from mtp_edge.train import TrainOptions, train_heads, writer
 from mtp_edge.train.budget import (
     EVALUATION_SHARE,
@@ -33,6 +33,7 @@ from mtp_edge.train.labels import (
 )
 from mtp_edge.train.loop import IGNORE, evaluate, rope_tables
 from mtp_edge.train.options import artifact_paths
+from mtp_edge.train.report import final_report
 
 WORDS = "the cat sat on a mat and then the dog ran to the park while birds sang in trees".split()
 
@@ -228,6 +229,52 @@ def test_the_best_heldout_heads_are_kept(tiny_dir):
     )  # fmt: skip
     assert again["tau"] == pytest.approx(best["tau"], abs=0.02)
     assert again["loss"] == pytest.approx(best["loss"], rel=0.02)
+
+
+def test_the_report(tiny_dir):
+    """One screen: held-out tau and acceptance per position, per kind of text when there are
+    kinds (not otherwise), the draft step's measured cost, stage times, tokens, the export
+    command."""
+    loaded = load_model(str(tiny_dir / "model"))
+    opts = options(tiny_dir, "report", steps=1)
+    head = MTPHead(MTPConfig(32, 64, 2048, 1024, k=4))
+    summary = dict(
+        heldout_acceptance=[0.5, 0.25, 0.125, 0.0625],
+        heldout_tau=1.94,
+        heldout_loss=3.0,
+        history=[{}, {}],
+        best_step=10,
+        steps=20,
+        draft_vocab=1024,
+        coverage=0.991,
+        heldout_coverage=0.95,
+        train_tokens=5000,
+    )
+    now = [0.0]
+    timer = Budget(1.0, clock=lambda: now[0])
+    for stage, seconds in (("writing", 20), ("labelling", 5), ("training", 30)):
+        timer.stage(stage)
+        now[0] += seconds
+    timer.write_tps = 100.0
+    kinds = {
+        "code": {"tau": 2.1, "acceptance": [0.6, 0.3, 0.1, 0.1], "origins": 300},
+        "math": {"tau": 1.5, "acceptance": [0.4, 0.1, 0.0, 0.0], "origins": 200},
+    }
+    text = {"sequences": 40, "written": 4000, "labelled": 6000}
+    report = final_report(opts, "tiny", loaded.model, head, summary, kinds, timer, text)
+    lines = report.splitlines()
+    assert len(lines) <= 24
+    assert "tau 1.94" in report and " 0.50  0.25  0.12  0.06" in report
+    assert any(line.split()[:2] == ["code", "2.10"] for line in lines) and "(200)" in report
+    assert "draft cost    a head step" in report and "of a target forward(1)" in report
+    assert "writing 0:20, labelling 0:05, training 0:30 (total 0:55 of 1:00)" in report
+    assert "4000 tokens written by the target, 6000 labelled" in report
+    assert "100 tokens/s" in report and "Gop/s" in report
+    assert lines[-1].split() == [
+        "export", "mtp-export", "--target", "android", "--model", opts.model, "--heads", opts.out
+    ]  # fmt: skip
+    without = final_report(opts, "tiny", loaded.model, head, summary, {}, timer, text)
+    assert "by kind" not in without and "by kind" in report
 
 
 @pytest.mark.parametrize(
