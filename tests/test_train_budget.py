@@ -11,13 +11,13 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
-from tiny import hf_reference, save_hf_dir
+from tiny import hf_reference, save_hf_dir, tiny_model
 
 from mtp_edge.checkpoints import load_model
 from mtp_edge.cli import train
 from mtp_edge.errors import UserError
 from mtp_edge.mtp import MTPConfig, MTPHead, load_heads, target_lm_head
-from mtp_edge.train import TrainOptions, train_heads, writer
+from mtp_edge.train import TrainOptions, generate_batch, train_heads, writer
 from mtp_edge.train.budget import (
     EVALUATION_SHARE,
     MAX_WRITING_SHARE,
@@ -126,6 +126,25 @@ def test_budget_writes_labels_trains_and_resumes(tiny_dir, monkeypatch):
 
     with pytest.raises(UserError, match="already spent"):
         train_heads(options(tiny_dir, "budget", **settings, resume=True), print)
+
+
+def test_a_deadline_cuts_a_batch_to_prefixes():
+    """The writer's deadline inside a batch: each row keeps a prefix of its greedy response."""
+    model = tiny_model(seed=3, vocab=48)
+    prompts = [[5, 9, 2], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [7], [4, 4, 4, 4, 20]]
+    full = generate_batch(model, prompts, 20, eos_ids=[3])
+    steps = []
+    cut = generate_batch(
+        model,
+        prompts,
+        20,
+        eos_ids=[3],
+        on_step=lambda added: steps.append(added) or len(steps) == 5,
+    )
+    assert len(steps) == 5 and sum(steps) == sum(map(len, cut))
+    assert any(len(a) < len(b) for a, b in zip(cut, full, strict=True))
+    for a, b in zip(cut, full, strict=True):
+        assert a == b[: len(a)] and len(a) <= 5
 
 
 def test_training_stops_on_its_deadline_and_keeps_the_labels(tiny_dir):
