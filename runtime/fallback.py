@@ -25,11 +25,14 @@ across generations; acceptance belongs to the text, so each generation starts fr
 
 from __future__ import annotations
 
+import statistics
 import weakref
+from collections import deque
 from collections.abc import Callable
 
 ACCEPTANCE_WEIGHT = 0.3  # weight of the newest step in the acceptance averages
-COST_WEIGHT = 0.2  # weight of the newest timing in the cost averages
+COST_WEIGHT = 0.2  # weight of the newest timing in the draft cost averages
+RECENT_CALLS = 7  # a width's cost: the median of its last calls (a stalled call moves nothing)
 PRIOR_ACCEPTANCE = 0.5  # the first position's, before a generation's first verified draft
 PRIOR_VERIFY_SLOPE = 0.1  # verify(T) ~ verify(1) * (1 + slope (T - 1)) until T is measured
 OUTLIER = 3.0  # a timing above this multiple of its average counts as this multiple
@@ -42,18 +45,15 @@ class StepCosts:
     """Seconds per target call of each width, and per requested draft token, as measured."""
 
     def __init__(self):
-        self.verify: dict[int, float] = {}  # width -> average seconds
-        self.verify_samples: dict[int, int] = {}
+        self.verify: dict[int, deque] = {}  # width -> seconds of its last calls
+        self.measured: dict[int, float] = {}  # width -> their median
         self.draft: dict[str, float] = {}  # draft source -> seconds per requested token
         self.steps_since_plain = 0  # drafted steps since the last measured plain step
 
     def record_verify(self, width: int, seconds: float) -> None:
-        samples = self.verify_samples.get(width, 0)
-        if samples <= 1:  # the first call of a width may pay a warm-up: the second replaces it
-            self.verify[width] = seconds
-        else:
-            self.verify[width] = _average_time(self.verify[width], seconds)
-        self.verify_samples[width] = samples + 1
+        calls = self.verify.setdefault(width, deque(maxlen=RECENT_CALLS))
+        calls.append(seconds)
+        self.measured[width] = statistics.median(calls)
         self.steps_since_plain = 0 if width == 1 else self.steps_since_plain + 1
 
     def record_draft(self, source: str, requested: int, seconds: float) -> None:
@@ -62,19 +62,23 @@ class StepCosts:
 
     def verify_seconds(self, width: int) -> float | None:
         """Measured, else interpolated between measured widths, else scaled from the nearest
-        one by the prior slope; None before any call was measured."""
-        if width in self.verify:
-            return self.verify[width]
-        below = [w for w in self.verify if w < width]
-        above = [w for w in self.verify if w > width]
-        if below and above:
+        one by the prior slope; never above a wider call's (a call with fewer tokens costs no
+        more); None before any call was measured."""
+        measured = self.measured
+        below = [w for w in measured if w < width]
+        above = [w for w in measured if w > width]
+        if width in measured:
+            estimate = measured[width]
+        elif below and above:
             lo, hi = max(below), min(above)
             share = (width - lo) / (hi - lo)
-            return self.verify[lo] + share * (self.verify[hi] - self.verify[lo])
-        if not below and not above:
+            estimate = measured[lo] + share * (measured[hi] - measured[lo])
+        elif below or above:
+            near = max(below) if below else min(above)
+            estimate = measured[near] * _prior_ratio(width) / _prior_ratio(near)
+        else:
             return None
-        near = max(below) if below else min(above)
-        return self.verify[near] * _prior_ratio(width) / _prior_ratio(near)
+        return min([estimate] + [measured[w] for w in above])
 
 
 def _prior_ratio(width: int) -> float:
@@ -130,25 +134,21 @@ class Fallback:
             out.append(last)
         return out
 
-    def expected_tokens(self, k: int, source: str) -> float:
-        """Tokens a step drafting k emits on average, its bonus token included."""
-        total, reach = 1.0, 1.0
-        for a in self.acceptance(source)[:k]:
-            reach *= a
-            total += reach
-        return total
-
-    def step_seconds(self, k: int, source: str) -> float:
-        return self.costs.verify_seconds(k + 1) + k * self.costs.draft.get(source, 0.0)
-
     def best_k(self, k: int, source: str) -> int:
-        """The draft length in 0..k with the most expected tokens per second."""
-        if self.costs.verify_seconds(1) is None:
+        """The draft length n in 0..k with the most expected tokens per second: a step
+        emits 1 + sum_{i<=n} prod_{j<=i} a_j tokens and costs verify(n + 1) + n draft steps."""
+        verify = [self.costs.verify_seconds(n + 1) for n in range(k + 1)]
+        if verify[0] is None:
             return 0  # measure a plain step first: everything else is judged against it
-        rates = [
-            self.expected_tokens(n, source) / self.step_seconds(n, source) for n in range(k + 1)
-        ]
-        return max(range(k + 1), key=lambda n: (rates[n], -n))
+        draft = self.costs.draft.get(source, 0.0)
+        best, best_rate, tokens, reach = 0, 1.0 / verify[0], 1.0, 1.0
+        for n, a in enumerate(self.acceptance(source)[:k], start=1):
+            reach *= a
+            tokens += reach
+            rate = tokens / (verify[n] + n * draft)
+            if rate > best_rate:
+                best, best_rate = n, rate
+        return best
 
     def plan(self, k: int, context: list[int]) -> tuple[int, bool]:
         """(tokens to draft and verify, whether to draft k more as a shadow only) for a step
