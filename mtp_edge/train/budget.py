@@ -116,21 +116,32 @@ class Budget:
         per_token = 1 / self.write_tps + self.labelled_per_written * label_s + per_origin
         return max(0.0, (left - fixed) / per_token) / self.write_tps
 
+    def _labelling_share(self, batch_origins: int) -> float:
+        if not self.label_tps:
+            return 1 - MIN_TRAINING_SHARE
+        per_token = 1 / self.label_tps + self._training_s_per_origin(batch_origins)
+        return min(1 - MIN_TRAINING_SHARE, (1 / self.label_tps) / per_token)
+
     def labelling_seconds(self, batch_origins: int) -> float:
         """Seconds of labelling worth spending from now: the same rule with the text already
         there (labelled tokens stand for draft origins), and training's share kept."""
-        left = self.room_s()
-        if not self.label_tps:
-            return left * (1 - MIN_TRAINING_SHARE)
-        per_token = 1 / self.label_tps + self._training_s_per_origin(batch_origins)
-        share = (1 / self.label_tps) / per_token
-        return left * min(1 - MIN_TRAINING_SHARE, share)
+        return self.room_s() * self._labelling_share(batch_origins)
 
-    def labelling_stop(self, batch_origins: int) -> Callable[[], str | None]:
-        """What label_sequences asks between sequences: None (go on) or the time left as text
-        ("" once the labelling deadline has passed)."""
-        until = self.deadline(self.labelling_seconds(batch_origins))
-        return lambda: "" if self.past(until) else minutes_left(until, self.clock)
+    def labelling_stop(self, batch_origins: int) -> Callable[[int], str | None]:
+        """What labelling asks after each sequence, with the tokens it just labelled: None (go
+        on) or the time left as text ("" once the deadline has passed). The deadline follows
+        the labelling rate as it is measured (the probe's is a first guess)."""
+        began, room, labelled = self.clock(), self.room_s(), [0]
+
+        def stop(tokens: int) -> str | None:
+            now = self.clock()
+            labelled[0] += tokens
+            if labelled[0] and now > began:
+                self.label_tps = labelled[0] / (now - began)
+            until = began + room * self._labelling_share(batch_origins)
+            return "" if now >= until else minutes_left(until, self.clock)
+
+        return stop
 
     def end(self) -> float:
         """The clock reading at which the budget runs out."""

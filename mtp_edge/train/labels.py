@@ -80,12 +80,12 @@ def _labelling_progress(say, total: int):
     return progress_bar(total, "labelling", unit="seq", disable=say is None)
 
 
-def _stop_here(stop: Callable[[], str | None] | None, bar) -> bool:
-    """Whether to stop labelling now; `stop` returns None to go on, else the time-left text
-    shown on the bar (an empty text when the deadline has passed)."""
+def _stop_here(stop: Callable[[int], str | None] | None, bar, tokens: int) -> bool:
+    """Whether to stop labelling now, after a sequence of `tokens`; `stop` returns None to go
+    on, else the time-left text shown on the bar (an empty text when the deadline has passed)."""
     if stop is None:
         return False
-    left = stop()
+    left = stop(tokens)
     if left:
         bar.set_postfix_str(left, refresh=False)
     return left == ""
@@ -98,7 +98,7 @@ def label_sequences(
     cache: bool = False,
     dtype: torch.dtype = torch.float16,
     say: Callable[[str], None] | None = None,
-    stop: Callable[[], str | None] | None = None,
+    stop: Callable[[int], str | None] | None = None,
 ) -> Labels:
     """Run the frozen target over each sequence (one teacher-forced call through the static
     cache) and keep, per position, its final hidden state and its argmax (and with `cache`, its
@@ -112,7 +112,7 @@ def label_sequences(
     bar = _labelling_progress(say, len(sequences))
     done = 0
     for s in sequences:
-        if done and _stop_here(stop, bar):
+        if done and _stop_here(stop, bar, len(sequences[done - 1].tokens)):
             break
         done += 1
         n = len(s.tokens)
@@ -139,7 +139,7 @@ def label_with_session(session, sequences: list[Sequence], say=None, stop=None) 
     bar = _labelling_progress(say, len(sequences))
     done = 0
     for s in sequences:
-        if done and _stop_here(stop, bar):
+        if done and _stop_here(stop, bar, len(sequences[done - 1].tokens)):
             break
         done += 1
         n = len(s.tokens)
