@@ -129,22 +129,27 @@ def test_budget_writes_labels_trains_and_resumes(tiny_dir, monkeypatch):
 
 
 def test_a_deadline_cuts_a_batch_to_prefixes():
-    """The writer's deadline inside a batch: each row keeps a prefix of its greedy response."""
+    """The writer's deadline inside a batch: each row keeps a prefix of its greedy response;
+    one during the prompts' prefill leaves every row empty."""
     model = tiny_model(seed=3, vocab=48)
     prompts = [[5, 9, 2], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [7], [4, 4, 4, 4, 20]]
     full = generate_batch(model, prompts, 20, eos_ids=[3])
-    steps = []
-    cut = generate_batch(
-        model,
-        prompts,
-        20,
-        eos_ids=[3],
-        on_step=lambda added: steps.append(added) or len(steps) == 5,
-    )
-    assert len(steps) == 5 and sum(steps) == sum(map(len, cut))
+    heard = []  # tokens per call: 0 after each prompt's prefill, then per decoding step
+
+    def deadline_after_five_steps(added: int) -> bool:
+        heard.append(added)
+        return len(heard) == len(prompts) + 5
+
+    cut = generate_batch(model, prompts, 20, eos_ids=[3], on_step=deadline_after_five_steps)
+    assert heard[: len(prompts)] == [0] * len(prompts) and sum(heard) == sum(map(len, cut))
     assert any(len(a) < len(b) for a, b in zip(cut, full, strict=True))
     for a, b in zip(cut, full, strict=True):
         assert a == b[: len(a)] and len(a) <= 5
+    ended = []
+    assert generate_batch(model, prompts, 20, [3], ended=ended, on_step=lambda _: True) == [
+        [] for _ in prompts
+    ]
+    assert ended == [False] * len(prompts)
 
 
 def test_training_stops_on_its_deadline_and_keeps_the_labels(tiny_dir):

@@ -160,8 +160,9 @@ def generate_batch(
     cols = torch.arange(longest)
     for step in range(max_new):
         if step == 0:  # prompts one at a time: padded together, attention would cost B x T^2
-            logits = torch.cat(
-                [
+            first = []
+            for b, start in enumerate(offsets.tolist()):
+                first.append(
                     _batched_forward(
                         model,
                         tokens[b : b + 1, start:],
@@ -170,9 +171,12 @@ def generate_batch(
                         key_ok[b : b + 1],
                         [(k[b : b + 1], v[b : b + 1]) for k, v in caches],
                     )
-                    for b, start in enumerate(offsets.tolist())
-                ]
-            )
+                )
+                if on_step is not None and on_step(0):  # the deadline came while prefilling
+                    if ended is not None:
+                        ended[:] = [False] * len(prompts)
+                    return outputs
+            logits = torch.cat(first)
         else:
             logits = _batched_forward(model, tokens, cols, offsets, key_ok, caches)
         if temperature > 0:
