@@ -198,7 +198,8 @@ def evaluate(
     }
 
 
-def _describe(result: dict) -> str:
+def describe(result: dict) -> str:
+    """One held-out result on one line."""
     accepted = "/".join(f"{a:.2f}" for a in result["acceptance"])
     return f"loss {result['loss']:.3f}  acceptance {accepted}  tau~{result['tau']:.2f}"
 

@@ -48,8 +48,8 @@ from mtp_edge.train.labels import (
 from mtp_edge.train.loop import (
     IGNORE,
     Batch,
-    _describe,
     batches_of,
+    describe,
     draft_losses,
     evaluate,
     feature_losses,
@@ -345,7 +345,8 @@ def _train(options: TrainOptions, rank: int, world: int, progress, clock) -> dic
     elif options.resume:
         say(f"no checkpoint at {paths['checkpoint']}: starting from scratch")
 
-    def held_out(data: Labels = heldout, show: bool = True) -> dict:
+    def held_out(data: Labels = heldout, show: bool = True, then: str = "training") -> dict:
+        """Held-out results of the head as it is (its time is the evaluation stage's)."""
         timer.stage("evaluation")
         result = evaluate(
             head,
@@ -361,7 +362,7 @@ def _train(options: TrainOptions, rank: int, world: int, progress, clock) -> dic
             options.batch_size,
             show=show and rank == 0,
         )
-        timer.stage("training")
+        timer.stage(then)
         return result
 
     def remember(entry: dict) -> None:
@@ -395,7 +396,7 @@ def _train(options: TrainOptions, rank: int, world: int, progress, clock) -> dic
     timer.stage("training")
     if step == 0:
         remember({"step": 0, **held_out()})
-        say("step 0  held-out " + _describe(history[-1]))
+        say("step 0  held-out " + describe(history[-1]))
 
     # Under --minutes: a deadline instead of --steps, the schedule by the share of time spent
     # (counting earlier runs' training), evaluations every so often.
@@ -463,7 +464,7 @@ def _train(options: TrainOptions, rank: int, world: int, progress, clock) -> dic
             steps_s = len(running) / (time.perf_counter() - last_log)
             total = f"/{options.steps}" if options.steps else ""
             line = f"step {step}{total}  loss {sum(running) / len(running):.3f}"
-            line += f"  held-out {_describe(history[-1])} (step {history[-1]['step']})"
+            line += f"  held-out {describe(history[-1])} (step {history[-1]['step']})"
             say(f"{line}  lr {rate:.1e}  {steps_s:.1f} steps/s")
             running, last_log = [], time.perf_counter()
     bar.close()
@@ -482,7 +483,7 @@ def _train(options: TrainOptions, rank: int, world: int, progress, clock) -> dic
         for kind in kinds:
             chosen = [i for i, s in enumerate(heldout_seqs) if s.kind == kind]
             part = labels_to(select_sequences(heldout_cpu, chosen), device)
-            categories[kind] = held_out(part, show=False)
+            categories[kind] = held_out(part, show=False, then="evaluation")
     summary = {
         "out": str(options.out),
         "target": loaded.name,
@@ -502,7 +503,7 @@ def _train(options: TrainOptions, rank: int, world: int, progress, clock) -> dic
     summary["history"] = history
     if rank == 0:
         save_heads(head.cpu(), config, options.out)
-        say(f"wrote {options.out}: held-out {_describe(final)} (step {final['step']})")
+        say(f"wrote {options.out}: held-out {describe(final)} (step {final['step']})")
         text = {"written": written, "labelled": labelled, "sequences": len(sequences)}
         summary["report"] = final_report(
             options, loaded.name, target, head, summary, categories, timer, text
