@@ -128,6 +128,33 @@ def test_budget_writes_labels_trains_and_resumes(tiny_dir, monkeypatch):
         train_heads(options(tiny_dir, "budget", **settings, resume=True), print)
 
 
+def test_an_interrupted_writing_counts_its_time(tiny_dir):
+    """A run stopped while writing has recorded the seconds it wrote for; resumed, it counts
+    them, reuses what was written and writes on until the writing deadline."""
+    settings = dict(data=(), raw_tokens=300, gen_max_new=12, gen_batch=3, minutes=0.5)
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupt_after_writing(line: str) -> None:
+        if line.startswith("the target's responses"):
+            raise Interrupted
+
+    with pytest.raises(Interrupted):
+        train_heads(
+            options(tiny_dir, "interrupted", **settings),
+            interrupt_after_writing,
+            clock=TickingClock(0.05),
+        )
+    out = tiny_dir / "interrupted" / "heads.safetensors"
+    budget = json.loads(artifact_paths(out)["checkpoint_json"].read_text())["budget"]
+    assert budget["spent"]["writing"] > 0 and "written_text" not in budget
+    resumed = options(tiny_dir, "interrupted", **settings, resume=True)
+    train_heads(resumed, print, clock=TickingClock(0.05))
+    assert spent(out)["writing"] > budget["spent"]["writing"]
+    assert sum(spent(out).values()) <= 30 + 2
+
+
 def test_a_deadline_cuts_a_batch_to_prefixes():
     """The writer's deadline inside a batch: each row keeps a prefix of its greedy response;
     one during the prompts' prefill leaves every row empty."""
