@@ -6,14 +6,16 @@ C(k') = verify(k'+1) + k' * draft, where verify(1) is a plain decoding step. Bot
 the prompt (a drafter that helps on code may not on questions) and with the machine (a verify of
 five tokens costs 1.0-1.5 decodes depending on backend, model and load), so both are measured
 while generating: acceptance per position as an exponentially weighted average of the steps just
-verified, costs from the loop's own timings of its calls. Each step takes the k' in 0..k with
-the most tokens per second; k' = 0 is plain decoding.
+verified, costs from the loop's own timings of its calls (per width, the median of the last
+few). Each step takes the k' in 0..k with the most tokens per second; k' = 0 is plain decoding.
 
 While it does not draft, the controller still learns whether drafting would pay again: a
 "shadow" draft is proposed and never verified, only compared with the tokens the target then
 emits. Where a draft costs next to nothing (prompt lookup) every plain step shadows; for a model
-drafter shadows come at growing intervals. Only how many tokens are drafted changes, never how
-the target's tokens are chosen: output stays exactly what it is without the fallback.
+drafter shadows come at growing intervals. (When sampling, a shadow token counts as accepted
+only if it is the token drawn, which understates acceptance: resuming is then slower.) Only how
+many tokens are drafted changes, never how the target's tokens are chosen: greedy output stays
+exactly what it is without the fallback, sampled output keeps the target's distribution.
 
 A drafter that combines sources (mtp+ngram: the lookup where the context repeats, the model
 elsewhere) says which one will draft (`source(context)`): each source has its own acceptance and
@@ -35,7 +37,7 @@ COST_WEIGHT = 0.2  # weight of the newest timing in the draft cost averages
 RECENT_CALLS = 7  # a width's cost: the median of its last calls (a stalled call moves nothing)
 PRIOR_ACCEPTANCE = 0.5  # the first position's, before a generation's first verified draft
 PRIOR_VERIFY_SLOPE = 0.1  # verify(T) ~ verify(1) * (1 + slope (T - 1)) until T is measured
-OUTLIER = 3.0  # a timing above this multiple of its average counts as this multiple
+OUTLIER = 3.0  # a draft timing above this multiple of its average counts as this multiple
 CHEAP_SHADOW = 0.02  # shadow every plain step when a k-token draft costs under 2% of a decode
 FIRST_PROBE_INTERVAL, MAX_PROBE_INTERVAL = 2, 32  # plain steps between shadows of a model drafter
 REMEASURE_PLAIN_AFTER = 100  # drafted steps after which one plain step refreshes verify(1)
