@@ -67,6 +67,7 @@ from executorch.exir.passes.sym_shape_eval_pass import ConstraintBasedSymShapeEv
 from torch import nn
 
 from mtp_edge import ops
+from mtp_edge.checkpoints import PartHook
 from mtp_edge.config import ModelConfig
 from mtp_edge.errors import UserError
 from mtp_edge.exporter.platform import draft_vocabulary, head_settings
@@ -74,7 +75,13 @@ from mtp_edge.logs import estimated_stage
 from mtp_edge.manifest import ModelFile
 from mtp_edge.model import Attention, RMSNorm, Transformer, rope_frequencies
 from mtp_edge.mtp import MTPHead
-from mtp_edge.quantize.schemes import QuantScheme, check_scheme, quantize_model, quantize_modules
+from mtp_edge.quantize.schemes import (
+    QuantScheme,
+    check_scheme,
+    quantize_model,
+    quantize_modules,
+    quantize_part,
+)
 
 if TYPE_CHECKING:
     from mtp_edge.exporter.platform import ExportJob
@@ -175,8 +182,13 @@ def with_export_norms(module: nn.Module) -> nn.Module:
 def exportable_copy(
     model: Transformer, scheme: QuantScheme, max_seq_len: int, kernel: str = "mtp"
 ) -> Transformer:
-    """A float32, quantized copy of `model` with export attention and norms (model is untouched)."""
-    model = copy.deepcopy(model).float().eval()
+    """A quantized copy of `model` with export attention and norms (model is untouched). The
+    copy shares the weights: parts already quantized (`load_hook`) are not quantized again, and
+    quantizing the others gives the copy new tensors, never a float copy of the model."""
+    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    model = copy.deepcopy(model, shared).eval()
+    if model.dtype != torch.float32:
+        model.float()
     model.setup_cache(max_seq_len)  # rotary tables for max_seq_len positions
     quantize_model(model, scheme)
     for layer in model.layers:
@@ -528,6 +540,21 @@ def export_mtp_program(
             "outputs": outputs,
         }
     return {"forward": forward}, settings
+
+
+def load_hook(options, skeleton: Transformer, draft: bool = False) -> PartHook:
+    """Quantize each part of the target (or, with `draft`, the draft model) with the export's
+    scheme as the loader reads it (checkpoints.load_model), after checking the scheme fits."""
+    import torchao.quantization  # noqa: F401  (its import, ~100 MB, before any stage's clock)
+
+    linear = options.draft_quant if draft else options.quant
+    scheme = QuantScheme(linear, options.group_size, options.embedding_quant)
+    check_scheme(scheme, skeleton)
+
+    def hook(model: Transformer, name: str, module: nn.Module) -> None:
+        quantize_part(model, name, module, scheme)
+
+    return hook
 
 
 def check(job: ExportJob) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import math
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -12,12 +11,13 @@ from typing import cast
 
 import torch
 
-from mtp_edge.checkpoints import LoadedModel, load_model, model_vocabulary
+from mtp_edge.checkpoints import LoadedModel, load_model, model_vocabulary, open_checkpoint
 from mtp_edge.errors import UserError
 from mtp_edge.exporter.platform import ExportJob, ExportOptions, Platform
 from mtp_edge.logs import progress_bar
 from mtp_edge.manifest import PLATFORMS, TOKENIZER_FILES, DrafterSpec, Manifest, ModelFile
-from mtp_edge.quantize.quality import perplexity, verify_step_discrepancy
+from mtp_edge.memory import StageClock, return_freed_memory
+from mtp_edge.quantize.quality import StreamedPerplexity, perplexity, verify_step_discrepancy
 from mtp_edge.texts import heldout_text
 
 # forward(tokens, start) -> logits [T, V]: how the exporter runs what it exported. The CLI passes
@@ -123,8 +123,9 @@ def eager_forward(model, max_seq_len: int) -> Forward:
     return forward
 
 
-def load_drafter(options: ExportOptions, target: LoadedModel):
-    """(kind, what to export): ("none"|"ngram", None), ("mtp", MTPHead), ("draft-lm", model)."""
+def load_drafter(options: ExportOptions, target: LoadedModel, make_hook=None):
+    """(kind, what to export): ("none"|"ngram", None), ("mtp", MTPHead), ("draft-lm", model).
+    `make_hook(options, skeleton, draft=True)`: the platform's quantize-on-load hook, if any."""
     from mtp_edge.mtp import load_heads, shipped_heads
 
     kind = options.drafter
@@ -139,7 +140,7 @@ def load_drafter(options: ExportOptions, target: LoadedModel):
                 f"no MTP heads ship for {target.name}: train them with "
                 f"mtp-train --model {options.model} --out heads.safetensors, then pass --heads"
             )
-        return "mtp", load_heads(heads, target.model, target.name)
+        return "mtp", load_heads(heads, target.model, target.name, target.fingerprint)
     # Compare vocabularies from the draft's tokenizer and config alone, before its weights load
     # (gigabytes, most of a minute).
     draft_tokenizer, draft_vocab_size = model_vocabulary(kind)
@@ -151,7 +152,8 @@ def load_drafter(options: ExportOptions, target: LoadedModel):
             "the draft model's vocabulary differs from the target's: use a draft model with "
             "the target's tokenizer, or --drafter ngram"
         )
-    return "draft-lm", load_model(kind)
+    hook = make_hook(options, open_checkpoint(kind).skeleton(), draft=True) if make_hook else None
+    return "draft-lm", load_model(kind, on_part=counted_parts(hook, "loading draft model"))
 
 
 def export_bundle(
@@ -179,29 +181,60 @@ def export_bundle(
     check_lookup(options.lookup)
     if not 0 <= options.draft_confidence < 1:
         raise UserError(f"--draft-confidence must be in [0, 1), got {options.draft_confidence}")
-    started = time.perf_counter()
-    progress(f"[load] {options.model}")
-    target = load_model(options.model)
-    drafter_kind, draft = load_drafter(options, target)
-    out = Path(out) if out is not None else default_out(options, target.name)
-    check_writable(out)  # fail before the slow part, not after
-    config = target.config
-    max_seq_len = min(options.max_seq_len, config.max_position_embeddings)
+    clock = StageClock()
+    return_freed_memory()  # the float parts read and dropped below must leave the process
+    checkpoint = open_checkpoint(options.model)  # its tensors stay on disk for now
+    # A platform that quantizes with torchao does it as each part of the model is read, so the
+    # export never holds the float model (`load_hook`); the others convert float weights.
+    make_hook = getattr(platform, "load_hook", None)
+    hook = make_hook(options, checkpoint.skeleton()) if make_hook else None
+    tokenizer = checkpoint.tokenizer
+    max_seq_len = min(options.max_seq_len, checkpoint.config.max_position_embeddings)
     max_chunk = min(options.max_chunk, max_seq_len)
-    job = ExportJob(options, target, drafter_kind, draft, max_seq_len, max_chunk, progress)
-    platform.check(job)
-    tokenizer = target.tokenizer
-
     quality: dict = {}
     heldout: list[int] = []
     if options.quality_tokens:
         heldout = tokenizer.encode(heldout_text())[: min(options.quality_tokens, max_seq_len)]
-        progress(f"[quality] fp32 perplexity on {len(heldout)} held-out tokens")
         quality["heldout_tokens"] = len(heldout)
-        with counting_tokens(
-            eager_forward(target.model, max_seq_len), "fp32 perplexity", len(heldout)
-        ) as forward:
+    stream = StreamedPerplexity(checkpoint.config, heldout) if heldout and hook else None
+
+    def on_part(model, name, module) -> None:
+        if stream is not None:  # the float part, before the hook quantizes it
+            stream.feed(name, module)
+        if hook is not None:
+            hook(model, name, module)
+            return_freed_memory()
+
+    steps = ["load"] + (["quantize"] if hook else []) + (["fp32 perplexity"] if stream else [])
+    progress(
+        f"[load] {options.model}"
+        + (f" ({', '.join(steps[1:])}, a layer at a time)" if hook else "")
+    )
+    with clock.stage(", ".join(steps)):
+        target = load_model(options.model, on_part=counted_parts(on_part, "loading target"))
+        if stream is not None:
+            tied = None if "lm_head.weight" in checkpoint.readers else "embed_tokens.weight"
+            fp32 = stream.finish(checkpoint.tensor(tied) if tied else None)
+            quality["perplexity_fp32_method"] = "streamed while loading, a layer at a time"
+        del checkpoint
+    with clock.stage("load drafter"):
+        drafter_kind, draft = load_drafter(options, target, make_hook)
+    out = Path(out) if out is not None else default_out(options, target.name)
+    check_writable(out)  # fail before the slow part, not after
+    config = target.config
+    job = ExportJob(options, target, drafter_kind, draft, max_seq_len, max_chunk, progress)
+    platform.check(job)
+
+    if heldout and hook is None:
+        progress(f"[quality] fp32 perplexity on {len(heldout)} held-out tokens")
+        with (
+            clock.stage("fp32 perplexity"),
+            counting_tokens(
+                eager_forward(target.model, max_seq_len), "fp32 perplexity", len(heldout)
+            ) as forward,
+        ):
             fp32 = perplexity(forward, heldout, max_chunk)
+    if heldout:
         if not math.isfinite(fp32):  # nothing quantized from it could be judged, or be right
             raise UserError(
                 f"the fp32 perplexity of {target.name} on the held-out text is {fp32}: the model "
@@ -210,7 +243,14 @@ def export_bundle(
         quality["perplexity_fp32"] = round(fp32, 4)
 
     def build(tmp: Path) -> Manifest:
-        models, settings = platform.export(job, tmp)
+        with clock.stage("export"):
+            models, settings = platform.export(job, tmp)
+        with clock.stage("quality checks"):
+            manifest = checked(tmp, models, settings)
+        manifest.export_log = clock.report()
+        return manifest
+
+    def checked(tmp: Path, models: dict, settings: dict) -> Manifest:
         forward = open_program(tmp / models["target"].file, max_seq_len) if heldout else None
         if forward is None and heldout:
             progress(f"[quality] the exported {options.platform} model cannot run here: skipped")
@@ -251,11 +291,33 @@ def export_bundle(
     if measure is not None:
 
         def finish(directory: Path, manifest: Manifest) -> None:
-            manifest.quality.update(measure(directory, target, draft))
+            with clock.stage("drafter acceptance"):
+                manifest.quality.update(measure(directory, target, draft))
+            manifest.export_log = clock.report()
 
     manifest = write_bundle(out, build, finish)
-    progress(f"[done] {out} in {time.perf_counter() - started:.0f} s")
+    log = manifest.export_log
+    for row in log["stages"]:
+        progress(f"[time] {row['stage']}: {row['seconds']:.0f} s, peak RSS {row['peak_rss_mb']} MB")
+    progress(f"[done] {out} in {log['seconds']:.0f} s, peak RSS {log['peak_rss_mb']} MB")
     return out, manifest
+
+
+def counted_parts(hook, desc: str):
+    """`hook` (a load_model on_part hook, or None) with a progress bar over the model's parts."""
+    bar = None
+
+    def on_part(model, name, module) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = progress_bar(len(model.parts()), desc, unit="part")
+        if hook is not None:
+            hook(model, name, module)
+        bar.update(1)
+        if bar.n >= bar.total:
+            bar.close()
+
+    return on_part
 
 
 def drafter_spec(options: ExportOptions, kind: str, draft, settings: dict) -> DrafterSpec:

@@ -15,7 +15,7 @@ import importlib.util
 import json
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -24,11 +24,19 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from safetensors import SafetensorError, safe_open
+from torch import nn
 
 from mtp_edge.config import ModelConfig, check_architecture
 from mtp_edge.errors import UserError
 from mtp_edge.model import Transformer, rope_frequencies
-from mtp_edge.mtp import MTPConfig, MTPHead, target_fingerprint, target_lm_head
+from mtp_edge.mtp import (
+    MTPConfig,
+    MTPHead,
+    fingerprint,
+    fingerprint_rows,
+    target_fingerprint,
+    target_lm_head,
+)
 from mtp_edge.tokenizer import Tokenizer, gguf_field
 
 DEFAULT_MODEL = "default"
@@ -71,6 +79,8 @@ class LoadedModel:
     config: ModelConfig
     name: str
     path: Path
+    # target_fingerprint of the weights as read (before any on_part hook quantized them)
+    fingerprint: str = ""
 
 
 def default_model_path() -> Path:
@@ -86,15 +96,83 @@ def default_model_path() -> Path:
     )
 
 
-def load_model(spec: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
+def load_model(
+    spec: str, dtype: torch.dtype = torch.float32, on_part: PartHook | None = None
+) -> LoadedModel:
     """Load "default", a Hugging Face model directory or a .gguf file (no KV cache yet).
 
     Every tensor is checked for NaN/inf as it is read: a corrupt checkpoint is refused here rather
     than decoding into garbage (NaN logits pick token 0, often an end-of-text token).
+
+    The model is filled one part at a time (the embedding, each layer, the final norm, the LM
+    head: `Transformer.parts`); `on_part(model, name, module)` runs on each part as soon as its
+    weights are in, e.g. to quantize it, so that a whole copy of the model in `dtype` never
+    exists.
     """
+    source = open_checkpoint(spec, dtype)
+    model = source.skeleton()
+    slices = []  # of the float weights target_fingerprint reads
+    for name, module in model.parts():
+        source.fill(name, module)
+        if name == "norm":
+            slices.append(fingerprint_rows(module.weight[None]))
+        elif name in ("embed_tokens", "lm_head"):
+            slices.append(fingerprint_rows(module.weight))
+        if on_part is not None:
+            on_part(model, name, module)
+    loaded = LoadedModel(model.eval(), source.tokenizer, source.config, source.name, source.path)
+    loaded.fingerprint = fingerprint(source.config, slices)
+    return loaded
+
+
+# on_part(model, part name, part module): see load_model.
+PartHook = Callable[[Transformer, str, nn.Module], None]
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    """A checkpoint opened without its weights: config, tokenizer, and for each of our parameter
+    names a function reading that tensor (checked, in the requested dtype) from the file."""
+
+    config: ModelConfig
+    tokenizer: Tokenizer
+    name: str
+    path: Path
+    readers: dict[str, Callable[[], torch.Tensor]]
+
+    def skeleton(self) -> Transformer:
+        """The model on the meta device, after checking the checkpoint names every parameter."""
+        with torch.device("meta"):
+            model = Transformer(self.config)
+        expected = set(model.state_dict())
+        missing, unexpected = expected - self.readers.keys(), self.readers.keys() - expected
+        if missing or unexpected:
+            raise UserError(
+                f"checkpoint does not match a {self.config.arch} model: "
+                f"missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}"
+            )
+        return model
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self.readers[name]()
+
+    def fill(self, part: str, module: nn.Module) -> None:
+        """Read the weights of `part` (a name from Transformer.parts) into `module`."""
+        prefix = part + "."
+        state = {
+            key.removeprefix(prefix): read()
+            for key, read in self.readers.items()
+            if key.startswith(prefix)
+        }
+        module.load_state_dict(state, strict=True, assign=True)
+
+
+def open_checkpoint(spec: str, dtype: torch.dtype = torch.float32) -> Checkpoint:
+    """A model spec (see load_model) opened lazily: its tensors stay on disk until read."""
     path, is_dir, name = _resolve(spec)
-    model, tokenizer = _load_hf_dir(path, dtype) if is_dir else _load_gguf(path, dtype)
-    return LoadedModel(model, tokenizer, model.config, name, path)
+    opener = _open_hf_dir if is_dir else _open_gguf_file
+    config, tokenizer, readers = opener(path, dtype)
+    return Checkpoint(config, tokenizer, name, path, readers)
 
 
 def model_vocabulary(spec: str) -> tuple[Tokenizer, int]:
@@ -203,12 +281,26 @@ def _check_shape(expected: dict, ours: str, shape: tuple, name: str, config: Mod
 # --- Hugging Face safetensors directories ---------------------------------------------------
 
 
-def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[Transformer, Tokenizer]:
+def _open_hf_dir(path: Path, dtype: torch.dtype):
     config = _hf_config(path)
     files = _safetensors_files(path)
     tokenizer = Tokenizer.from_hf_dir(path)  # before the weights: a missing file fails at once
     expected = _expected_shapes(config)
-    state = {}
+    readers = {}
+
+    def reader(file: Path, key: str) -> Callable[[], torch.Tensor]:
+        def read() -> torch.Tensor:
+            try:
+                with safe_open(str(file), framework="pt") as f:
+                    stored = f.get_tensor(key)
+            except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+                raise UserError(_unreadable(file, e)) from None
+            weight = stored.to(dtype)
+            _check_finite(weight, stored if weight is not stored else None, key, file)
+            return weight
+
+        return read
+
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as f:
@@ -220,16 +312,14 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[Transformer, Tokenizer
                         continue
                     with _naming(file):
                         _check_shape(expected, name, f.get_slice(key).get_shape(), key, config)
-                    stored = f.get_tensor(key)
-                    weight = stored.to(dtype)
-                    _check_finite(weight, stored if weight is not stored else None, key, file)
-                    state[name] = weight
+                    readers[name] = reader(file, key)
         except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-            raise UserError(
-                f"cannot read {file}: {e} (the file is truncated or corrupt: download it again)"
-            ) from None
-    model = Transformer.from_state_dict(config, state, dtype)
-    return model, tokenizer
+            raise UserError(_unreadable(file, e)) from None
+    return config, tokenizer, readers
+
+
+def _unreadable(file: Path, error: Exception) -> str:
+    return f"cannot read {file}: {error} (the file is truncated or corrupt: download it again)"
 
 
 def _hf_config(path: Path) -> ModelConfig:
@@ -294,7 +384,7 @@ def _one_line(error: Exception) -> str:
     return " ".join(str(error).split())
 
 
-def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[Transformer, Tokenizer]:
+def _open_gguf_file(path: Path, dtype: torch.dtype):
     reader = _open_gguf(path)
     with _naming(path):
         tensors = {t.name: t for t in reader.tensors}
@@ -306,20 +396,27 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[Transformer, Tokenizer]:
                 f"{config.vocab_size} rows: the file is corrupt"
             )
         expected = _expected_shapes(config)
-        state = {}
+        readers = {}
         for name, tensor in tensors.items():
             if name == "rope_freqs.weight":
                 continue  # folded into config.rope_scaling
             ours = _gguf_parameter_name(name)
             _check_shape(expected, ours, _torch_shape(tensor), name, config)
+            readers[ours] = _gguf_reader(tensor, ours, config, path, dtype)
+    return config, tokenizer, readers
+
+
+def _gguf_reader(tensor, ours: str, config: ModelConfig, path: Path, dtype: torch.dtype):
+    def read() -> torch.Tensor:
+        with _naming(path):
             weight = _dequantize(tensor, dtype)
-            _check_finite(weight, None, name, path)
-            if config.arch == "llama" and re.search(r"\.self_attn\.[qk]_proj\.", ours):
-                heads = config.num_heads if ".q_proj." in ours else config.num_kv_heads
-                weight = _undo_rotary_permutation(weight, heads)
-            state[ours] = weight
-    model = Transformer.from_state_dict(config, state, dtype)
-    return model, tokenizer
+            _check_finite(weight, None, tensor.name, path)
+        if config.arch == "llama" and re.search(r"\.self_attn\.[qk]_proj\.", ours):
+            heads = config.num_heads if ".q_proj." in ours else config.num_kv_heads
+            weight = _undo_rotary_permutation(weight, heads)
+        return weight
+
+    return read
 
 
 def _torch_shape(tensor) -> tuple[int, ...]:

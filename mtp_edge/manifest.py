@@ -97,6 +97,9 @@ class Manifest:
     # The chat template rendered around one user message, {"prefix", "suffix"}: how a runtime
     # without jinja (the native C++ core) forms a chat prompt. None: no template, or old bundle.
     chat_format: dict | None = None
+    # How the export went: {"seconds", "peak_rss_mb", "stages": [{"stage", "seconds",
+    # "peak_rss_mb"}]} (logs.StageClock); empty in bundles from before it was recorded.
+    export_log: dict = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
     exporter_version: str = __version__
 

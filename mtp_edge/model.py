@@ -178,6 +178,16 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
+    def parts(self) -> list[tuple[str, nn.Module]]:
+        """(name, module) of the parts a checkpoint fills one after another (checkpoints.py) and
+        the exporter quantizes one at a time, in forward order."""
+        parts = [("embed_tokens", self.embed_tokens)]
+        parts += [(f"layers.{i}", layer) for i, layer in enumerate(self.layers)]
+        parts.append(("norm", self.norm))
+        if self.lm_head is not None:
+            parts.append(("lm_head", self.lm_head))
+        return parts
+
     def setup_cache(self, max_seq_len: int) -> None:
         """(Re)allocate the static KV cache and the rotary tables for `max_seq_len` positions."""
         dtype, c = self.dtype, self.config

@@ -280,14 +280,24 @@ def target_fingerprint(target: Transformer) -> str:
     Slices are rounded to float16 so that the same weights loaded in another dtype match, while
     a different checkpoint (or a different quantization of the same one) does not.
     """
-    config = json.dumps(target.config.to_dict(), sort_keys=True, default=str)
-    digest = hashlib.sha256(config.encode())
     tensors = [target.embed_tokens.weight, target.norm.weight[None]]
     if target.lm_head is not None:
         tensors.append(target.lm_head.weight)
-    for weight in tensors:
-        rows = torch.linspace(0, weight.shape[0] - 1, min(64, weight.shape[0])).long()
-        digest.update(weight.detach()[rows].to(torch.float16).contiguous().numpy().tobytes())
+    return fingerprint(target.config, [fingerprint_rows(weight) for weight in tensors])
+
+
+def fingerprint_rows(weight: torch.Tensor) -> bytes:
+    """The slice of one weight [rows, ...] that target_fingerprint hashes."""
+    rows = torch.linspace(0, weight.shape[0] - 1, min(64, weight.shape[0])).long()
+    return weight.detach()[rows].to(torch.float16).contiguous().numpy().tobytes()
+
+
+def fingerprint(config, slices: list[bytes]) -> str:
+    """target_fingerprint from the slices of the embedding, the final norm (as one row) and an
+    untied LM head, taken while the weights were float (a loader that quantizes as it goes)."""
+    digest = hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True, default=str).encode())
+    for piece in slices:
+        digest.update(piece)
     return digest.hexdigest()
 
 
@@ -308,8 +318,11 @@ def heads_json_path(path: str | Path) -> Path:
     return Path(path).with_suffix(".json")
 
 
-def load_heads(path: str | Path, target: Transformer, target_name: str) -> MTPHead:
-    """Read heads written by `save_heads`, refusing heads trained for another target."""
+def load_heads(
+    path: str | Path, target: Transformer, target_name: str, target_hash: str | None = None
+) -> MTPHead:
+    """Read heads written by `save_heads`, refusing heads trained for another target
+    (`target_hash`: the target's fingerprint, when its weights are no longer float)."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"MTP heads not found: {path} (train them with mtp-train --out {path})")
@@ -324,7 +337,7 @@ def load_heads(path: str | Path, target: Transformer, target_name: str) -> MTPHe
         ) from None
     c = target.config
     if (config.hidden_size, config.vocab_size) != (c.hidden_size, c.vocab_size) or (
-        config.target_hash != target_fingerprint(target)
+        config.target_hash != (target_hash or target_fingerprint(target))
     ):
         raise UserError(
             f"{path}: heads were trained for {config.target_name or 'another model'} "

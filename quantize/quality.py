@@ -63,3 +63,60 @@ def verify_step_discrepancy(
         "rival_gain_max": float(gain.max()),
         "argmax_flips": flips,
     }
+
+
+class StreamedPerplexity:
+    """The float32 perplexity of `tokens`, computed while a loader reads the model one part at a
+    time (checkpoints.load_model's on_part hook, before the part is quantized): the whole
+    sequence goes through each part as it arrives, so no float copy of the model is needed.
+    The same function as `perplexity` with an eager forward, summed in another order."""
+
+    ROWS = 128  # rows of [rows, vocab] float64 logits at a time
+
+    def __init__(self, config, tokens: list[int]):
+        from mtp_edge.model import rope_frequencies
+
+        n = len(tokens)
+        self.config, self.tokens = config, tokens
+        self.positions = torch.arange(n)
+        angles = torch.outer(self.positions.double(), rope_frequencies(config))
+        angles = torch.cat((angles, angles), dim=-1)
+        self.cos, self.sin = angles.cos().float()[None, None], angles.sin().float()[None, None]
+        self.mask = self.positions[None, :] <= self.positions[:, None]
+        self.x: torch.Tensor | None = None
+        self.nll: float | None = None
+
+    @torch.inference_mode()
+    def feed(self, name: str, module: torch.nn.Module) -> None:
+        """Run the sequence through part `name` (Transformer.parts), its weights still float."""
+        from mtp_edge.model import KVCache
+
+        if name == "embed_tokens":
+            self.x = module(torch.tensor([self.tokens])).float()
+        elif name.startswith("layers."):
+            c, n = self.config, len(self.tokens)
+            attention = module.self_attn
+            attention.cache = KVCache(c.num_kv_heads, n, c.head_dim, torch.float32)
+            self.x = module(self.x, self.positions, self.cos, self.sin, self.mask, None)
+            attention.cache = None
+        elif name == "norm":
+            self.x = module(self.x)
+        elif name == "lm_head":
+            self.nll = self._nll(module.weight)
+
+    @torch.inference_mode()
+    def finish(self, tied_head: torch.Tensor | None = None) -> float:
+        """The perplexity; a model whose LM head is its embedding gives that table (float)."""
+        if self.nll is None:
+            self.nll = self._nll(tied_head)
+        return math.exp(self.nll / (len(self.tokens) - 1))
+
+    def _nll(self, head: torch.Tensor) -> float:
+        targets, rows, nll = torch.tensor(self.tokens[1:]), self.x[0], 0.0
+        for start in range(0, len(targets), self.ROWS):
+            picked = targets[start : start + self.ROWS]
+            logits = torch.nn.functional.linear(rows[start : start + len(picked)], head.float())
+            nll += float(
+                torch.nn.functional.cross_entropy(logits.double(), picked, reduction="sum")
+            )
+        return nll

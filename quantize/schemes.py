@@ -13,6 +13,7 @@ A tied LM head is untied first, so the head gets a linear scheme and the table a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -154,26 +155,66 @@ def _check_group(flag: str, group: int, inputs: dict[str, int]) -> None:
 
 def quantize_model(model: Transformer, scheme: QuantScheme) -> Transformer:
     """Quantize `model` in place with torchao (call `check_scheme` first)."""
+    for name, module in model.parts():
+        quantize_part(model, name, module, scheme)
+    return model
+
+
+def quantize_part(model: Transformer, name: str, module: nn.Module, scheme: QuantScheme) -> None:
+    """Quantize one part of `model` (a name from Transformer.parts) in place: the loader
+    calls this as each part's weights arrive, so a whole float32 model is never held. A tied
+    LM head gets a quantized copy of its own while the embedding is still float."""
     from torchao.quantization import quantize_
 
     head, head_group = scheme.head_scheme
-    if model.lm_head is None and (scheme.embedding, head) != ("none", "fp32"):
-        # Share the parameter: quantize_ gives each module its own quantized copy.
-        c = model.config
-        model.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, device="meta")
-        model.lm_head.weight = model.embed_tokens.weight
-
-    def is_head(m: nn.Module, fqn: str) -> bool:
-        return isinstance(m, nn.Linear) and fqn == "lm_head"
-
-    if scheme.embedding != "none":
-        quantize_(model, _embedding_config(scheme), lambda m, fqn: isinstance(m, nn.Embedding))
-    if scheme.linear != "fp32":
+    if name == "embed_tokens":
+        if model.lm_head is None and (scheme.embedding, head) != ("none", "fp32"):
+            c = model.config
+            model.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, device="meta")
+            model.lm_head.weight = nn.Parameter(module.weight.detach(), requires_grad=False)
+            quantize_part(model, "lm_head", model.lm_head, scheme)
+        if scheme.embedding != "none" and not is_quantized(module):
+            _quantize_by_rows(module, _embedding_config(scheme))
+    elif name == "lm_head":
+        if head != "fp32" and not is_quantized(module):
+            _quantize_by_rows(module, _linear_config(head, head_group))
+    elif scheme.linear != "fp32":
         config = _linear_config(scheme.linear, scheme.group_size)
-        quantize_(model, config, lambda m, fqn: isinstance(m, nn.Linear) and not is_head(m, fqn))
-    if head != "fp32" and model.lm_head is not None:
-        quantize_(model, _linear_config(head, head_group), is_head)
-    return model
+        quantize_(module, config, lambda m, fqn: isinstance(m, nn.Linear) and not is_quantized(m))
+
+
+QUANTIZE_ROWS = 8192  # rows of a vocabulary-sized table quantized at a time
+
+
+def _quantize_by_rows(module: nn.Embedding | nn.Linear, config) -> None:
+    """quantize_(module, config) for a table with one row per token (an embedding, an LM head),
+    a block of rows at a time: every scheme here scales rows (or groups within a row) on their
+    own, so the result is the same, while torchao's float temporaries stay the size of a block
+    rather than of the table (for a 151,936-token vocabulary, gigabytes)."""
+    from torchao.quantization import quantize_
+
+    weight = module.weight.detach()
+    if weight.shape[0] <= QUANTIZE_ROWS:
+        quantize_(module, config, lambda m, fqn: isinstance(m, type(module)))
+        return
+    pieces, first = [], None
+    for start in range(0, weight.shape[0], QUANTIZE_ROWS):
+        block = nn.Linear(weight.shape[1], 1, bias=False, device="meta")
+        block.weight = nn.Parameter(weight[start : start + QUANTIZE_ROWS], requires_grad=False)
+        quantize_(block, config)  # an embedding's weight-only config quantizes any weight
+        names, attributes = block.weight.__tensor_flatten__()
+        first = first or (type(block.weight), names, attributes)
+        pieces.append([getattr(block.weight, n) for n in names])
+    kind, names, attributes = first
+    inner = {n: torch.cat([p[i] for p in pieces]) for i, n in enumerate(names)}
+    quantized = kind.__tensor_unflatten__(inner, attributes, weight.shape, None)
+    module.weight = nn.Parameter(quantized, requires_grad=False)
+
+
+def is_quantized(module: nn.Module) -> bool:
+    """Whether torchao already replaced this layer's weight (quantizing twice is an error)."""
+    weight = getattr(module, "weight", None)
+    return weight is not None and type(weight) not in (torch.Tensor, nn.Parameter)
 
 
 def quantize_modules(module: nn.Module, scheme: QuantScheme) -> nn.Module:
@@ -181,11 +222,13 @@ def quantize_modules(module: nn.Module, scheme: QuantScheme) -> nn.Module:
     the embedding scheme, in place (for modules other than a Transformer, e.g. a drafter)."""
     from torchao.quantization import quantize_
 
+    def fresh(kind: type) -> Callable[[nn.Module, str], bool]:
+        return lambda m, fqn: isinstance(m, kind) and not is_quantized(m)
+
     if scheme.embedding != "none":
-        quantize_(module, _embedding_config(scheme), lambda m, fqn: isinstance(m, nn.Embedding))
+        quantize_(module, _embedding_config(scheme), fresh(nn.Embedding))
     if scheme.linear != "fp32":
-        config = _linear_config(scheme.linear, scheme.group_size)
-        quantize_(module, config, lambda m, fqn: isinstance(m, nn.Linear))
+        quantize_(module, _linear_config(scheme.linear, scheme.group_size), fresh(nn.Linear))
     return module
 
 
