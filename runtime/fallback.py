@@ -35,6 +35,7 @@ from collections.abc import Callable
 ACCEPTANCE_WEIGHT = 0.3  # weight of the newest step in the acceptance averages
 COST_WEIGHT = 0.2  # weight of the newest timing in the draft cost averages
 RECENT_CALLS = 7  # a width's cost: the median of its last calls (a stalled call moves nothing)
+TRUSTED_CALLS = 3  # calls of a width before their median is taken as it stands
 PRIOR_ACCEPTANCE = 0.5  # the first position's, before a generation's first verified draft
 PRIOR_VERIFY_SLOPE = 0.1  # verify(T) ~ verify(1) * (1 + slope (T - 1)) until T is measured
 OUTLIER = 3.0  # a draft timing above this multiple of its average counts as this multiple
@@ -63,24 +64,35 @@ class StepCosts:
         self.draft[source] = per_token if old is None else _average_time(old, per_token)
 
     def verify_seconds(self, width: int) -> float | None:
-        """Measured, else interpolated between measured widths, else scaled from the nearest
-        one by the prior slope; never above a wider call's (a call with fewer tokens costs no
-        more); None before any call was measured."""
-        measured = self.measured
-        below = [w for w in measured if w < width]
-        above = [w for w in measured if w > width]
-        if width in measured:
-            estimate = measured[width]
-        elif below and above:
-            lo, hi = max(below), min(above)
-            share = (width - lo) / (hi - lo)
-            estimate = measured[lo] + share * (measured[hi] - measured[lo])
-        elif below or above:
-            near = max(below) if below else min(above)
-            estimate = measured[near] * _prior_ratio(width) / _prior_ratio(near)
-        else:
-            return None
-        return min([estimate] + [measured[w] for w in above])
+        """The median of the width's recent calls once there are TRUSTED_CALLS of them; else
+        what the trusted widths say (interpolated, or scaled by the prior slope) where that is
+        lower, since one or two calls may be a warm-up or a stall; never above a trusted wider
+        call's. None before any call was measured."""
+        calls = self.verify.get(width, ())
+        if len(calls) >= TRUSTED_CALLS:
+            return self.measured[width]
+        trusted = {w: m for w, m in self.measured.items() if len(self.verify[w]) >= TRUSTED_CALLS}
+        estimate = _from_neighbours(trusted or self.measured, width)
+        if calls:
+            estimate = (
+                self.measured[width] if estimate is None else min(estimate, self.measured[width])
+            )
+        wider = [m for w, m in trusted.items() if w > width]
+        return None if estimate is None else min([estimate, *wider])
+
+
+def _from_neighbours(measured: dict[int, float], width: int) -> float | None:
+    """A width's cost from other widths': interpolated, or scaled by the prior slope."""
+    below = [w for w in measured if w < width]
+    above = [w for w in measured if w > width]
+    if below and above:
+        lo, hi = max(below), min(above)
+        share = (width - lo) / (hi - lo)
+        return measured[lo] + share * (measured[hi] - measured[lo])
+    if below or above:
+        near = max(below) if below else min(above)
+        return measured[near] * _prior_ratio(width) / _prior_ratio(near)
+    return None
 
 
 def _prior_ratio(width: int) -> float:

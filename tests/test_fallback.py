@@ -188,6 +188,14 @@ def test_the_controller_alone():
         costs.record_verify(width, seconds)
     assert costs.verify_seconds(3) == pytest.approx(1.1)  # interpolated
     assert costs.verify_seconds(6) == pytest.approx(1.2 * 1.5 / 1.4)  # by the prior slope
+    stalled = StepCosts()
+    for width, seconds in ((1, 1.0),) * 3 + ((5, 1.2),) * 3 + ((2, 9.0),):
+        stalled.record_verify(width, seconds)
+    assert stalled.verify_seconds(2) == pytest.approx(1.05)  # one slow call is not its cost
+    for _ in range(3):
+        stalled.record_verify(2, 9.0)
+    assert stalled.verify_seconds(2) == 9.0  # four are
+    assert stalled.verify_seconds(3) == 1.2  # and a wider call's is still the most it costs
     controller = Fallback(4, costs, lambda context: "model")
     costs.record_draft("model", 4, 0.04)
     assert controller.plan(4, [])[0] > 0  # the prior says drafting pays
