@@ -22,6 +22,7 @@ from mtp_edge.train.budget import (
     EVALUATION_SHARE,
     MAX_WRITING_SHARE,
     MIN_WRITING_SHARE,
+    OFFLINE_SHARE,
     PASSES_PER_ORIGIN,
     Budget,
 )
@@ -201,6 +202,8 @@ def test_the_split_rule():
     budget = Budget(2.0, clock=lambda: now[0])  # 120 s, of which 9.6 are kept for evaluation
     assert budget.room_s() == pytest.approx(120 * (1 - EVALUATION_SHARE))
     budget.label_tps, budget.step_s = 100.0, 1.0
+    affordable = budget.room_s() / (1 / 100 + PASSES_PER_ORIGIN * 1.0 / 100)
+    assert budget.offline_tokens(100, 50_000) == int(OFFLINE_SHARE * affordable)  # offline text
     budget.start_writing(batch_origins=100, text_tokens=0)
     room = budget.room_s()
     assert budget.writing_until == pytest.approx(MAX_WRITING_SHARE * room)  # no rate yet

@@ -41,6 +41,10 @@ MIN_WRITING_SHARE = 0.15
 MAX_WRITING_SHARE = 0.6
 # Training gets at least this share of what is left after labelling starts.
 MIN_TRAINING_SHARE = 0.3
+# Offline text (Python docs and sources: not the target's own words) is at most this share of
+# the tokens the budget can label and train on: at --raw-tokens' 50k it took the whole of a
+# 10-minute budget on a busy 2-core machine, leaving writing its minimum.
+OFFLINE_SHARE = 0.2
 
 
 class Budget:
@@ -69,6 +73,7 @@ class Budget:
         self.written_text: list[int] = []
         self.frozen_text: list[int] | None = None
         self.after_batch: Callable[[], None] | None = None  # records the time spent so far
+        self.offline_cap: int | None = None  # offline tokens taken (kept for a resumed run)
 
     def spent_s(self) -> float:
         return sum(self.before.values()) + self.clock() - self.began
@@ -157,6 +162,17 @@ class Budget:
     def training_deadline(self) -> float:
         """Training stops here: the end of the budget less the evaluation reserve."""
         return self.clock() + self.room_s()
+
+    def offline_tokens(self, batch_origins: int, wanted: int) -> int:
+        """Offline tokens to take (of `wanted`): OFFLINE_SHARE of what the time left can
+        label and train on; decided once per text."""
+        if self.offline_cap is None:
+            self.offline_cap = wanted
+            if not math.isinf(self.total_s) and self.label_tps:
+                per_token = 1 / self.label_tps + self._training_s_per_origin(batch_origins)
+                affordable = self.room_s() / per_token
+                self.offline_cap = min(wanted, int(OFFLINE_SHARE * affordable))
+        return self.offline_cap
 
     # --- writing: re-planned as the writer's rate becomes known --------------------------
 

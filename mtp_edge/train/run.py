@@ -154,6 +154,8 @@ def _train(options: TrainOptions, rank: int, world: int, progress, clock) -> dic
         earlier = state.get("budget", {})
         timer = budget = Budget(options.minutes, earlier.get("spent"), clock)
         budget.frozen_text = earlier.get("written_text")
+        if budget.frozen_text is not None:  # the same text: as much offline text as before
+            budget.offline_cap = earlier.get("offline_tokens")
         if budget.left_s() <= 0:
             raise UserError(
                 f"--minutes {options.minutes:g}: this run already spent "
@@ -172,6 +174,7 @@ def _train(options: TrainOptions, rank: int, world: int, progress, clock) -> dic
             if written_all:  # what a resumed run reads back instead of writing more
                 written = budget.frozen_text or (budget.written_text + [0, 0])[:2]
                 record["budget"]["written_text"] = written
+                record["budget"]["offline_tokens"] = budget.offline_cap
         text = json.dumps(record, indent=2) + "\n"
         write_with(paths["checkpoint_json"], lambda tmp: tmp.write_text(text))
 

@@ -547,8 +547,11 @@ def build_corpus(
                 raise UserError(f"cannot read --data {name}: {e.strerror}") from None
         sequences = text_sequences(texts, loaded.tokenizer, options.seq_len, None, rng) + chats
     else:
+        offline = options.raw_tokens
+        if budget is not None:
+            offline = budget.offline_tokens(options.batch_size, offline)
         sequences = text_sequences(
-            offline_texts(), loaded.tokenizer, options.seq_len, options.raw_tokens, rng, "offline"
+            offline_texts(), loaded.tokenizer, options.seq_len, offline, rng, "offline"
         )
         if writer is None:
             writer = int8_writer(loaded.model) if options.writer == "int8" else loaded.model
