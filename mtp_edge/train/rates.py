@@ -18,7 +18,7 @@ from mtp_edge.train.loop import IGNORE, draft_losses, origin_batch, weighted_los
 # The probe: this many random tokens labelled, and training steps timed after one warm-up step.
 PROBE_TOKENS = 256
 PROBE_STEPS = 3
-PROBE_SECONDS = 3.0  # no more steps once they took this long (a 3B target's head is slow)
+PROBE_SECONDS = 10.0  # no more steps once they took this long (a 3B target's head is slow)
 # The draft vocabulary a probe head gets under --draft-vocab auto (the size is chosen later,
 # on the labels; a typical choice for a 32k-150k vocabulary).
 PROBE_DRAFT_VOCAB = 8192
