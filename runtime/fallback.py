@@ -32,7 +32,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 
-ACCEPTANCE_WEIGHT = 0.3  # weight of the newest step in the acceptance averages
+ACCEPTANCE_WEIGHT = 0.15  # weight of the newest step in the acceptance averages
 COST_WEIGHT = 0.2  # weight of the newest timing in the draft cost averages
 RECENT_CALLS = 7  # a width's cost: the median of its last calls (a stalled call moves nothing)
 TRUSTED_CALLS = 3  # calls of a width before their median is taken as it stands
@@ -40,7 +40,7 @@ PRIOR_ACCEPTANCE = 0.5  # the first position's, before a generation's first veri
 PRIOR_VERIFY_SLOPE = 0.1  # verify(T) ~ verify(1) * (1 + slope (T - 1)) until T is measured
 OUTLIER = 3.0  # a draft timing above this multiple of its average counts as this multiple
 CHEAP_SHADOW = 0.02  # shadow every plain step when a k-token draft costs under 2% of a decode
-FIRST_PROBE_INTERVAL, MAX_PROBE_INTERVAL = 2, 32  # plain steps between shadows of a model drafter
+FIRST_PROBE_INTERVAL, MAX_PROBE_INTERVAL = 2, 8  # plain steps between shadows of a model drafter
 REMEASURE_PLAIN_AFTER = 100  # drafted steps after which one plain step refreshes verify(1)
 
 
