@@ -43,9 +43,11 @@ class LoadOptions:
     heads: str | None = None  # MTP heads file for a model (default: the shipped heads)
     adaptive_k: bool = False
     # draft each step only as many tokens as measured acceptance and costs say pay, none when
-    # drafting does not (runtime/fallback.py): None, when decoding greedily (a seed then still
-    # gives the same samples); True also when sampling; False never
-    fallback: bool | None = None
+    # drafting does not (runtime/fallback.py): True always (sampling: one seed may then give
+    # other samples from run to run); None when greedy; False never. Off by default: measured
+    # on the default bundle it lifted qa 0.92x -> 0.98x of plain but the suite 1.22x -> 1.14x
+    # (benchmarks/README.md, "The fallback").
+    fallback: bool | None = False
     ngram_sizes: str | None = None  # "MIN-MAX" for ngram and the lookup of X+ngram
     draft_confidence: float | None = None  # model drafters' floor on the best probability
     max_seq_len: int = 2048  # static KV cache length (a model; a bundle has its own)

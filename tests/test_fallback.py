@@ -317,8 +317,8 @@ def test_executorch_greedy_output_is_the_same_with_and_without_the_fallback(monk
 
 
 def test_the_flag_and_its_default(tmp_path, monkeypatch):
-    """mtp-run falls back by default when greedy, never with --no-fallback, and when sampling
-    only with --fallback (so that by default one seed gives one output); tokens never change."""
+    """mtp-run drafts every step by default and with --no-fallback, and falls back with
+    --fallback, greedy or sampling; greedy tokens never change."""
     import json
 
     from click.testing import CliRunner
@@ -339,8 +339,9 @@ def test_the_flag_and_its_default(tmp_path, monkeypatch):
         assert {"drafted_steps", "fallback_steps"} <= set(out["stats"])
         return out["token_ids"], len(plans)
 
-    greedy, planned = tokens_and_plans()
+    greedy, planned = tokens_and_plans("--fallback")
     assert planned > 0
+    assert tokens_and_plans() == (greedy, 0)
     assert tokens_and_plans("--no-fallback") == (greedy, 0)
     assert tokens_and_plans("--drafter", "none")[0] == greedy
     sampling = ["--temperature", "0.8", "--seed", "5"]

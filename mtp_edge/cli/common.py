@@ -163,10 +163,12 @@ def drafter_options(f):
         ),
         click.option(
             "--fallback/--no-fallback",
-            default=None,
+            default=False,
+            show_default=True,
             help="Draft each step only as many tokens as measured acceptance and costs say "
-            "pay, none where drafting does not (default: on when greedy; --fallback also when "
-            "sampling, where one seed then gives other samples from run to run).",
+            "pay, none where drafting does not (output unchanged; when sampling, one seed may "
+            "then give other samples from run to run). Off by default: on the default bundle "
+            "it helped where drafting loses and cost more elsewhere (benchmarks/README.md).",
         ),
         click.option(
             "--ngram-sizes",
