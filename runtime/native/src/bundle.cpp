@@ -119,7 +119,7 @@ const std::vector<Key> kManifestKeys = {
     {"chat_template", Kind::TextOrNull, true}, {"models", Kind::Object, true},
     {"drafter", Kind::Object, true},       {"quality", Kind::Object, false},
     {"chat_format", Kind::ObjectOrNull, false}, {"format_version", Kind::Integer, false},
-    {"exporter_version", Kind::Text, false},
+    {"exporter_version", Kind::Text, false}, {"export_log", Kind::Object, false},
 };
 
 const std::vector<Key> kModelFileKeys = {
