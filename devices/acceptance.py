@@ -80,7 +80,9 @@ def measure_bundle_acceptance(directory, target, draft, heldout: list[int], prog
             target_session(bundle), after, prompts, k, new_tokens, "acceptance, exported"
         ),
     }
-    if any(type(p) is not torch.nn.Parameter for p in target.model.parameters()):
+    if target.model is None or any(
+        type(p) is not torch.nn.Parameter for p in target.model.parameters()
+    ):
         # The export quantized the target as it read it: no float model to compare with, and
         # torchao's eager kernels would take minutes per prompt.
         report["fp32"] = "not measured: the float target was never held (quantized while loading)"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib
 import math
 from collections.abc import Callable, Iterator
@@ -245,6 +246,10 @@ def export_bundle(
     def build(tmp: Path) -> Manifest:
         with clock.stage("export"):
             models, settings = platform.export(job, tmp)
+            if hook is not None:  # quantized: nothing below runs it, the exported program does
+                target.model = None
+            gc.collect()  # the exported graphs are cycles of many small objects
+            return_freed_memory()
         with clock.stage("quality checks"):
             manifest = checked(tmp, models, settings)
         manifest.export_log = clock.report()
