@@ -45,6 +45,14 @@ TARGET_SCHEMES = {
 # 3.4x (per channel) against 1.01x, and cut MTP acceptance so much that speculation stopped
 # paying; 8da8w decodes slower (4.5 vs 3.4 ms a step) but speculates faster (benchmarks/).
 DEFAULT_SCHEME = {"android": "8da8w", "onnx": "int4", "coreml": "int4"}
+# Why the default, printed by mtp-export when --quant is not given (benchmarks/README.md,
+# "Weight scheme by model size"): the held-out perplexity against float32.
+DEFAULT_REASON = {
+    "android": "8da8w per channel: within +3% perplexity of fp32 at every size measured "
+    "(135M x1.00, 0.5B x1.00), where 4-bit weights lost 5-9% in groups (0.5B; 1.5B: 6.7%) and "
+    "37% per channel (0.5B), and its verification costs 1.16x a decode from memory against "
+    "1.5x for 4-bit groups; --quant 8da4w halves the program",
+}
 
 
 def default_group_size(linear: str, target: str = "android") -> int:

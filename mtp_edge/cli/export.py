@@ -122,12 +122,19 @@ def export(quant, group_size, draft_quant, **options):
 
     from mtp_edge.api import ExportOptions
     from mtp_edge.api import export as export_bundle
-    from mtp_edge.quantize.schemes import DEFAULT_SCHEME, check_target_scheme, default_group_size
+    from mtp_edge.quantize.schemes import (
+        DEFAULT_REASON,
+        DEFAULT_SCHEME,
+        check_target_scheme,
+        default_group_size,
+    )
 
     if out is not None:  # the default (bundles/<model>-<target>) is checked once it is known
         from mtp_edge.exporter.bundle import check_writable
 
         check_writable(Path(out))
+    if quant is None and platform in DEFAULT_REASON:
+        say(f"[quantize] default {DEFAULT_REASON[platform]}")
     quant = quant or DEFAULT_SCHEME[platform]
     if group_size is None:
         group_size = default_group_size(quant, platform)
