@@ -9,9 +9,10 @@ so that ExecuTorch's own runner (TextLLMRunner) can run it too:
   for a query at position p only the slots <= p. The slots of rejected drafts are never read and
   the next call overwrites them: rollback costs nothing;
 - constant methods carrying the metadata the runner reads (max_seq_len, vocab size, eos ids...);
-- with a drafter, a `verify(tokens [1, W], input_pos [1])` method sharing forward's KV cache, for
-  checking k+1 = W tokens. Speculative output must equal plain output token for token, so each
-  row of a verify must be bitwise what a one-token forward computes at that position. XNNPACK's
+- with a drafter and ExecuTorch's attention kernel, a `verify(tokens [1, W], input_pos [1])`
+  method sharing forward's KV cache, for checking k+1 = W tokens. Speculative output must equal
+  plain output token for token, so each row of a verify must be bitwise what a one-token
+  forward computes at that position. XNNPACK's
   linear layers are row-independent (also with dynamically quantized activations: each row has
   its own scale); attention decides the rest. ExecuTorch's `llama.custom_sdpa` is not
   row-exact: a W-row call computes every row's scores over the keys of the whole block and in
@@ -19,7 +20,8 @@ so that ExecuTorch's own runner (TextLLMRunner) can run it too:
   int8 rounding step grows, layer by layer, into logits that differ by whole units (measured on
   SmolLM2-135M 8da4w: the argmax differed at 10% of positions). So the programs call our own op,
   `mtp_edge::sdpa` (mtp_edge/ops.py, kernel in runtime/native/src/llama_ops.cpp),
-  which computes each row alone: a W-row call is row-exact and `verify` is one call. With
+  which computes each row alone: a W-row call of `forward` is row-exact, so these programs need
+  no `verify` method (export_program still adds one when asked, for measuring). With
   `attention_kernel="executorch"` (for ExecuTorch's stock runners, which carry only its own ops)
   the programs call `llama.custom_sdpa`, and `verify` calls it once per row, as the one-token
   call does;
@@ -567,7 +569,8 @@ def check(job: ExportJob) -> None:
 
 
 def export(job: ExportJob, directory: Path) -> tuple[dict[str, ModelFile], dict]:
-    """target.pte (with a `verify` method when there is a drafter, and the `draft` method of a
+    """target.pte (with a `verify` method when there is a drafter and forward is not row-exact,
+    and the `draft` method of a
     head that reads the target's cache), and drafter.pte for any other drafter model."""
     o, head, draft_model = job.options, job.head, job.draft_model
     quant = {
@@ -598,7 +601,11 @@ def export(job: ExportJob, directory: Path) -> tuple[dict[str, ModelFile], dict]
 
     in_program = head is not None and head.reads_target_cache
     extra: dict = {"return_hidden": head is not None}
-    if job.drafter_kind != "none":  # a row-exact verify method for k+1 tokens (module doc)
+    # A row-exact verify method for k+1 tokens (module doc), only where forward is not row-exact
+    # itself: on our attention op forward verifies at any width, and a second method would be
+    # lowered for nothing and, where the runtime has no weight cache, pack its own copy of
+    # every weight at load.
+    if job.drafter_kind != "none" and o.attention_kernel != "mtp":
         extra["verify_width"] = o.k + 1
     if in_program:  # the draft step is a method of the target's program
         extra.update(draft_head=head, draft_scheme=draft_scheme)

@@ -7,12 +7,19 @@ import importlib
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
 import torch
 
-from mtp_edge.checkpoints import LoadedModel, load_model, model_vocabulary, open_checkpoint
+from mtp_edge.checkpoints import (
+    Checkpoint,
+    LoadedModel,
+    load_model,
+    model_vocabulary,
+    open_checkpoint,
+)
 from mtp_edge.errors import UserError
 from mtp_edge.exporter.platform import ExportJob, ExportOptions, Platform
 from mtp_edge.logs import progress_bar
@@ -169,6 +176,10 @@ def export_bundle(
     `open_program(path, max_seq_len)` runs an exported file (for the quality report);
     `measure(bundle_dir, target, drafter)` measures the finished bundle through the runtime (the
     drafter's acceptance) and returns entries for the quality report.
+
+    A platform that quantizes while loading (`load_hook`) loads and lowers in a process of its
+    own (exporter/isolated.py): what lowering leaves allocated dies with that process, before
+    the quality checks load the program. The others load and convert here.
     """
     from mtp_edge.exporter.bundle import check_writable, write_bundle
 
@@ -185,77 +196,59 @@ def export_bundle(
     clock = StageClock()
     return_freed_memory()  # the float parts read and dropped below must leave the process
     checkpoint = open_checkpoint(options.model)  # its tensors stay on disk for now
-    # A platform that quantizes with torchao does it as each part of the model is read, so the
-    # export never holds the float model (`load_hook`); the others convert float weights.
-    make_hook = getattr(platform, "load_hook", None)
-    hook = make_hook(options, checkpoint.skeleton()) if make_hook else None
-    tokenizer = checkpoint.tokenizer
-    max_seq_len = min(options.max_seq_len, checkpoint.config.max_position_embeddings)
+    tokenizer, config = checkpoint.tokenizer, checkpoint.config
+    max_seq_len = min(options.max_seq_len, config.max_position_embeddings)
     max_chunk = min(options.max_chunk, max_seq_len)
+    out = Path(out) if out is not None else default_out(options, checkpoint.name)
+    check_writable(out)  # fail before the slow part, not after
     quality: dict = {}
     heldout: list[int] = []
     if options.quality_tokens:
         heldout = tokenizer.encode(heldout_text())[: min(options.quality_tokens, max_seq_len)]
         quality["heldout_tokens"] = len(heldout)
-    stream = StreamedPerplexity(checkpoint.config, heldout) if heldout and hook else None
+    isolated = options.isolate and getattr(platform, "load_hook", None) is not None
 
-    def on_part(model, name, module) -> None:
-        if stream is not None:  # the float part, before the hook quantizes it
-            stream.feed(name, module)
-        if hook is not None:
-            hook(model, name, module)
-            return_freed_memory()
+    if isolated:
+        from mtp_edge.exporter.isolated import export_in_child
 
-    steps = ["load"] + (["quantize"] if hook else []) + (["fp32 perplexity"] if stream else [])
-    progress(
-        f"[load] {options.model}"
-        + (f" ({', '.join(steps[1:])}, a layer at a time)" if hook else "")
-    )
-    with clock.stage(", ".join(steps)):
-        target = load_model(options.model, on_part=counted_parts(on_part, "loading target"))
-        if stream is not None:
-            tied = None if "lm_head.weight" in checkpoint.readers else "embed_tokens.weight"
-            fp32 = stream.finish(checkpoint.tensor(tied) if tied else None)
-            quality["perplexity_fp32_method"] = "streamed while loading, a layer at a time"
+        # Nothing of the model is loaded here: the child process loads, quantizes and lowers.
+        target = LoadedModel(None, tokenizer, config, checkpoint.name, checkpoint.path)  # type: ignore[arg-type]
+        draft = None
         del checkpoint
-    with clock.stage("load drafter"):
-        drafter_kind, draft = load_drafter(options, target, make_hook)
-    out = Path(out) if out is not None else default_out(options, target.name)
-    check_writable(out)  # fail before the slow part, not after
-    config = target.config
-    job = ExportJob(options, target, drafter_kind, draft, max_seq_len, max_chunk, progress)
-    platform.check(job)
 
-    if heldout and hook is None:
-        progress(f"[quality] fp32 perplexity on {len(heldout)} held-out tokens")
-        with (
-            clock.stage("fp32 perplexity"),
-            counting_tokens(
-                eager_forward(target.model, max_seq_len), "fp32 perplexity", len(heldout)
-            ) as forward,
-        ):
-            fp32 = perplexity(forward, heldout, max_chunk)
-    if heldout:
-        if not math.isfinite(fp32):  # nothing quantized from it could be judged, or be right
-            raise UserError(
-                f"the fp32 perplexity of {target.name} on the held-out text is {fp32}: the model "
-                "computes non-finite values, so it is corrupt; re-download or re-convert it"
-            )
-        quality["perplexity_fp32"] = round(fp32, 4)
+        def make(tmp: Path) -> tuple[dict, DrafterSpec]:
+            lowered = export_in_child(options, tmp, heldout, max_seq_len, max_chunk, progress)
+            clock.add(lowered.stages)
+            quality.update(lowered.quality)
+            return lowered.models, lowered.drafter
+
+    else:
+        loaded = load_for_export(
+            options, platform, checkpoint, heldout, max_seq_len, max_chunk, clock, progress
+        )
+        del checkpoint
+        target, draft = loaded.job.target, loaded.job.draft
+        quality.update(loaded.quality)
+
+        def make(tmp: Path) -> tuple[dict, DrafterSpec]:
+            with clock.stage("export"):
+                models, settings = platform.export(loaded.job, tmp)
+                spec = drafter_spec(options, loaded.job.drafter_kind, draft, settings)
+                if loaded.quantized:  # nothing below runs it, the exported program does
+                    target.model = None
+                loaded.job = None  # type: ignore[assignment]
+                gc.collect()  # the exported graphs are cycles of many small objects
+                return_freed_memory()
+            return models, spec
 
     def build(tmp: Path) -> Manifest:
-        with clock.stage("export"):
-            models, settings = platform.export(job, tmp)
-            if hook is not None:  # quantized: nothing below runs it, the exported program does
-                target.model = None
-            gc.collect()  # the exported graphs are cycles of many small objects
-            return_freed_memory()
+        models, spec = make(tmp)
         with clock.stage("quality checks"):
-            manifest = checked(tmp, models, settings)
+            manifest = checked(tmp, models, spec)
         manifest.export_log = clock.report()
         return manifest
 
-    def checked(tmp: Path, models: dict, settings: dict) -> Manifest:
+    def checked(tmp: Path, models: dict, spec: DrafterSpec) -> Manifest:
         forward = open_program(tmp / models["target"].file, max_seq_len) if heldout else None
         if forward is None and heldout:
             progress(f"[quality] the exported {options.platform} model cannot run here: skipped")
@@ -288,7 +281,7 @@ def export_bundle(
             chat_template=tokenizer.chat_template,
             chat_format=chat_format(tokenizer),
             models=models,
-            drafter=drafter_spec(options, drafter_kind, draft, settings),
+            drafter=spec,
             quality=quality,
         )
 
@@ -303,9 +296,84 @@ def export_bundle(
     manifest = write_bundle(out, build, finish)
     log = manifest.export_log
     for row in log["stages"]:
-        progress(f"[time] {row['stage']}: {row['seconds']:.0f} s, peak RSS {row['peak_rss_mb']} MB")
+        where = f" (+{row['other_mb']} MB in the parent)" if row.get("other_mb") else ""
+        progress(
+            f"[time] {row['stage']}: {row['seconds']:.0f} s, "
+            f"peak RSS {row['peak_rss_mb']} MB{where}"
+        )
     progress(f"[done] {out} in {log['seconds']:.0f} s, peak RSS {log['peak_rss_mb']} MB")
     return out, manifest
+
+
+@dataclass
+class Loaded:
+    """The target and drafter as a platform exports them (load_for_export)."""
+
+    job: ExportJob
+    quality: dict  # the fp32 reference perplexity and how it was taken
+    quantized: bool  # the target was quantized as it was read (the platform's load_hook)
+
+
+def load_for_export(
+    options: ExportOptions,
+    platform: Platform,
+    checkpoint: Checkpoint,
+    heldout: list[int],
+    max_seq_len: int,
+    max_chunk: int,
+    clock: StageClock,
+    progress: Callable[[str], None],
+) -> Loaded:
+    """Load the target (quantizing each part as it is read where the platform has a
+    `load_hook`) and its drafter, check the platform takes them, and take the fp32 reference
+    perplexity on `heldout` (streamed a layer at a time while loading, or on the loaded model)."""
+    # A platform that quantizes with torchao does it as each part of the model is read, so the
+    # export never holds the float model (`load_hook`); the others convert float weights.
+    make_hook = getattr(platform, "load_hook", None)
+    hook = make_hook(options, checkpoint.skeleton()) if make_hook else None
+    quality: dict = {}
+    stream = StreamedPerplexity(checkpoint.config, heldout) if heldout and hook else None
+
+    def on_part(model, name, module) -> None:
+        if stream is not None:  # the float part, before the hook quantizes it
+            stream.feed(name, module)
+        if hook is not None:
+            hook(model, name, module)
+            return_freed_memory()
+
+    steps = ["load"] + (["quantize"] if hook else []) + (["fp32 perplexity"] if stream else [])
+    progress(
+        f"[load] {options.model}"
+        + (f" ({', '.join(steps[1:])}, a layer at a time)" if hook else "")
+    )
+    fp32 = math.nan
+    with clock.stage(", ".join(steps)):
+        target = load_model(options.model, on_part=counted_parts(on_part, "loading target"))
+        if stream is not None:
+            tied = None if "lm_head.weight" in checkpoint.readers else "embed_tokens.weight"
+            fp32 = stream.finish(checkpoint.tensor(tied) if tied else None)
+            quality["perplexity_fp32_method"] = "streamed while loading, a layer at a time"
+    with clock.stage("load drafter"):
+        drafter_kind, draft = load_drafter(options, target, make_hook)
+    job = ExportJob(options, target, drafter_kind, draft, max_seq_len, max_chunk, progress)
+    platform.check(job)
+    if heldout and stream is None:
+        progress(f"[quality] fp32 perplexity on {len(heldout)} held-out tokens")
+        with (
+            clock.stage("fp32 perplexity"),
+            counting_tokens(
+                eager_forward(target.model, max_seq_len), "fp32 perplexity", len(heldout)
+            ) as forward,
+        ):
+            fp32 = perplexity(forward, heldout, max_chunk)
+    if heldout:
+        if not math.isfinite(fp32):  # nothing quantized from it could be judged, or be right
+            raise UserError(
+                f"the fp32 perplexity of {target.name} on the held-out text is {fp32}: the model "
+                "computes non-finite values, so it is corrupt; re-download or re-convert it"
+            )
+        quality["perplexity_fp32"] = round(fp32, 4)
+    return Loaded(job, quality, hook is not None)
 
 
 def counted_parts(hook, desc: str):

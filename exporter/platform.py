@@ -52,6 +52,10 @@ class ExportOptions:
     # row-exact, so that a verification is one call; "executorch", llama.custom_sdpa, which
     # ExecuTorch's stock runners carry, with a verify method that calls it once per row.
     attention_kernel: str = "mtp"
+    # A platform that quantizes while loading (android) loads and lowers in a child process,
+    # so that what lowering leaves allocated is gone before the quality checks (export.py).
+    # False keeps everything in this process (a debugger sees it all).
+    isolate: bool = True
 
 
 @dataclass

@@ -125,8 +125,24 @@ def progress_bar(total: int | None = None, desc: str = "", unit: str = "it", **o
     )
 
 
+_terminal_override: list[bool | None] = [None]
+
+
+def set_terminal(on_terminal: bool | None) -> None:
+    """Draw progress as if stderr were (True) or were not (False) a terminal, whatever it is:
+    for a child process whose stderr a parent forwards to its own (None: look at stderr)."""
+    _terminal_override[0] = on_terminal
+
+
+def stderr_on_terminal() -> bool:
+    """Whether our stderr shows on a terminal (progress bars redraw in place)."""
+    return _on_terminal(sys.stderr)
+
+
 def _on_terminal(stream) -> bool:
     """Whether `stream` shows on a terminal; behind the noise filter, fd 2 is a pipe to it."""
+    if _terminal_override[0] is not None and stream in (sys.stderr, sys.__stderr__):
+        return _terminal_override[0]
     if _filter and stream is sys.__stderr__:
         return _filter_on_terminal[0]
     return stream.isatty()

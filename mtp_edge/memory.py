@@ -63,10 +63,18 @@ class StageClock:
             row["peak_since_start"] = True
         self.rows.append(row)
 
+    def add(self, rows: list[dict]) -> None:
+        """Stages another process ran for this job (their rows as its clock wrote them; with
+        `other_mb`, the memory this process held meanwhile)."""
+        self.rows.extend(rows)
+
     def report(self) -> dict:
+        """The whole job: seconds, peak memory (of a stage run in another process: its peak
+        plus what this process held meanwhile) and the stages."""
+        peaks = [row["peak_rss_mb"] + row.get("other_mb", 0) for row in self.rows]
         return {
             "seconds": round(time.perf_counter() - self.started, 1),
-            "peak_rss_mb": max((row["peak_rss_mb"] for row in self.rows), default=peak_rss_mb()),
+            "peak_rss_mb": max(peaks, default=peak_rss_mb()),
             "stages": list(self.rows),
         }
 
@@ -85,6 +93,21 @@ def peak_rss_mb() -> int:
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return round(peak / (1 << 20 if sys.platform == "darwin" else 1024))
+
+
+def private_mb() -> int | None:
+    """This process's own memory in MB: resident pages no other process shares (its heap, not
+    the libraries a child process maps too). None where /proc has no smaps_rollup."""
+    try:
+        text = Path("/proc/self/smaps_rollup").read_text()
+    except OSError:
+        return None
+    kb = sum(
+        int(line.split()[1])
+        for line in text.splitlines()
+        if line.startswith(("Private_Clean:", "Private_Dirty:"))
+    )
+    return round(kb / 1024)
 
 
 def _status_mb(field: str) -> int | None:

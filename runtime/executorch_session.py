@@ -57,7 +57,9 @@ class ExecuTorchSession:
             raise UserError(f"{path} has no forward method: it is not an mtp-export program")
         self.method = self.program.load_method("forward")
         self.verify, self.verify_width = None, 0
-        if "verify" in self.program.method_names:
+        # Each loaded method packs its own copy of the weights (these bindings have no XNNPACK
+        # weight cache), so a row-exact program's verify, never called, is not loaded.
+        if "verify" in self.program.method_names and not row_exact_forward:
             self.verify = self.program.load_method("verify")
             self.verify_width = self.program.metadata("verify").input_tensor_meta(0).sizes()[1]
         self.vocab_size = vocab_size
