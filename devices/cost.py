@@ -15,6 +15,7 @@ F32 = 4  # the KV cache, logits and hidden states are float32 in our programs
 # scale per group is added; group 0 = one scale per output channel, negligible).
 WEIGHT_BITS = {"8da4w": 4, "int4": 4, "8da8w": 8, "int8": 8, "fp32": 32}
 
+
 @dataclass
 class ProgramShape:
     """What one .pte program reads and computes, taken from the program itself."""
