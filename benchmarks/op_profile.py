@@ -71,9 +71,8 @@ def profile(pte: Path, widths: list[int], position: int, reps: int, threads: int
     import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401
     import executorch.kernels.quantized  # noqa: F401
     from executorch.devtools import Inspector
-    from executorch.runtime import Runtime
-
     from executorch.extension.pybindings import portable_lib
+    from executorch.runtime import Runtime
 
     from mtp_edge.runtime.executorch_ops import load_kernels
     from mtp_edge.runtime.executorch_session import hand_cores_to_executorch
@@ -132,8 +131,10 @@ def profile(pte: Path, widths: list[int], position: int, reps: int, threads: int
                 # A kernel from ExecuTorch's generated registrations records its own event
                 # just before its OPERATOR_CALL ends; ours (mtp_edge::sdpa) records none, so an
                 # OPERATOR_CALL without one is our attention op, its dispatch included.
-                scoped = previous is not None and not previous.is_delegated_op and (
-                    previous.name.startswith("native_call_") or "::" in previous.name
+                scoped = (
+                    previous is not None
+                    and not previous.is_delegated_op
+                    and (previous.name.startswith("native_call_") or "::" in previous.name)
                 )
                 if scoped:
                     operator_calls.append(raw)
@@ -160,7 +161,9 @@ def profile(pte: Path, widths: list[int], position: int, reps: int, threads: int
     for width in widths:
         picked = [per_call[i] for i, call in enumerate(calls) if call == ("T", width)]
         keys = sorted({key for call in picked for key in call})
-        rows[width] = {key: statistics.median(call.get(key, 0.0) for call in picked) for key in keys}
+        rows[width] = {
+            key: statistics.median(call.get(key, 0.0) for call in picked) for key in keys
+        }
         rows[width]["wall"] = statistics.median(wall[width])
     return rows
 
@@ -197,9 +200,8 @@ def markdown(rows: dict, args) -> str:
     )
     for key in kernels:
         if any(rows[w].get(key, 0.0) > 0.02 for w in widths):
-            lines.append(
-                f"| {key.removeprefix('kernel ')} | " + " | ".join(cell(w, key) for w in widths) + " |"
-            )
+            cells = " | ".join(cell(w, key) for w in widths)
+            lines.append(f"| {key.removeprefix('kernel ')} | {cells} |")
     lines += ["", "Categories:", ""]
     lines += [f"- {name}: {meaning}" for name, meaning in CATEGORIES]
     lines += ["", "Command: `python benchmarks/op_profile.py " + " ".join(sys.argv[1:]) + "`", ""]
