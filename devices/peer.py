@@ -20,7 +20,8 @@ def textllmrunner_baseline(pte: Path, tokenizer_json: Path, prompts: list[tuple[
         # TextLLMRunner asserts on a second output and aborts the whole process.
         return {
             "error": f"TextLLMRunner reads single-output programs; {pte.name} returns {outputs} "
-            "(logits and the hidden states the MTP drafter reads)"
+            "(logits and the hidden states the MTP drafter reads): re-export the bundle, whose "
+            "forward then returns the logits alone"
         }
     try:
         import executorch.kernels.quantized  # noqa: F401  (registers the quantized kernels)

@@ -9,6 +9,9 @@ so that ExecuTorch's own runner (TextLLMRunner) can run it too:
   for a query at position p only the slots <= p. The slots of rejected drafts are never read and
   the next call overwrites them: rollback costs nothing;
 - constant methods carrying the metadata the runner reads (max_seq_len, vocab size, eos ids...);
+- with an MTP drafter, forward also writes the call's hidden states into a buffer and a
+  `last_hidden() -> hidden [1, max_chunk, D]` method returns it (WithHidden): forward keeps the
+  one output stock runners read, and no weight is held twice;
 - with a drafter and ExecuTorch's attention kernel, a `verify(tokens [1, W], input_pos [1])`
   method sharing forward's KV cache, for checking k+1 = W tokens. Speculative output must equal
   plain output token for token, so each row of a verify must be bitwise what a one-token
@@ -342,7 +345,7 @@ def export_program(
         )
     exportable = exportable_copy(model, scheme, max_seq_len, attention_kernel)
     if return_hidden:
-        exportable = WithHidden(exportable)
+        exportable = WithHidden(exportable, max_chunk)
     constants = metadata_methods(model, max_seq_len, max_chunk, bos_id, eos_ids)
     example = (torch.zeros((1, 2), dtype=torch.long), torch.zeros(1, dtype=torch.long))
     dynamic = ({1: torch.export.Dim("T", min=1, max=max_chunk)}, None)
@@ -363,6 +366,8 @@ def export_program(
             wide = (torch.zeros((1, verify_width), dtype=torch.long), example[1])
             with estimated_stage("exporting verify", estimate_s("export", model)):
                 programs["verify"] = torch.export.export(exportable, wide, strict=True)
+        if return_hidden:
+            programs["last_hidden"] = torch.export.export(LastHidden(exportable), (), strict=True)
         if draft_head is not None:
             say(f"[export] draft step ({draft_scheme.label()}), reading the last layer's cache")
             inner = exportable.model if isinstance(exportable, WithHidden) else exportable
@@ -391,28 +396,52 @@ def export_program(
             ],
         }
     if return_hidden:
-        for name, width in (("forward", "T"), ("verify", verify_width)):
-            if name in methods:
-                methods[name]["outputs"].append(
-                    {
-                        "name": "hidden",
-                        "shape": [1, width, model.config.hidden_size],
-                        "dtype": "float32",
-                    }
-                )
+        methods["last_hidden"] = {
+            "inputs": [],
+            "outputs": [
+                {
+                    "name": "hidden",
+                    "shape": [1, max_chunk, model.config.hidden_size],
+                    "dtype": "float32",
+                }
+            ],
+        }
     return methods
 
 
 class WithHidden(nn.Module):
-    """forward returning (logits, final-normed hidden states): what an MTP drafter reads.
-    ExecuTorch's runner reads output 0 only, so the program still works with it."""
+    """forward returning the logits alone, as stock runners (TextLLMRunner) expect, and
+    writing the call's final-normed hidden states (what an MTP drafter reads) into the buffer
+    `hidden_rows` [1, max_chunk, 1, D], rows 0..T-1, which the `last_hidden` method returns
+    (LastHidden). The buffer is a mutable buffer shared by both methods, like the KV cache:
+    no copy of any weight."""
 
-    def __init__(self, model: Transformer):
+    def __init__(self, model: Transformer, max_chunk: int):
         super().__init__()
         self.model = model
+        shape = (1, max_chunk, 1, model.config.hidden_size)
+        self.register_buffer("hidden_rows", torch.zeros(shape), persistent=False)
 
     def forward(self, tokens, input_pos):
-        return self.model(tokens, input_pos, return_hidden=True)
+        logits, hidden = self.model(tokens, input_pos, return_hidden=True)
+        torch.ops.llama.update_cache(hidden.unsqueeze(2), self.hidden_rows, 0)
+        return logits
+
+
+class LastHidden(nn.Module):
+    """`last_hidden() -> hidden [1, max_chunk, D]`: the rows the last forward (or verify) call
+    wrote, row i for its token i; rows past that call's T are stale. It writes its first row
+    back unchanged, so that the buffer is mutable here too and the program shares it with
+    forward (a buffer a method only reads would be frozen into it as a constant)."""
+
+    def __init__(self, owner: WithHidden):
+        super().__init__()
+        self.register_buffer("hidden_rows", owner.hidden_rows, persistent=False)
+
+    def forward(self):
+        rows = self.hidden_rows.clone()
+        torch.ops.llama.update_cache(rows[:, :1], self.hidden_rows, 0)
+        return rows.squeeze(2)
 
 
 def method_metadata(

@@ -62,6 +62,11 @@ class ExecuTorchSession:
         if "verify" in self.program.method_names and not row_exact_forward:
             self.verify = self.program.load_method("verify")
             self.verify_width = self.program.metadata("verify").input_tensor_meta(0).sizes()[1]
+        # The hidden states of the last call, for an MTP drafter (exporter/executorch.py,
+        # WithHidden); programs exported before it return them as forward's second output.
+        self.last_hidden = None
+        if "last_hidden" in self.program.method_names:
+            self.last_hidden = self.program.load_method("last_hidden")
         self.vocab_size = vocab_size
         self.max_seq_len = max_seq_len
         self.max_chunk = max_chunk
@@ -103,6 +108,8 @@ class ExecuTorchSession:
         logits = outputs[0][0, :n].clone()
         if not return_hidden:
             return Output(logits)
+        if self.last_hidden is not None:
+            return Output(logits, self.last_hidden.execute([])[0][0, :n].clone())
         if len(outputs) < 2:
             raise UserError(
                 "this ExecuTorch program returns logits only, and the drafter needs the "

@@ -341,6 +341,22 @@ def mtp_bundle(model_dir, tmp_path_factory):
     return out
 
 
+def test_a_stock_runner_decodes_an_mtp_bundle(mtp_bundle):
+    """forward has the one output ExecuTorch's TextLLMRunner reads, the drafter's hidden states
+    come from the `last_hidden` method: the stock runner decodes the MTP bundle's program."""
+    from executorch.runtime import Runtime
+
+    from mtp_edge.devices.peer import textllmrunner_baseline
+    from mtp_edge.manifest import Manifest
+
+    pte = mtp_bundle / "target.pte"
+    assert Runtime.get().load_program(pte).metadata("forward").num_outputs() == 1
+    assert "last_hidden" in Manifest.load(mtp_bundle).models["target"].methods
+    result = textllmrunner_baseline(pte, mtp_bundle / "tokenizer.json", [("the cat sat on", 8)])
+    assert "error" not in result, result
+    assert result["generated_tokens"] >= 2
+
+
 def test_chat_reuse_on_an_executorch_bundle(mtp_bundle):
     """The same on the bundle's own backend: its drafter (mtp), ngram and none."""
 

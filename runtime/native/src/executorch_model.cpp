@@ -110,6 +110,10 @@ class ExecuTorchModel : public Model {
       auto meta = module_->method_meta("verify");
       if (meta.ok() && meta->num_inputs() > 0) verify_width_ = meta->input_tensor_meta(0)->sizes()[1];
     }
+    // An MTP bundle's forward returns the logits alone; the hidden states of its last call come
+    // from `last_hidden` (a buffer the two methods share). Older programs return them second.
+    has_last_hidden_ = names.ok() && names->count("last_hidden") &&
+                       load_method(*module_, "last_hidden") == Error::Ok;
   }
 
   const std::string& pte() const { return pte_; }
@@ -173,14 +177,25 @@ class ExecuTorchModel : public Model {
     const float* lp = logits.const_data_ptr<float>() + first * out.vocab;
     out.logits.assign(lp, lp + out.rows * out.vocab);
     if (want_hidden) {
-      if (outputs.size() < 2)
+      auto take = [&](const EValue& value) {
+        const auto& hidden = value.toTensor();
+        out.dim = hidden.size(2);
+        const float* hp = hidden.const_data_ptr<float>();
+        out.hidden.assign(hp, hp + n * out.dim);
+      };
+      if (has_last_hidden_) {
+        auto rows = module_->execute("last_hidden", std::vector<EValue>{});
+        if (!rows.ok())
+          throw std::runtime_error("ExecuTorch last_hidden failed on " + pte_ + " (error " +
+                                   std::to_string(int(rows.error())) + ")");
+        take(rows.get()[0]);
+      } else if (outputs.size() >= 2) {
+        take(outputs[1]);
+      } else {
         throw UserError(
             "this ExecuTorch program returns logits only, and the drafter needs the target's "
             "hidden states: re-export with --drafter mtp, or use ngram");
-      const auto& hidden = outputs[1].toTensor();
-      out.dim = hidden.size(2);
-      const float* hp = hidden.const_data_ptr<float>();
-      out.hidden.assign(hp, hp + n * out.dim);
+      }
     }
     return out;
   }
@@ -188,6 +203,7 @@ class ExecuTorchModel : public Model {
   std::string pte_;
   std::shared_ptr<Module> module_;
   int64_t verify_width_ = 0;  // 0: the program has no verify method
+  bool has_last_hidden_ = false;
 };
 
 // forward(h, token) of a drafter program of its own, or `method`(h, token, input_pos) of the
