@@ -323,8 +323,9 @@ def open_target_bundle(path: str, loaded: LoadedModel):
     m = bundle.manifest
     if m.model_name != loaded.name or m.vocab_size != loaded.config.vocab_size:
         raise UserError(f"--bundle {path} holds {m.model_name}, not the target {loaded.name}")
-    outputs = [o["name"] for o in m.models["target"].methods["forward"]["outputs"]]
-    if "hidden" not in outputs:
+    methods = m.models["target"].methods
+    outputs = [o["name"] for o in methods["forward"]["outputs"]]
+    if "hidden" not in outputs and "last_hidden" not in methods:  # older programs: forward's
         raise UserError(
             f"--bundle {path} does not return hidden states: export it with --drafter mtp"
         )
