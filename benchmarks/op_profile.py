@@ -35,7 +35,7 @@ import torch
 CATEGORIES = [
     ("linear int8 (QDU8 x QC8W)", "GEMM/GEMV with 8-bit dynamically quantized rows, int8 weights"),
     ("linear int4 (QD8 x QB4W/QC4W)", "the same with 4-bit weights"),
-    ("linear fp32", "float GEMMs: the RoPE rotation and the norms' mean, written as small matrix products"),
+    ("linear fp32", "float GEMMs: the RoPE rotation and the norms' mean, as small products"),
     ("xnnpack element-wise", "norms, SwiGLU, residual adds, reshapes inside the delegate"),
     ("delegate glue", "inside delegate calls, not inside any XNNPACK operator"),
     ("attention (mtp_edge::sdpa)", "our row-exact attention op, with its dispatch"),
