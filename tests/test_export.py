@@ -290,8 +290,11 @@ def test_mtp_bundle_is_lossless_greedy_and_sampled(mtp_bundle):
     in_target = "draft" in manifest.models["target"].methods
     assert manifest.drafter.kind == "mtp" and ("drafter" in manifest.models) != in_target
     assert in_target == (manifest.drafter.method == "draft")
-    outputs = [o["name"] for o in manifest.models["target"].methods["forward"]["outputs"]]
-    assert outputs == ["logits", "hidden"]
+    # forward returns the logits alone (stock runners read one output); the hidden states the
+    # heads read come from last_hidden, one row per token of the last call
+    methods = manifest.models["target"].methods
+    assert [o["name"] for o in methods["forward"]["outputs"]] == ["logits"]
+    assert [o["name"] for o in methods["last_hidden"]["outputs"]] == ["hidden"]
     args = [
         "--bundle",
         str(mtp_bundle),
