@@ -10,7 +10,7 @@ The parent (`export_in_child`) sends the job as JSON on the child's stdin and re
 from a pipe of their own: `{"say": line}` (progress, passed to the parent's `progress`),
 `{"result": ...}` or `{"error": message}` (a UserError, raised again in the parent). Whatever
 the child prints (progress bars, library output) is forwarded to the parent's stderr, so that
-stdout keeps carrying results only. Run as `python -m mtp_edge.exporter.isolated FD`.
+stdout keeps carrying results only. The child runs exporter/lowering_child.py.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def export_in_child(
     read_fd, write_fd = os.pipe()
     try:
         child = subprocess.Popen(
-            [sys.executable, "-m", "mtp_edge.exporter.isolated", str(write_fd)],
+            [sys.executable, "-m", "mtp_edge.exporter.lowering_child", str(write_fd)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -131,62 +131,3 @@ def _forward(stream) -> None:
     while chunk := os.read(stream.fileno(), 65536):
         sys.stderr.write(decoder.decode(chunk))
         sys.stderr.flush()
-
-
-def _lower(job: dict, say: Callable[[str], None]) -> dict:
-    """The child's work (`job` as export_in_child writes it); the result's JSON."""
-    from mtp_edge.checkpoints import open_checkpoint
-    from mtp_edge.exporter.export import drafter_spec, load_for_export, platform_module
-    from mtp_edge.memory import StageClock, return_freed_memory
-
-    options = ExportOptions(**job["options"])
-    platform = platform_module(options.platform)
-    clock = StageClock()
-    return_freed_memory()
-    checkpoint = open_checkpoint(options.model)
-    loaded = load_for_export(
-        options,
-        platform,
-        checkpoint,
-        job["heldout"],
-        job["max_seq_len"],
-        job["max_chunk"],
-        clock,
-        say,
-    )
-    del checkpoint
-    with clock.stage("export"):
-        models, settings = platform.export(loaded.job, Path(job["directory"]))
-    spec = drafter_spec(options, loaded.job.drafter_kind, loaded.job.draft, settings)
-    return {
-        "models": {role: asdict(entry) for role, entry in models.items()},
-        "drafter": asdict(spec),
-        "quality": loaded.quality,
-        "stages": clock.rows,
-    }
-
-
-def main(argv: list[str]) -> int:
-    from mtp_edge import logs
-
-    channel = os.fdopen(int(argv[0]), "w", encoding="utf-8", buffering=1)
-
-    def send(**message) -> None:
-        channel.write(json.dumps(message) + "\n")
-        channel.flush()
-
-    job = json.loads(sys.stdin.read())
-    logs.set_verbosity(quiet=job["quiet"], verbose=job["verbose"])
-    logs.set_terminal(job["terminal"])
-    try:
-        send(result=_lower(job, lambda line: send(say=line)))
-    except UserError as error:
-        send(error=str(error))
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -205,7 +205,7 @@ def test_interrupted_lowering_process_leaves_nothing(model_dir, tmp_path):
             break
     assert process.poll() is None, seen
     child = subprocess.run(
-        ["pgrep", "-P", str(process.pid), "-f", "mtp_edge.exporter.isolated"],
+        ["pgrep", "-P", str(process.pid), "-f", "mtp_edge.exporter.lowering_child"],
         capture_output=True,
         text=True,
     ).stdout.split()
