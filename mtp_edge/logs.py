@@ -45,6 +45,8 @@ NOISE = [
         r"Method \S+ not found, using the default value|eos_id = |Using method: )",
         r"\[text_llm_runner\.cpp:\d+\] (RSS after |Max new tokens )",
         r"\[text_prefiller\.cpp:\d+\] Prefill token result numel",
+        r"\[text_token_generator\.h:\d+\] *$",  # its line break, then:
+        r"^Reached to the end of generation$",
         r"\[stats\.h:\d+\] ",
         # torchao's optional CUDA kernels, absent from CPU wheels
         r"Failed to load \S+/torchao/\S+\.so: Could not load this library",
