@@ -361,7 +361,8 @@ def test_known_noise_patterns():
         "Failed to load /x/site-packages/torchao/_C_mxfp8.so: Could not load this library"
     )
     # TextLLMRunner's end-of-generation note comes as two lines; its errors are kept
-    assert is_noise("[text_token_generator.h:181] ") and is_noise("Reached to the end of generation")
+    assert is_noise("[text_token_generator.h:181] ")
+    assert is_noise("Reached to the end of generation")
     assert not is_noise("[text_token_generator.h:181] Failed to sample")
     assert not is_noise("[method.cpp:123] Missing operator: llama::custom_sdpa.out")
     assert not is_noise("error: the bundle is damaged")
