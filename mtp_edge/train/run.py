@@ -131,7 +131,10 @@ def train_heads(
                 "--minutes runs in one process (its stages stop on one clock): run it without "
                 "torchrun, or give --steps"
             )
-        return _train(options, rank, world, progress or print, clock)
+        summary = _train(options, rank, world, progress or print, clock)
+        if started:  # leave together: rank 0 writes files last, and a rank that tears the
+            dist.barrier()  # group down while the other still talks to it can abort at exit
+        return summary
     finally:
         if started:
             dist.destroy_process_group()
