@@ -34,7 +34,7 @@ def textllmrunner_baseline(pte: Path, tokenizer_json: Path, prompts: list[tuple[
         runner = TextLLMRunner(str(pte), str(tokenizer_json))
     except Exception as e:  # the runner is optional: report why it is absent, keep going
         return {"error": f"TextLLMRunner could not load {pte.name}: {e}"}
-    tokens, seconds, ttft = 0, 0.0, []
+    tokens, seconds, ttft, skipped = 0, 0.0, [], 0
     for text, max_new in prompts:
         stats = []
         runner.reset()
@@ -43,16 +43,27 @@ def textllmrunner_baseline(pte: Path, tokenizer_json: Path, prompts: list[tuple[
             runner.generate(
                 text, config, token_callback=lambda _: None, stats_callback=stats.append
             )
+        except UnicodeDecodeError:
+            # The runner hands its callback each token's bytes as a Python str, and a token
+            # holding part of a multi-byte character cannot be one: that prompt is not timed.
+            skipped += 1
+            continue
         except RuntimeError as e:
             return {"error": f"TextLLMRunner failed: {e}"}
+        if not stats:
+            skipped += 1
+            continue
         s = stats[-1]
         tokens += max(s.num_generated_tokens - 1, 0)
         seconds += (s.inference_end_ms - s.first_token_ms) / 1e3
         ttft.append(s.first_token_ms - s.inference_start_ms)
+    if skipped == len(prompts):
+        return {"error": "TextLLMRunner could not pass any answer's text to Python (split UTF-8)"}
     return {
         "tokens_per_s": round(tokens / seconds, 3) if seconds > 0 else 0.0,
-        "prompts": len(prompts),
-        "generated_tokens": tokens + len(prompts),
+        "prompts": len(prompts) - skipped,
+        "skipped_prompts": skipped,  # answers with a character split across tokens
+        "generated_tokens": tokens + len(prompts) - skipped,
         "ttft_ms_median": sorted(ttft)[len(ttft) // 2],
     }
 
