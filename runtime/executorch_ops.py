@@ -52,7 +52,9 @@ def library_path() -> Path:
     return _cache_dir() / f"libmtp_ops-{digest.hexdigest()[:16]}.so"
 
 
-def build(target: Path) -> Path:
+def build(target: Path, flags: list[str] | tuple[str, ...] = ()) -> Path:
+    """Compile the kernel library to `target`; `flags` are extra compiler flags (the tests build
+    the baseline-ISA variant with -DMTP_EDGE_BASELINE)."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise UserError(
@@ -67,7 +69,7 @@ def build(target: Path) -> Path:
         command = [
             compiler, "-O3", "-DNDEBUG", "-fPIC", "-shared", "-std=gnu++17",
             "-DC10_USING_CUSTOM_GENERATED_MACROS", "-DET_EVENT_TRACER_ENABLED",
-            "-DET_USE_THREADPOOL", f"-I{SOURCES[0].parent}", "-isystem", str(include),
+            "-DET_USE_THREADPOOL", *flags, f"-I{SOURCES[0].parent}", "-isystem", str(include),
             "-isystem", str(include / "executorch/runtime/core/portable_type/c10"),
             *map(str, SOURCES), f"-L{lib}", "-lexecutorch", "-lexecutorch_threadpool",
             f"-Wl,-rpath,{lib}", "-o", str(built),

@@ -47,7 +47,8 @@ bool check(KernelRuntimeContext& ctx, bool ok, const char* what) {
 
 // On x86-64 the attention is compiled for AVX-512, AVX2+FMA and the baseline, picked at load
 // time (the baseline has only 4-wide SSE); aarch64's baseline already has NEON.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// MTP_EDGE_BASELINE builds the baseline alone (the tests check that version too).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(MTP_EDGE_BASELINE)
 #define MTP_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2,fma", "default")))
 #else
 #define MTP_VECTOR_CLONES
@@ -117,163 +118,133 @@ inline F16 exp_nonpositive(F16 x) {
   return (1.f + f * p) * two_n;
 }
 
-// q . k over D floats (D a multiple of 16): 16 partial sums, then sum16.
-template <int kD>
-inline float dot(const float* q, const float* k, int64_t D) {
-  if (kD > 0) D = kD;
-  F16 part = load16(q) * load16(k);
-  for (int64_t d = kLanes; d < D; d += kLanes) part += load16(q + d) * load16(k + d);
-  return sum16(part);
-}
+// The keys are taken in blocks of kBlock cache slots at fixed places (slots 0..127, 128..255,
+// ...). A task takes one block of one KV head (and a chunk of the query heads that share it) for
+// every query row of the call that sees into the block: the block comes from memory once and
+// stays in the core's cache for the other rows, so a verification reads the cache about once,
+// not once per row. For each (row, head, block) the task leaves the block's largest score m, the
+// sum l of exp(score - m) and the unnormalized sum of exp(score - m) * value; combine() then
+// merges a row's blocks in block order. Which blocks a row has, and every step within them,
+// depend only on the row's query, the cache and the row's own position, never on the other rows
+// of the call: a (k+1)-row verification gives bitwise the rows of k+1 one-row steps.
+constexpr int64_t kBlock = 128;
 
-// One query row against `visible` cache rows (stride `stride` floats apart): softmax(q.k * scale)
-// weighted sum of v into `out`. Every step is a fixed function of the row, its keys and
-// `visible`, never of the other rows in the call: that is what makes a verification row-exact.
-// `scores` has room for `visible` rounded up to 16. Heads whose size is not a multiple of 16 (or
-// above 256) take attend_row_any. kD > 0 fixes the head size at compile time (64 and 128 cover our models), which
-// keeps the accumulators in registers.
-template <int kD>
-MTP_VECTOR_CLONES void attend_row(const float* q, const float* k, const float* v, int64_t stride,
-                                  int64_t visible, int64_t D, float scale, float* scores,
-                                  float* out) {
-  if (kD > 0) D = kD;
-  int64_t j = 0;
-  for (; j + 4 <= visible; j += 4) {  // four independent dot products overlap
-    const float* kj = k + j * stride;
-    const float s0 = dot<kD>(q, kj, D), s1 = dot<kD>(q, kj + stride, D);
-    const float s2 = dot<kD>(q, kj + 2 * stride, D), s3 = dot<kD>(q, kj + 3 * stride, D);
-    scores[j] = s0 * scale;
-    scores[j + 1] = s1 * scale;
-    scores[j + 2] = s2 * scale;
-    scores[j + 3] = s3 * scale;
-  }
-  for (; j < visible; ++j) scores[j] = dot<kD>(q, k + j * stride, D) * scale;
-  const int64_t padded = (visible + kLanes - 1) / kLanes * kLanes;
-  for (; j < padded; ++j) scores[j] = -INFINITY;
-  F16 m = splat(-INFINITY);
-  for (j = 0; j < padded; j += kLanes) {
-    const F16 x = load16(scores + j);
-    m = x > m ? x : m;
-  }
-  const float best = max16(m);
-  F16 totals = {};
-  for (j = 0; j < padded; j += kLanes) {
-    F16 e = exp_nonpositive(load16(scores + j) - best);
-    if (j + kLanes > visible)  // the padding lanes weigh nothing
-      for (int l = int(visible - j); l < kLanes; ++l) e[l] = 0.f;
-    store16(scores + j, e);
-    totals += e;
-  }
-  const float total = sum16(totals);
-  constexpr int kVecs = kD > 0 ? kD / kLanes : 256 / kLanes;  // kD = 0: D up to 256
-  F16 even[kVecs], odd[kVecs];
-  const int64_t vecs = D / kLanes;
-  for (int64_t c = 0; c < vecs; ++c) even[c] = odd[c] = F16{};
-  for (j = 0; j + 2 <= visible; j += 2) {  // two independent chains of sums
-    const float* vj = v + j * stride;
-    const F16 w0 = splat(scores[j]), w1 = splat(scores[j + 1]);
-    for (int64_t c = 0; c < vecs; ++c) {
-      even[c] += w0 * load16(vj + c * kLanes);
-      odd[c] += w1 * load16(vj + stride + c * kLanes);
-    }
-  }
-  if (j < visible) {
-    const F16 w = splat(scores[j]);
-    for (int64_t c = 0; c < vecs; ++c) even[c] += w * load16(v + j * stride + c * kLanes);
-  }
-  for (int64_t c = 0; c < vecs; ++c) store16(out + c * kLanes, (even[c] + odd[c]) / total);
-}
-
-// kG query heads that share one KV head (grouped-query attention), one query row: as kG calls
-// of attend_row, but each key and value row is loaded once for all of them (the cache is read
-// from L2 or memory; the arithmetic was waiting on those loads). Each head's scores, softmax and
-// weighted sum are computed exactly as attend_row's steps, with its own chains of sums; the
-// heads a call groups depend only on the model's head counts, never on the number of rows.
-// q and out hold the kG heads' rows one after another (D floats apart), as in [T, H, D].
+// One block of n <= kBlock keys (stride floats apart) for kG query heads sharing one KV head;
+// q holds the heads' rows D floats apart. Head g's results go to acc + g * step * D (D floats),
+// m[g * step] and l[g * step]. Each key and value row is loaded once for all kG heads (the
+// arithmetic waited on those loads); each head keeps its own chains of sums. kD > 0 fixes the
+// head size at compile time (64 and 128 cover our models), which keeps the accumulators in
+// registers; kD = 0 takes any multiple of 16 up to 256.
 template <int kD, int kG>
-MTP_VECTOR_CLONES void attend_heads(const float* q, const float* k, const float* v, int64_t stride,
-                                    int64_t visible, float scale, float* scores, float* out) {
-  constexpr int64_t D = kD, kVecs = kD / kLanes;
-  const int64_t padded = (visible + kLanes - 1) / kLanes * kLanes;
-  for (int64_t j = 0; j < visible; ++j) {
+MTP_VECTOR_CLONES void block_heads(const float* q, int64_t D, const float* k, const float* v,
+                                   int64_t stride, int64_t n, float scale, float* acc, float* m,
+                                   float* l, int64_t step) {
+  if (kD > 0) D = kD;
+  constexpr int kVecsMax = kD > 0 ? kD / kLanes : 256 / kLanes;
+  const int64_t vecs = D / kLanes;
+  alignas(64) float scores[kG][kBlock];
+  for (int64_t j = 0; j < n; ++j) {
     const float* kj = k + j * stride;
+    const F16 k0 = load16(kj);
     F16 part[kG];
-    for (int g = 0; g < kG; ++g) part[g] = load16(q + g * D) * load16(kj);
-    for (int64_t c = 1; c < kVecs; ++c) {
+    for (int g = 0; g < kG; ++g) part[g] = load16(q + g * D) * k0;
+    for (int64_t c = 1; c < vecs; ++c) {
       const F16 kc = load16(kj + c * kLanes);
       for (int g = 0; g < kG; ++g) part[g] += load16(q + g * D + c * kLanes) * kc;
     }
-    for (int g = 0; g < kG; ++g) scores[g * padded + j] = sum16(part[g]) * scale;
+    for (int g = 0; g < kG; ++g) scores[g][j] = sum16(part[g]) * scale;
   }
-  float totals[kG];
+  const int64_t padded = (n + kLanes - 1) / kLanes * kLanes;
+  float best[kG], total[kG];
   for (int g = 0; g < kG; ++g) {
-    float* sg = scores + g * padded;
-    for (int64_t j = visible; j < padded; ++j) sg[j] = -INFINITY;
-    F16 m = splat(-INFINITY);
+    float* sg = scores[g];
+    for (int64_t j = n; j < padded; ++j) sg[j] = -INFINITY;
+    F16 top = splat(-INFINITY);
     for (int64_t j = 0; j < padded; j += kLanes) {
       const F16 x = load16(sg + j);
-      m = x > m ? x : m;
+      top = x > top ? x : top;
     }
-    const float best = max16(m);
+    best[g] = max16(top);
     F16 sum = {};
     for (int64_t j = 0; j < padded; j += kLanes) {
-      F16 e = exp_nonpositive(load16(sg + j) - best);
-      if (j + kLanes > visible)  // the padding lanes weigh nothing
-        for (int l = int(visible - j); l < kLanes; ++l) e[l] = 0.f;
+      F16 e = exp_nonpositive(load16(sg + j) - best[g]);
+      if (j + kLanes > n)  // the padding lanes weigh nothing
+        for (int lane = int(n - j); lane < kLanes; ++lane) e[lane] = 0.f;
       store16(sg + j, e);
       sum += e;
     }
-    totals[g] = sum16(sum);
+    total[g] = sum16(sum);
   }
-  F16 acc[kG][kVecs];
+  F16 out[kG][kVecsMax];
   for (int g = 0; g < kG; ++g)
-    for (int64_t c = 0; c < kVecs; ++c) acc[g][c] = F16{};
-  for (int64_t j = 0; j < visible; ++j) {
+    for (int64_t c = 0; c < vecs; ++c) out[g][c] = F16{};
+  for (int64_t j = 0; j < n; ++j) {
     const float* vj = v + j * stride;
-    for (int64_t c = 0; c < kVecs; ++c) {
+    for (int64_t c = 0; c < vecs; ++c) {
       const F16 vc = load16(vj + c * kLanes);
-      for (int g = 0; g < kG; ++g) acc[g][c] += splat(scores[g * padded + j]) * vc;
+      for (int g = 0; g < kG; ++g) out[g][c] += splat(scores[g][j]) * vc;
     }
   }
-  for (int g = 0; g < kG; ++g)
-    for (int64_t c = 0; c < kVecs; ++c)
-      store16(out + g * D + c * kLanes, acc[g][c] / totals[g]);
-}
-
-// How many query heads of a group attend_heads takes at once for head size D (its accumulators
-// are kG * D floats: up to 256 of them, 16 AVX-512 registers). 1: attend_row, head by head.
-int64_t heads_at_once(int64_t D, int64_t group) {
-  const int64_t cap = D == 64 ? 4 : D == 128 ? 2 : 1;
-  return std::min(cap, group);
-}
-
-using GroupFn = void (*)(const float*, const float*, const float*, int64_t, int64_t, float, float*,
-                         float*);
-
-GroupFn group_kernel(int64_t D, int64_t heads) {
-  if (D == 64) {
-    static const GroupFn by_heads[] = {nullptr, nullptr, attend_heads<64, 2>,
-                                       attend_heads<64, 3>, attend_heads<64, 4>};
-    return by_heads[heads];
+  for (int g = 0; g < kG; ++g) {
+    for (int64_t c = 0; c < vecs; ++c) store16(acc + g * step * D + c * kLanes, out[g][c]);
+    m[g * step] = best[g];
+    l[g * step] = total[g];
   }
-  return heads == 2 && D == 128 ? attend_heads<128, 2> : nullptr;
 }
 
-// Any head size, one float at a time (no model of ours needs it; kept for generality).
-void attend_row_any(const float* q, const float* k, const float* v, int64_t stride,
-                    int64_t visible, int64_t D, float scale, float* scores, float* out) {
+// Any head size, one head, one float at a time (no model of ours needs it; kept for generality).
+void block_any(const float* q, int64_t D, const float* k, const float* v, int64_t stride,
+               int64_t n, float scale, float* acc, float* m, float* l, int64_t) {
+  float scores[kBlock];
   float best = -INFINITY;
-  for (int64_t j = 0; j < visible; ++j) {
+  for (int64_t j = 0; j < n; ++j) {
     float s = 0.f;
     for (int64_t d = 0; d < D; ++d) s += q[d] * k[j * stride + d];
     scores[j] = s * scale;
     best = std::max(best, scores[j]);
   }
   float total = 0.f;
-  for (int64_t j = 0; j < visible; ++j) total += (scores[j] = std::exp(scores[j] - best));
+  for (int64_t j = 0; j < n; ++j) total += (scores[j] = std::exp(scores[j] - best));
+  for (int64_t d = 0; d < D; ++d) acc[d] = 0.f;
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t d = 0; d < D; ++d) acc[d] += scores[j] * v[j * stride + d];
+  *m = best;
+  *l = total;
+}
+
+// How many query heads of a group block_heads takes at once for head size D (its accumulators
+// are kG * D floats: up to 256 of them, 16 AVX-512 registers).
+int64_t heads_at_once(int64_t D, int64_t group) {
+  const int64_t cap = D == 64 ? 4 : D == 128 ? 2 : 1;
+  return std::min(cap, group);
+}
+
+using BlockFn = void (*)(const float*, int64_t, const float*, const float*, int64_t, int64_t,
+                         float, float*, float*, float*, int64_t);
+
+BlockFn block_kernel(int64_t D, int64_t heads) {
+  if (D == 64) {
+    static const BlockFn by_heads[] = {nullptr, block_heads<64, 1>, block_heads<64, 2>,
+                                       block_heads<64, 3>, block_heads<64, 4>};
+    return by_heads[heads];
+  }
+  if (D == 128) return heads == 2 ? block_heads<128, 2> : block_heads<128, 1>;
+  return D % kLanes == 0 && D <= 256 ? block_heads<0, 1> : block_any;
+}
+
+// A (row, head)'s blocks 0..blocks-1 merged, in block order, into its D outputs: with M the
+// largest block maximum, out = sum_b exp(m_b - M) acc_b / sum_b exp(m_b - M) l_b.
+void combine(const float* acc, const float* m, const float* l, int64_t blocks, int64_t D,
+             float* out) {
+  float top = m[0];
+  for (int64_t b = 1; b < blocks; ++b) top = std::max(top, m[b]);
+  float total = 0.f;
   for (int64_t d = 0; d < D; ++d) out[d] = 0.f;
-  for (int64_t j = 0; j < visible; ++j)
-    for (int64_t d = 0; d < D; ++d) out[d] += scores[j] * v[j * stride + d];
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float w = std::exp(m[b] - top);
+    total += w * l[b];
+    for (int64_t d = 0; d < D; ++d) out[d] += w * acc[b * D + d];
+  }
   for (int64_t d = 0; d < D; ++d) out[d] /= total;
 }
 
@@ -296,9 +267,10 @@ void update_cache(KernelRuntimeContext& ctx, Span<EValue*> stack) {
 }
 
 // Causal attention of q [1, T, Hq, D] over the caches [1, S, Hkv, D] into out: row i (absolute
-// position start + i) sees slots 0..start + i. Each (row, head) is computed alone by attend_row,
-// so a row's result does not depend on how many rows share the call: a (k+1)-row verification
-// gives bitwise the rows of k+1 one-row steps.
+// position start + i) sees slots 0..start + i. Tasks are (KV head, chunk of its query heads, key
+// block), spread over ExecuTorch's thread pool (XNNPACK's pool too); each does every row that
+// sees into its block. The chunks depend on the head counts only and the blocks on slot numbers
+// only, so a row's result does not depend on how many rows share the call.
 bool attend_causal(KernelRuntimeContext& ctx, const char* op, const Tensor& q, const Tensor& k,
                    const Tensor& v, int64_t start, double scale_or_nan, Tensor& out) {
   char what[96];
@@ -317,6 +289,7 @@ bool attend_causal(KernelRuntimeContext& ctx, const char* op, const Tensor& q, c
       !fail(executorch::runtime::resize_tensor(out, q.sizes()) == Error::Ok,
             "cannot resize the output"))
     return false;
+  if (T == 0) return true;
   const float scale =
       std::isnan(scale_or_nan) ? float(1.0 / std::sqrt(double(D))) : float(scale_or_nan);
   const float* qp = q.const_data_ptr<float>();
@@ -324,32 +297,40 @@ bool attend_causal(KernelRuntimeContext& ctx, const char* op, const Tensor& q, c
   const float* vp = v.const_data_ptr<float>();
   float* op_ = out.mutable_data_ptr<float>();
   const int64_t group = Hq / Hkv;
-  // Tasks: (query row, KV head, chunk of the heads that share it), spread over ExecuTorch's
-  // thread pool (XNNPACK's pool too). The chunks depend on the head counts only.
   const int64_t at_once = heads_at_once(D, group);
   const int64_t chunks = (group + at_once - 1) / at_once;
+  const int64_t blocks = (start + T + kBlock - 1) / kBlock;  // of the last row
+  // Per (row, head, block) entry: D sums, then the maximum and the total; heads `blocks` apart.
+  const size_t entries = size_t(T * Hq * blocks);
+  thread_local std::vector<float> partials;
+  if (partials.size() < entries * (D + 2)) partials.resize(entries * (D + 2));
+  float* acc = partials.data();
+  float* top = acc + entries * D;
+  float* total = top + entries;
   auto attend = [&](size_t task) {
-    const int64_t i = int64_t(task) / (Hkv * chunks);
-    const int64_t kvh = int64_t(task) / chunks % Hkv, c = int64_t(task) % chunks;
+    const int64_t b = int64_t(task) % blocks, rest = int64_t(task) / blocks;
+    const int64_t c = rest % chunks, kvh = rest / chunks;
     const int64_t h0 = kvh * group + c * at_once, heads = std::min(at_once, group - c * at_once);
-    const int64_t visible = start + i + 1;
-    thread_local std::vector<float> scores;
-    scores.resize(heads * (visible + kLanes));
-    const float* qi = qp + (i * Hq + h0) * D;
-    float* oi = op_ + (i * Hq + h0) * D;
-    if (GroupFn many = heads > 1 ? group_kernel(D, heads) : nullptr) {
-      many(qi, kp + kvh * D, vp + kvh * D, Hkv * D, visible, scale, scores.data(), oi);
-      return;
+    const int64_t first = b * kBlock;
+    const BlockFn fn = block_kernel(D, heads);
+    const float* kb = kp + (first * Hkv + kvh) * D;
+    const float* vb = vp + (first * Hkv + kvh) * D;
+    for (int64_t i = std::max<int64_t>(0, first - start); i < T; ++i) {
+      const int64_t n = std::min(kBlock, start + i + 1 - first);
+      const int64_t e = (i * Hq + h0) * blocks + b;
+      fn(qp + (i * Hq + h0) * D, D, kb, vb, Hkv * D, n, scale, acc + e * D, top + e, total + e,
+         blocks);
     }
-    auto row = D == 64    ? attend_row<64>
-               : D == 128 ? attend_row<128>
-               : D % kLanes == 0 && D <= 256 ? attend_row<0>
-                                 : attend_row_any;
-    for (int64_t g = 0; g < heads; ++g)
-      row(qi + g * D, kp + kvh * D, vp + kvh * D, Hkv * D, visible, D, scale, scores.data(),
-          oi + g * D);
   };
-  executorch::extension::threadpool::get_threadpool()->run(attend, size_t(T * Hkv * chunks));
+  executorch::extension::threadpool::get_threadpool()->run(attend,
+                                                           size_t(Hkv * chunks * blocks));
+  for (int64_t i = 0; i < T; ++i) {
+    const int64_t seen = (start + i + kBlock) / kBlock;  // blocks row i sees into
+    for (int64_t h = 0; h < Hq; ++h) {
+      const int64_t e = (i * Hq + h) * blocks;
+      combine(acc + e * D, top + e, total + e, seen, D, op_ + (i * Hq + h) * D);
+    }
+  }
   return true;
 }
 
