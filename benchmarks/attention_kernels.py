@@ -1,20 +1,22 @@
-"""Attention alone, per layer: our mtp_edge::sdpa kernel against ExecuTorch's llama.custom_sdpa,
-with SmolLM2-135M's layout (9 query heads, 3 KV heads, head size 64, a 2048-slot cache), for
-1 query row (a decode step) and 5 (a k=4 verification) at several cache positions. Each is a
-one-op ExecuTorch program (the cache as mutable buffers, as in the bundles) run under
-executorch.runtime with ExecuTorch's thread pool. Writes
-results/verification/attention_kernels.{json,md}.
+"""Attention alone, as a whole forward call runs it: every layer's mtp_edge::sdpa over that
+layer's own cache (so the caches stream from memory as in a bundle, not from a cache one layer
+warmed), for T query rows at several cache positions, in the head layout of a real model. Each
+width is a one-program ExecuTorch method (caches as mutable buffers, as in the bundles) run under
+executorch.runtime with ExecuTorch's thread pool. Optionally ExecuTorch's llama.custom_sdpa (not
+row-exact) on the same layout, for reference. Writes <out>.{json,md}.
 
-    python benchmarks/attention_kernels.py [--threads 2] [--positions 64,250,550] [--repeats 300]
+    python benchmarks/attention_kernels.py [--layout qwen05|smollm2|H,HKV,D,LAYERS]
+        [--widths 1,2,5,8] [--positions 150,600,1000,1500] [--threads 2] [--repeats 50]
+        [--custom-sdpa] [--out benchmarks/results/verification/attention_kernels]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
-import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (torch.ops.llama)
 import torch
 from executorch.exir import ExecutorchBackendConfig, to_edge
 from executorch.exir.passes import MemoryPlanningPass
@@ -25,86 +27,127 @@ from mtp_edge.runtime import executorch_ops
 from mtp_edge.runtime.executorch_session import hand_cores_to_executorch
 
 RESULTS = "benchmarks/results/verification/attention_kernels"
-HEADS, KV_HEADS, DIM, SLOTS, LAYERS = 9, 3, 64, 2048, 30
+SLOTS = 2048
+LAYOUTS = {  # query heads, KV heads, head size, layers
+    "smollm2": (9, 3, 64, 30),  # SmolLM2-135M
+    "qwen05": (14, 2, 64, 24),  # Qwen2.5-0.5B
+    "qwen15": (12, 2, 128, 28),  # Qwen2.5-1.5B
+}
 
 
 class Attend(torch.nn.Module):
-    def __init__(self, kernel: str):
+    """One attention call per layer, each over its own K and V cache."""
+
+    def __init__(self, kernel: str, kv_heads: int, dim: int, layers: int):
         super().__init__()
-        self.kernel = kernel
-        self.register_buffer("k", torch.randn(1, SLOTS, KV_HEADS, DIM))
-        self.register_buffer("v", torch.randn(1, SLOTS, KV_HEADS, DIM))
+        self.kernel, self.layers = kernel, layers
+        for i in range(layers):
+            self.register_buffer(f"k{i}", torch.randn(1, SLOTS, kv_heads, dim))
+            self.register_buffer(f"v{i}", torch.randn(1, SLOTS, kv_heads, dim))
 
     def forward(self, q, start):
         s = start.item()
-        if self.kernel == "mtp_edge::sdpa":
-            return torch.ops.mtp_edge.sdpa(q, self.k, self.v, s)
-        return torch.ops.llama.custom_sdpa(q, self.k, self.v, s, None, 0.0, True)
+        outs = []
+        for i in range(self.layers):
+            k, v = getattr(self, f"k{i}"), getattr(self, f"v{i}")
+            if self.kernel == "mtp_edge::sdpa":
+                outs.append(torch.ops.mtp_edge.sdpa(q, k, v, s))
+            else:
+                outs.append(torch.ops.llama.custom_sdpa(q, k, v, s, None, 0.0, True))
+        return tuple(outs)
 
 
-def program(kernel: str, rows: int):
-    q = torch.randn(1, rows, HEADS, DIM)
-    exported = to_edge(torch.export.export(Attend(kernel), (q, torch.tensor([100])), strict=True))
+def program(kernel: str, layout: tuple[int, int, int, int], rows: int):
+    heads, kv_heads, dim, layers = layout
+    q = torch.randn(1, rows, heads, dim)
+    module = Attend(kernel, kv_heads, dim, layers)
+    exported = to_edge(torch.export.export(module, (q, torch.tensor([100])), strict=True))
     planning = MemoryPlanningPass(alloc_graph_input=False)
     config = ExecutorchBackendConfig(memory_planning_pass=planning)
     loaded = Runtime.get().load_program(exported.to_executorch(config).buffer)
     return loaded, loaded.load_method("forward"), q  # the method needs its program alive
 
 
+def parse_layout(text: str) -> tuple[int, int, int, int]:
+    if text in LAYOUTS:
+        return LAYOUTS[text]
+    heads, kv_heads, dim, layers = (int(x) for x in text.split(","))
+    return heads, kv_heads, dim, layers
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layout", default="qwen05", help="a name or H,HKV,D,LAYERS")
+    parser.add_argument("--widths", default="1,2,5,8")
+    parser.add_argument("--positions", default="150,600,1000,1500")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--positions", default="64,250,550")
-    parser.add_argument("--repeats", type=int, default=300)
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--custom-sdpa", action="store_true", help="also llama.custom_sdpa")
+    parser.add_argument("--out", default=RESULTS, help="results path without extension")
     args = parser.parse_args()
+    layout = parse_layout(args.layout)
     torch.set_num_threads(args.threads)  # ExecuTorch takes this count (below)
     ops.define()
     executorch_ops.load_kernels()
+    kernels = ["mtp_edge::sdpa"]
+    if args.custom_sdpa:
+        import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (torch.ops.llama)
+
+        kernels.append("llama.custom_sdpa")
     hand_cores_to_executorch()
     torch.manual_seed(0)
+    widths = [int(w) for w in args.widths.split(",")]
+    positions = [int(p) for p in args.positions.split(",")]
     rows = []
-    for kernel in ("mtp_edge::sdpa", "llama.custom_sdpa"):
-        for width in (1, 5):
-            loaded, method, q = program(kernel, width)
-            for position in (int(p) for p in args.positions.split(",")):
+    for kernel in kernels:
+        for width in widths:
+            loaded, method, q = program(kernel, layout, width)
+            for position in positions:
                 at = torch.tensor([position])
-                for _ in range(20):
+                for _ in range(5):
                     method.execute([q, at])
-                start = time.perf_counter()
+                times = []
                 for _ in range(args.repeats):
+                    start = time.perf_counter()
                     method.execute([q, at])
-                us = (time.perf_counter() - start) / args.repeats * 1e6
-                rows.append(
-                    {
-                        "kernel": kernel,
-                        "rows": width,
-                        "position": position,
-                        "us_per_layer": round(us, 1),
-                        "ms_per_30_layers": round(us * LAYERS / 1e3, 2),
-                    }
-                )
+                    times.append(time.perf_counter() - start)
+                ms = statistics.median(times) * 1e3
+                rows.append({"kernel": kernel, "rows": width, "position": position,
+                             "ms": round(ms, 3)})  # fmt: skip
                 print(json.dumps(rows[-1]), flush=True)
             del method, loaded  # a method must go before its program
     command = (
-        f"python benchmarks/attention_kernels.py --threads {args.threads} "
-        f"--positions {args.positions} --repeats {args.repeats}"
+        f"python benchmarks/attention_kernels.py --layout {args.layout} --widths {args.widths} "
+        f"--positions {args.positions} --threads {args.threads} --repeats {args.repeats}"
+        + (" --custom-sdpa" if args.custom_sdpa else "")
+        + (f" --out {args.out}" if args.out != RESULTS else "")
     )
-    with open(RESULTS + ".json", "w") as f:
-        f.write(json.dumps({"threads": args.threads, "rows": rows, "command": command}, indent=2))
-        f.write("\n")
+    with open(args.out + ".json", "w") as f:
+        record = {"layout": layout, "threads": args.threads, "rows": rows, "command": command}
+        f.write(json.dumps(record, indent=2) + "\n")
+    heads, kv_heads, dim, layers = layout
     lines = [
-        f"# Attention per layer ({HEADS} heads, {KV_HEADS} KV heads, head size {DIM})",
+        f"# Attention of a whole forward call ({layers} layers; {heads} query heads, "
+        f"{kv_heads} KV heads, head size {dim})",
         "",
-        "| kernel | rows | position | us per layer | ms per 30 layers |",
-        "|---|---|---|---|---|",
+        f"Median ms per call over all layers, {args.threads} threads; in brackets the ratio "
+        "to one row at the same position.",
+        "",
+        "| kernel | rows | " + " | ".join(f"position {p}" for p in positions) + " |",
+        "|---|---|" + "---|" * len(positions),
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['kernel']} | {r['rows']} | {r['position']} | {r['us_per_layer']} "
-            f"| {r['ms_per_30_layers']} |"
-        )
+    one = {(r["kernel"], r["position"]): r["ms"] for r in rows if r["rows"] == 1}
+    for kernel in kernels:
+        for width in widths:
+            cells = []
+            for p in positions:
+                ms = next(r["ms"] for r in rows if (r["kernel"], r["rows"], r["position"]) ==
+                          (kernel, width, p))  # fmt: skip
+                base = one.get((kernel, p))
+                cells.append(f"{ms:.3f}" + (f" ({ms / base:.2f})" if base and width > 1 else ""))
+            lines.append(f"| {kernel} | {width} | " + " | ".join(cells) + " |")
     lines += ["", f"Command: `{command}`", ""]
-    with open(RESULTS + ".md", "w") as f:
+    with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines))
 
 
