@@ -12,10 +12,12 @@
 #include <executorch/runtime/core/function_ref.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 // The wheel ships the thread pool library but not its header; this is the call we make.
@@ -307,6 +309,22 @@ bool attend_causal(KernelRuntimeContext& ctx, const char* op, const Tensor& q, c
   float* acc = partials.data();
   float* top = acc + entries * D;
   float* total = top + entries;
+  // Each (row, KV head, chunk) counts down the blocks still to do; the task that does its last
+  // block merges its heads' blocks (reading what other threads wrote), so the merge runs in
+  // parallel too. Which thread merges does not change the arithmetic.
+  const size_t groups = size_t(T * Hkv * chunks);
+  thread_local std::unique_ptr<std::atomic<int32_t>[]> pending;
+  thread_local size_t pending_size = 0;
+  if (pending_size < groups) {
+    pending.reset(new std::atomic<int32_t>[groups]);
+    pending_size = groups;
+  }
+  std::atomic<int32_t>* counts = pending.get();  // the tasks' threads have their own thread_local
+  for (int64_t i = 0; i < T; ++i) {
+    const int32_t seen = int32_t((start + i + kBlock) / kBlock);  // blocks row i sees into
+    for (int64_t g = 0; g < Hkv * chunks; ++g)
+      counts[i * Hkv * chunks + g].store(seen, std::memory_order_relaxed);
+  }
   auto attend = [&](size_t task) {
     const int64_t b = int64_t(task) % blocks, rest = int64_t(task) / blocks;
     const int64_t c = rest % chunks, kvh = rest / chunks;
@@ -320,17 +338,40 @@ bool attend_causal(KernelRuntimeContext& ctx, const char* op, const Tensor& q, c
       const int64_t e = (i * Hq + h0) * blocks + b;
       fn(qp + (i * Hq + h0) * D, D, kb, vb, Hkv * D, n, scale, acc + e * D, top + e, total + e,
          blocks);
+      if (counts[(i * Hkv + kvh) * chunks + c].fetch_sub(1, std::memory_order_acq_rel) != 1)
+        continue;
+      const int64_t seen = (start + i + kBlock) / kBlock;
+      for (int64_t h = h0; h < h0 + heads; ++h) {
+        const int64_t e0 = (i * Hq + h) * blocks;
+        combine(acc + e0 * D, top + e0, total + e0, seen, D, op_ + (i * Hq + h) * D);
+      }
     }
   };
-  executorch::extension::threadpool::get_threadpool()->run(attend,
-                                                           size_t(Hkv * chunks * blocks));
-  for (int64_t i = 0; i < T; ++i) {
-    const int64_t seen = (start + i + kBlock) / kBlock;  // blocks row i sees into
-    for (int64_t h = 0; h < Hq; ++h) {
-      const int64_t e = (i * Hq + h) * blocks;
-      combine(acc + e * D, top + e, total + e, seen, D, op_ + (i * Hq + h) * D);
+  // Up to two blocks (256 slots) the cache stays in the core's cache between rows anyway; there
+  // tasks are (row, KV head, chunk), each doing its row's blocks one after another and the
+  // merge: more, evener tasks than one per block. Same blocks, same arithmetic, same rows.
+  auto attend_row = [&](size_t task) {
+    const int64_t i = int64_t(task) / (Hkv * chunks), rest = int64_t(task) % (Hkv * chunks);
+    const int64_t c = rest % chunks, kvh = rest / chunks;
+    const int64_t h0 = kvh * group + c * at_once, heads = std::min(at_once, group - c * at_once);
+    const BlockFn fn = block_kernel(D, heads);
+    const int64_t seen = (start + i + kBlock) / kBlock;
+    for (int64_t b = 0; b < seen; ++b) {
+      const int64_t first = b * kBlock, n = std::min(kBlock, start + i + 1 - first);
+      const int64_t e = (i * Hq + h0) * blocks + b;
+      fn(qp + (i * Hq + h0) * D, D, kp + (first * Hkv + kvh) * D, vp + (first * Hkv + kvh) * D,
+         Hkv * D, n, scale, acc + e * D, top + e, total + e, blocks);
     }
-  }
+    for (int64_t h = h0; h < h0 + heads; ++h) {
+      const int64_t e0 = (i * Hq + h) * blocks;
+      combine(acc + e0 * D, top + e0, total + e0, seen, D, op_ + (i * Hq + h) * D);
+    }
+  };
+  auto* pool = executorch::extension::threadpool::get_threadpool();
+  if (T > 1 && blocks <= 2)
+    pool->run(attend_row, size_t(T * Hkv * chunks));
+  else
+    pool->run(attend, size_t(Hkv * chunks * blocks));
   return true;
 }
 
