@@ -313,6 +313,17 @@ def to_markdown(report: dict) -> str:
             "Peer baseline, ExecuTorch TextLLMRunner on the same target .pte (plain): "
             + (f"{peer['tokens_per_s']:.1f} tok/s" if "error" not in peer else peer["error"]),
         ]
+    llama = report.get("peer_llama_cpp")
+    if llama:
+        if "tokens_per_s" in llama:
+            text = (
+                f"{llama['tokens_per_s']:.1f} tok/s (+-{llama['stddev']:.1f}; llama-bench, "
+                f"{llama['new_tokens']} tokens after {llama['depth']} of context, "
+                f"{llama['threads']} threads, build {llama['build']})"
+            )
+        else:
+            text = llama.get("error") or llama.get("note", "")
+        lines += ["", "Peer baseline, llama.cpp on the same GGUF (plain): " + text]
     if report.get("command"):
         lines += ["", f"Command: `{report['command']}`"]
     return "\n".join(lines) + "\n"

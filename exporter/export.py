@@ -116,6 +116,12 @@ def counting_tokens(forward: Forward, desc: str, total: int) -> Iterator[Forward
         bar.update(max(0, total - bar.n))
 
 
+def source_of(path: Path | str) -> dict:
+    """What the manifest keeps of the checkpoint exported: its absolute path and format."""
+    path = Path(path).resolve()
+    return {"path": str(path), "format": "gguf" if path.suffix.lower() == ".gguf" else "hf"}
+
+
 def default_out(options: ExportOptions, model_name: str) -> Path:
     return Path("bundles") / f"{model_name}-{options.platform}"
 
@@ -283,6 +289,7 @@ def export_bundle(
             models=models,
             drafter=spec,
             quality=quality,
+            source=source_of(target.path),
         )
 
     finish = None

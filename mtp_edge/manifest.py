@@ -100,6 +100,9 @@ class Manifest:
     # How the export went: {"seconds", "peak_rss_mb", "stages": [{"stage", "seconds",
     # "peak_rss_mb"}]} (logs.StageClock); empty in bundles from before it was recorded.
     export_log: dict = field(default_factory=dict)
+    # The checkpoint the target was exported from, {"path", "format": "gguf" | "hf"}: what a
+    # peer that reads the original (llama.cpp) decodes. None in bundles from before it was kept.
+    source: dict | None = None
     format_version: int = FORMAT_VERSION
     exporter_version: str = __version__
 

@@ -108,7 +108,7 @@ def test_speculative_equals_plain_on_the_bundle(bundle):
     assert spec["stats"]["verify_steps"] <= plain["stats"]["verify_steps"]
 
 
-def test_bench_on_the_bundle(bundle, tmp_path):
+def test_bench_on_the_bundle(bundle, model_dir, tmp_path):
     prompts = tmp_path / "p.jsonl"
     rows = [
         {"id": f"p{i}", "category": c, "prompt": f"{PROMPT} {c}", "max_new_tokens": 16}
@@ -131,6 +131,20 @@ def test_bench_on_the_bundle(bundle, tmp_path):
     assert report["backend"] == "executorch" and report["drafter"] == "ngram"
     assert report["summary"]["lossless"] is True
     assert "peer_textllmrunner" in report  # measured, or the reason it could not run
+    # The bundle keeps its source; from an HF directory llama.cpp has no GGUF to decode (when
+    # llama-bench is on PATH at all), and the report says why instead.
+    source = json.loads((bundle / "manifest.json").read_text())["source"]
+    assert source == {"path": str(model_dir.resolve()), "format": "hf"}
+    note = report["peer_llama_cpp"]["note"]
+    assert note.startswith("llama.cpp not measured: ") and ("PATH" in note or "--gguf" in note)
+    assert "Peer baseline, llama.cpp on the same GGUF (plain): " + note in result.output
+
+
+def test_bench_refuses_a_llama_cpp_directory_without_llama_bench(bundle, tmp_path):
+    result = CliRunner().invoke(bench, ["--bundle", str(bundle), "--llama-cpp", str(tmp_path)])
+    assert result.exit_code == 2
+    want = f"error: --llama-cpp {tmp_path}: no executable llama-bench"
+    assert error_line(result).startswith(want)
 
 
 def test_tampered_bundle_is_refused(bundle, tmp_path):
@@ -397,3 +411,19 @@ def test_heads_for_another_target_are_refused(mtp_bundle, tmp_path):
         str(tmp_path / "b"),
     ]
     assert "trained for" in error_line(CliRunner().invoke(export, args))
+
+
+def test_llama_cpp_decodes_the_default_gguf():
+    """The llama.cpp peer with a real llama-bench (on PATH, or a build named by
+    MTP_EDGE_LLAMA_CPP; skipped without one) on the embedded model's GGUF."""
+    import os
+
+    from mtp_edge.checkpoints import default_model_path
+    from mtp_edge.devices.peer import find_llama_bench, llama_cpp_baseline
+
+    tool = find_llama_bench(os.environ.get("MTP_EDGE_LLAMA_CPP"))
+    if tool is None:
+        pytest.skip("llama.cpp's llama-bench is not on PATH (set MTP_EDGE_LLAMA_CPP to a build)")
+    result = llama_cpp_baseline(tool, default_model_path(), 2, 8, 16, repetitions=1)
+    assert "error" not in result, result
+    assert result["tokens_per_s"] > 0 and result["new_tokens"] == 8 and result["depth"] == 16

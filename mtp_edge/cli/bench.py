@@ -55,8 +55,30 @@ from mtp_edge.files import check_output, write_atomic
     "interleaved). DIR[,k=N][,drafter=NAME][,confidence=P][,fallback=on|off] also compares "
     "k values, drafters, --draft-confidence floors or the fallback of one bundle.",
 )
+@click.option(
+    "--llama-cpp",
+    "llama_cpp",
+    default=None,
+    help="A llama.cpp build (a directory with llama-bench, or its bin/ or build/bin/): llama.cpp "
+    "decodes the bundle's GGUF as a peer baseline. Default: llama-bench on PATH, else skipped "
+    "with a note.",
+)
+@click.option(
+    "--gguf",
+    default=None,
+    help="The GGUF for the llama.cpp peer (default: the file the bundle was exported from).",
+)
 def bench(
-    prompts_path, repeat, max_new_tokens, json_out, markdown_out, report_dir, compare, **opts
+    prompts_path,
+    repeat,
+    max_new_tokens,
+    json_out,
+    markdown_out,
+    report_dir,
+    compare,
+    llama_cpp,
+    gguf,
+    **opts,
 ):
     """Plain vs speculative greedy decoding on the same backend, over a prompt suite."""
     import dataclasses
@@ -82,7 +104,18 @@ def bench(
         say("[machine] measuring memory bandwidth and matmul throughput")
         machine = machine_description()  # before ExecuTorch takes the cores
     command = " ".join(["mtp-bench", *sys.argv[1:]])
+    if llama_cpp is not None:
+        from mtp_edge.devices.peer import find_llama_bench
+
+        find_llama_bench(llama_cpp)  # a wrong directory fails now, not after the measurement
     reports = measure(setups, prompts, repeat, max_new_tokens, command, say)
+    if first.bundle is not None or gguf is not None:
+        from mtp_edge.devices.peer import llama_cpp_peer
+
+        say("[peer] llama.cpp, plain decoding of the same GGUF")
+        reports[0]["peer_llama_cpp"] = llama_cpp_peer(
+            first.bundle, llama_cpp, gguf, reports[0]["threads"], reports[0]
+        )
     markdown = "\n".join(to_markdown(r) for r in reports)
     body = reports[0] if len(reports) == 1 else {"command": command, "runs": reports}
     write_json(json_out, body)
