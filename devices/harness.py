@@ -342,10 +342,21 @@ def _fallback_words(report: dict) -> str:
     )
 
 
+def _threads(backend: str) -> int:
+    """The threads the backend decodes with: ExecuTorch's pool, which takes torch's count and
+    leaves torch one (runtime/executorch_session.py); torch's own count otherwise."""
+    import torch
+
+    if backend == "executorch":
+        from mtp_edge.runtime.executorch_session import executorch_threads
+
+        return executorch_threads() or torch.get_num_threads()
+    return torch.get_num_threads()
+
+
 def bench_report(gen, suite: Suite, command: str, prompts, max_new_tokens, progress) -> dict:
     """One setup's mtp-bench report (`gen`: runtime/assemble.py's Generator); for an ExecuTorch
     bundle with ExecuTorch's TextLLMRunner decoding the same .pte as the peer baseline."""
-    import torch
 
     report = {
         "bundle": gen.bundle,
@@ -355,7 +366,7 @@ def bench_report(gen, suite: Suite, command: str, prompts, max_new_tokens, progr
         "k": gen.config.k,
         "draft_confidence": gen.draft_confidence,
         "fallback": gen.config.fallback is not False,  # on unless turned off: it runs greedy
-        "threads": torch.get_num_threads(),
+        "threads": _threads(gen.session.name),
         "command": command,
         **suite.body(),
     }

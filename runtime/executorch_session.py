@@ -204,6 +204,11 @@ def hand_cores_to_executorch() -> None:
         pass  # a torch without MKL (macOS, Arm): no BLAS threads to limit
 
 
+def executorch_threads() -> int | None:
+    """The thread count ExecuTorch's pool was given in this process (None before any)."""
+    return _executorch_threads
+
+
 # The backend's entry points (runtime/backends.py): `bundle` is an opened bundle
 # (runtime/bundle.py), `target()` gives its target session, opened once.
 
