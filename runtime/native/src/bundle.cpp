@@ -120,6 +120,7 @@ const std::vector<Key> kManifestKeys = {
     {"drafter", Kind::Object, true},       {"quality", Kind::Object, false},
     {"chat_format", Kind::ObjectOrNull, false}, {"format_version", Kind::Integer, false},
     {"exporter_version", Kind::Text, false}, {"export_log", Kind::Object, false},
+    {"source", Kind::ObjectOrNull, false},
 };
 
 const std::vector<Key> kModelFileKeys = {
