@@ -1082,3 +1082,23 @@ def test_special_tokens_typed_in_a_prompt_are_text_in_both_runtimes(runner, mlp_
     row = json.loads(done.stdout)["prompts"][0]
     assert row["prompt_tokens"] == len(ids)
     assert_same_tokens([("p", expected)], [row["ar_token_ids"]], "special text in a prompt")
+
+
+def test_the_native_reader_knows_every_manifest_key():
+    """bundle.cpp checks a manifest's keys as strictly as mtp_edge/manifest.py does: a key the
+    exporter writes that the native reader does not list makes the runner and the phone refuse
+    every new bundle, so the two lists must be the same."""
+    from dataclasses import fields
+
+    from mtp_edge.manifest import DrafterSpec, Manifest, ModelFile
+
+    source = (Path(__file__).parents[1] / "runtime/native/src/bundle.cpp").read_text()
+
+    def native(table: str) -> set[str]:
+        block = re.search(rf"const std::vector<Key> {table} = \{{(.*?)\n\}};", source, re.S)
+        assert block is not None, table
+        return set(re.findall(r'\{"(\w+)",', block.group(1)))
+
+    assert native("kManifestKeys") == {f.name for f in fields(Manifest)}
+    assert native("kModelFileKeys") == {f.name for f in fields(ModelFile)}
+    assert native("kDrafterKeys") == {f.name for f in fields(DrafterSpec)}
