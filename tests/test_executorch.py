@@ -198,6 +198,41 @@ def test_a_batched_forward_is_row_exact_only_with_our_kernel(kernel, row_exact):
     assert torch.equal(batched, steps) == row_exact
 
 
+def test_our_kernel_computes_the_eager_attention():
+    """mtp_edge::sdpa's kernel (C++, as the runtimes run it) against the eager reference, over
+    its paths: grouped heads taken together, one head at a time, head sizes with and without a
+    compiled-in specialization, a call that ends at the last slot of the cache."""
+    from executorch.exir import to_edge
+    from executorch.runtime import Runtime
+
+    from mtp_edge import ops
+    from mtp_edge.runtime import executorch_ops
+
+    class Attend(torch.nn.Module):
+        def forward(self, q, k, v, start):
+            return torch.ops.mtp_edge.sdpa(q, k, v, start.item())
+
+    torch.manual_seed(0)
+    cases = [  # (query heads, KV heads, head size, rows, start): the kernel's paths
+        (9, 3, 64, 5, 7),  # three heads per KV head, taken together (SmolLM2's layout)
+        (14, 2, 64, 2, 30),  # seven per KV head: a chunk of four and one of three
+        (4, 2, 128, 3, 45),  # two per KV head at head size 128
+        (2, 2, 128, 1, 40),  # one query head per KV head
+        (3, 1, 32, 1, 40),  # a head size without a compiled-in specialization
+        (2, 1, 24, 2, 20),  # not a multiple of 16: the one-float-at-a-time path
+    ]
+    for heads, kv_heads, dim, t, start in cases:
+        q = torch.randn(1, t, heads, dim)
+        k, v = torch.randn(1, 48, kv_heads, dim), torch.randn(1, 48, kv_heads, dim)
+        position = torch.tensor([start])
+        program = to_edge(torch.export.export(Attend(), (q, k, v, position), strict=True))
+        executorch_ops.load_kernels()
+        loaded = Runtime.get().load_program(program.to_executorch().buffer)
+        got = loaded.load_method("forward").execute([q, k, v, position])[0]  # program kept alive
+        want = ops.attention(q, k, v, start)
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["8da4w-g32", "8da4w-cw-tied", "8da8w-cw"])
 @pytest.mark.parametrize("k", [2, 4, 7])
 def test_quantized_speculative_output_equals_its_plain_output(name, k):
