@@ -309,9 +309,43 @@ bool attend_causal(KernelRuntimeContext& ctx, const char* op, const Tensor& q, c
   float* acc = partials.data();
   float* top = acc + entries * D;
   float* total = top + entries;
-  // Each (row, KV head, chunk) counts down the blocks still to do; the task that does its last
-  // block merges its heads' blocks (reading what other threads wrote), so the merge runs in
-  // parallel too. Which thread merges does not change the arithmetic.
+  // Row i's block b for the heads of (KV head kvh, chunk c) into the partials, and the merge of
+  // row i's blocks for those heads into out.
+  auto block = [&](int64_t i, int64_t b, int64_t kvh, int64_t c) {
+    const int64_t h0 = kvh * group + c * at_once, heads = std::min(at_once, group - c * at_once);
+    const int64_t first = b * kBlock, n = std::min(kBlock, start + i + 1 - first);
+    const int64_t e = (i * Hq + h0) * blocks + b;
+    block_kernel(D, heads)(qp + (i * Hq + h0) * D, D, kp + (first * Hkv + kvh) * D,
+                           vp + (first * Hkv + kvh) * D, Hkv * D, n, scale, acc + e * D, top + e,
+                           total + e, blocks);
+  };
+  auto merge = [&](int64_t i, int64_t kvh, int64_t c) {
+    const int64_t h0 = kvh * group + c * at_once, heads = std::min(at_once, group - c * at_once);
+    const int64_t seen = (start + i + kBlock) / kBlock;  // blocks row i sees into
+    for (int64_t h = h0; h < h0 + heads; ++h) {
+      const int64_t e = (i * Hq + h) * blocks;
+      combine(acc + e * D, top + e, total + e, seen, D, op_ + (i * Hq + h) * D);
+    }
+  };
+  auto* pool = executorch::extension::threadpool::get_threadpool();
+  // Up to two blocks (256 slots) the cache stays in the core's cache between rows anyway; there
+  // tasks are (row, KV head, chunk), each doing its row's blocks one after another and the
+  // merge: more, evener tasks than one per block. Same blocks, same arithmetic, same rows.
+  if (T > 1 && blocks <= 2) {
+    pool->run(
+        [&](size_t task) {
+          const int64_t i = int64_t(task) / (Hkv * chunks), rest = int64_t(task) % (Hkv * chunks);
+          const int64_t c = rest % chunks, kvh = rest / chunks;
+          for (int64_t b = 0; b < (start + i + kBlock) / kBlock; ++b) block(i, b, kvh, c);
+          merge(i, kvh, c);
+        },
+        size_t(T * Hkv * chunks));
+    return true;
+  }
+  // Otherwise a task is one block of one (KV head, chunk) for every row that sees into it. Each
+  // (row, KV head, chunk) counts down the blocks still to do; the task that does its last block
+  // merges them (reading what other threads wrote), so the merges run in parallel too. Which
+  // thread merges does not change the arithmetic.
   const size_t groups = size_t(T * Hkv * chunks);
   thread_local std::unique_ptr<std::atomic<int32_t>[]> pending;
   thread_local size_t pending_size = 0;
@@ -320,58 +354,21 @@ bool attend_causal(KernelRuntimeContext& ctx, const char* op, const Tensor& q, c
     pending_size = groups;
   }
   std::atomic<int32_t>* counts = pending.get();  // the tasks' threads have their own thread_local
-  for (int64_t i = 0; i < T; ++i) {
-    const int32_t seen = int32_t((start + i + kBlock) / kBlock);  // blocks row i sees into
+  for (int64_t i = 0; i < T; ++i)
     for (int64_t g = 0; g < Hkv * chunks; ++g)
-      counts[i * Hkv * chunks + g].store(seen, std::memory_order_relaxed);
-  }
-  auto attend = [&](size_t task) {
-    const int64_t b = int64_t(task) % blocks, rest = int64_t(task) / blocks;
-    const int64_t c = rest % chunks, kvh = rest / chunks;
-    const int64_t h0 = kvh * group + c * at_once, heads = std::min(at_once, group - c * at_once);
-    const int64_t first = b * kBlock;
-    const BlockFn fn = block_kernel(D, heads);
-    const float* kb = kp + (first * Hkv + kvh) * D;
-    const float* vb = vp + (first * Hkv + kvh) * D;
-    for (int64_t i = std::max<int64_t>(0, first - start); i < T; ++i) {
-      const int64_t n = std::min(kBlock, start + i + 1 - first);
-      const int64_t e = (i * Hq + h0) * blocks + b;
-      fn(qp + (i * Hq + h0) * D, D, kb, vb, Hkv * D, n, scale, acc + e * D, top + e, total + e,
-         blocks);
-      if (counts[(i * Hkv + kvh) * chunks + c].fetch_sub(1, std::memory_order_acq_rel) != 1)
-        continue;
-      const int64_t seen = (start + i + kBlock) / kBlock;
-      for (int64_t h = h0; h < h0 + heads; ++h) {
-        const int64_t e0 = (i * Hq + h) * blocks;
-        combine(acc + e0 * D, top + e0, total + e0, seen, D, op_ + (i * Hq + h) * D);
-      }
-    }
-  };
-  // Up to two blocks (256 slots) the cache stays in the core's cache between rows anyway; there
-  // tasks are (row, KV head, chunk), each doing its row's blocks one after another and the
-  // merge: more, evener tasks than one per block. Same blocks, same arithmetic, same rows.
-  auto attend_row = [&](size_t task) {
-    const int64_t i = int64_t(task) / (Hkv * chunks), rest = int64_t(task) % (Hkv * chunks);
-    const int64_t c = rest % chunks, kvh = rest / chunks;
-    const int64_t h0 = kvh * group + c * at_once, heads = std::min(at_once, group - c * at_once);
-    const BlockFn fn = block_kernel(D, heads);
-    const int64_t seen = (start + i + kBlock) / kBlock;
-    for (int64_t b = 0; b < seen; ++b) {
-      const int64_t first = b * kBlock, n = std::min(kBlock, start + i + 1 - first);
-      const int64_t e = (i * Hq + h0) * blocks + b;
-      fn(qp + (i * Hq + h0) * D, D, kp + (first * Hkv + kvh) * D, vp + (first * Hkv + kvh) * D,
-         Hkv * D, n, scale, acc + e * D, top + e, total + e, blocks);
-    }
-    for (int64_t h = h0; h < h0 + heads; ++h) {
-      const int64_t e0 = (i * Hq + h) * blocks;
-      combine(acc + e0 * D, top + e0, total + e0, seen, D, op_ + (i * Hq + h) * D);
-    }
-  };
-  auto* pool = executorch::extension::threadpool::get_threadpool();
-  if (T > 1 && blocks <= 2)
-    pool->run(attend_row, size_t(T * Hkv * chunks));
-  else
-    pool->run(attend, size_t(Hkv * chunks * blocks));
+      counts[i * Hkv * chunks + g].store(int32_t((start + i + kBlock) / kBlock),
+                                         std::memory_order_relaxed);
+  pool->run(
+      [&](size_t task) {
+        const int64_t b = int64_t(task) % blocks, rest = int64_t(task) / blocks;
+        const int64_t c = rest % chunks, kvh = rest / chunks;
+        for (int64_t i = std::max<int64_t>(0, b * kBlock - start); i < T; ++i) {
+          block(i, b, kvh, c);
+          if (counts[(i * Hkv + kvh) * chunks + c].fetch_sub(1, std::memory_order_acq_rel) == 1)
+            merge(i, kvh, c);
+        }
+      },
+      size_t(Hkv * chunks * blocks));
   return true;
 }
 
