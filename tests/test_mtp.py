@@ -588,6 +588,42 @@ def test_training_with_a_bundle(tiny_dir, fp32_bundle):
     assert json.loads(out.with_suffix(".json").read_text())["recipe"]["bundle"] == "bundle"
 
 
+def test_who_labels_the_text(tiny_dir):
+    """--labeller: int8 by default (the labels are the int8 target's own hidden states and
+    choices), fp32 on request; the labels kept next to --out are keyed by who made them, so a
+    run with another labeller labels again instead of reading the other's."""
+    from safetensors.torch import load_file
+
+    from mtp_edge import train
+    from mtp_edge.train.options import artifact_paths
+
+    out = tiny_dir / "labellers" / "heads.safetensors"
+    stored = artifact_paths(out)["labels"].with_name("heads.labels.train0.safetensors")
+    runs = {}
+    for labeller in ("fp32", "", "int8"):
+        lines: list[str] = []
+        opts = options(tiny_dir, out=str(out), steps=2, labeller=labeller)
+        train_heads(opts, lines.append)
+        recorded = json.loads(out.with_suffix(".json").read_text())
+        runs[labeller] = (lines, load_file(stored), recorded)
+    assert not any("labels read from" in line for line in runs[""][0])
+    assert any("labels read from" in line for line in runs["int8"][0])
+    assert any("the int8 target labels it" in line for line in runs[""][0])
+    assert runs[""][2]["recipe"]["labeller"] == "int8"
+    assert runs["fp32"][2]["recipe"]["labeller"] == "fp32"
+
+    loaded = load_model(str(tiny_dir / "model"))
+    tokens, bounds = runs[""][1]["tokens"], runs[""][1]["bounds"]
+    sequences = [
+        train.Sequence(tokens[o : o + n].tolist(), int(first)) for o, n, first in bounds.tolist()
+    ]
+    for labeller, model in (("", train.int8_writer(loaded.model)), ("fp32", loaded.model)):
+        expected = train.label_sequences(model, sequences)
+        assert torch.equal(runs[labeller][1]["hidden"], expected.hidden)
+        assert torch.equal(runs[labeller][1]["argmax"], expected.argmax)
+    assert not torch.equal(runs[""][1]["hidden"], runs["fp32"][1]["hidden"])
+
+
 def test_a_bundle_of_another_model_is_refused(tiny_dir, fp32_bundle, tmp_path):
     other = save_hf_dir(hf_reference("llama", seed=8), tmp_path / "other")
     opts = options(tiny_dir, out=str(tmp_path / "h.safetensors"), model=str(other))

@@ -309,7 +309,7 @@ def test_the_report(tiny_dir):
     for stage, seconds in (("writing", 20), ("labelling", 5), ("training", 30)):
         timer.stage(stage)
         now[0] += seconds
-    timer.write_tps = 100.0
+    timer.write_tps, timer.label_tps = 100.0, 300.0
     kinds = {
         "code": {"tau": 2.1, "acceptance": [0.6, 0.3, 0.1, 0.1], "origins": 300},
         "math": {"tau": 1.5, "acceptance": [0.4, 0.1, 0.0, 0.0], "origins": 200},
@@ -324,6 +324,8 @@ def test_the_report(tiny_dir):
     assert "writing 0:20, labelling 0:05, training 0:30 (total 0:55 of 1:00)" in report
     assert "4000 tokens written by the target, 6000 labelled" in report
     assert "100 tokens/s" in report and "Gop/s" in report
+    labeller = next(line for line in lines if line.startswith("labeller"))
+    assert "300 tokens/s" in labeller and labeller.endswith("; int8)")
     assert lines[-1].split() == [
         "export", "mtp-export", "--target", "android", "--model", opts.model, "--heads", opts.out
     ]  # fmt: skip
@@ -339,6 +341,7 @@ def test_the_report(tiny_dir):
         (["--minutes", "5", "--steps", "100"], "give one"),
         (["--draft-vocab", "many"], "--draft-vocab must be a number of tokens or auto"),
         (["--draft-vocab", "0"], "--draft-vocab must be >= 1 or auto"),
+        (["--labeller", "bundle"], "--labeller bundle labels with the exported target"),
         pytest.param(
             ["--device", "cuda"],
             "no CUDA device here",

@@ -131,8 +131,15 @@ from mtp_edge.files import check_output
     default=None,
     help="Who writes the training text: the target with int8 linears, batched (fastest on a "
     "CPU), the target as loaded, batched, or --bundle's exported target one sequence at a time "
-    "(default: the bundle when given, else int8). Labels always come from the target "
-    "(--bundle's when given).",
+    "(default: the bundle when given, else int8).",
+)
+@click.option(
+    "--labeller",
+    type=click.Choice(["int8", "fp32", "bundle"]),
+    default=None,
+    help="Who labels the text (hidden state and choice at every position): the target with "
+    "int8 linears, the target as loaded, or --bundle's exported target (default: the bundle "
+    "when given, else int8).",
 )
 @click.option(
     "--gen-batch",
@@ -157,7 +164,7 @@ from mtp_edge.files import check_output
     "the run's summary (held-out results, every evaluation; - prints it instead of the report)"
 )
 @click.option("-o", "--out", required=True, help="Output heads file (.safetensors).")
-def train(data, freeze_lm_head, writer, json_out, **options):
+def train(data, freeze_lm_head, writer, labeller, json_out, **options):
     """Train MTP draft heads for a target by self-distillation (runs under torchrun too).
 
     The heads written are the run's best on held-out text; the run ends with a report of
@@ -166,7 +173,11 @@ def train(data, freeze_lm_head, writer, json_out, **options):
 
     check_output(options["out"], "--out")
     options = TrainOptions(
-        data=tuple(data), train_lm_head=not freeze_lm_head, writer=writer or "", **options
+        data=tuple(data),
+        train_lm_head=not freeze_lm_head,
+        writer=writer or "",
+        labeller=labeller or "",
+        **options,
     )
     summary = train_heads(options, progress=say)
     if json_out:

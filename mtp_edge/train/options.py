@@ -55,10 +55,15 @@ class TrainOptions:
     # Who writes the text: "int8" (the target with int8 linears, batched: the fastest on a
     # CPU), "fp32" (the target as loaded, batched), "bundle" (the exported target of --bundle,
     # one sequence at a time: exactly what will run, ~1.4x slower than int8). Default: the
-    # bundle when one is given, else int8. Labels always come from the real target (the
-    # bundle's when given). Measured agreement with the bundle's own greedy choices:
-    # benchmarks/README.md, "Writing the text".
+    # bundle when one is given, else int8. Measured agreement with the bundle's own greedy
+    # choices: benchmarks/README.md, "Writing the text".
     writer: str = ""
+    # Who labels the text (the hidden state and argmax at every position): "int8" (the int8
+    # target, ~3.7x faster than fp32 on a 2-core x86 CPU), "fp32" (the target as loaded),
+    # "bundle" (--bundle's exported target, ~10x faster than fp32 and what the heads will
+    # draft for). Default: the bundle when one is given, else int8. Measured against each
+    # other: benchmarks/README.md, "Who labels the text".
+    labeller: str = ""
     raw_tokens: int = 50_000  # tokens of offline text (default corpus only)
     seq_len: int = 512  # longest text sequence
     heldout: float = 0.05  # fraction of sequences held out for evaluation
@@ -78,6 +83,7 @@ class TrainOptions:
     def __post_init__(self):
         self.data = tuple(self.data)
         self.writer = self.writer or ("bundle" if self.bundle else "int8")
+        self.labeller = self.labeller or ("bundle" if self.bundle else "int8")
         if self.minutes is not None and self.steps is not None:
             raise UserError(
                 "--minutes sets how long training runs and --steps how many steps: give one"
@@ -116,6 +122,14 @@ class TrainOptions:
             (
                 self.writer != "bundle" or self.bundle is not None,
                 "--writer bundle writes with the exported target: give it with --bundle",
+            ),
+            (
+                self.labeller in ("int8", "fp32", "bundle"),
+                f"--labeller must be int8, fp32 or bundle, got {self.labeller}",
+            ),
+            (
+                self.labeller != "bundle" or self.bundle is not None,
+                "--labeller bundle labels with the exported target: give it with --bundle",
             ),
             (
                 min(self.gen_tokens or 0, self.raw_tokens, self.self_prompt_tokens) >= 0,

@@ -86,12 +86,16 @@ def final_report(
     if not math.isinf(timer.total_s):
         total += f" of {_clock(timer.total_s)}"
     lines.append(f"time          {stages} ({total})")
-    if timer.write_tps:
-        gops = 2 * matmul_params(target) * timer.write_tps / 1e9
-        lines.append(
-            f"writer        {timer.write_tps:.0f} tokens/s = {gops:.1f} Gop/s "
-            f"(2 x {_count(matmul_params(target))} weights x tokens/s)"
-        )
+    weights = matmul_params(target)
+    for name, rate, who in (
+        ("writer", timer.write_tps, options.writer),
+        ("labeller", timer.label_tps, options.labeller),
+    ):
+        if rate:
+            lines.append(
+                f"{name:<13} {rate:.0f} tokens/s = {2 * weights * rate / 1e9:.1f} Gop/s "
+                f"(2 x {_count(weights)} weights x tokens/s; {who})"
+            )
     model = "default" if options.model == "default" else shlex.quote(options.model)
     lines.append(
         "export        mtp-export --target android --model "

@@ -64,7 +64,7 @@ from mtp_edge.train.loop import (
 from mtp_edge.train.options import TrainOptions, artifact_paths
 from mtp_edge.train.rates import measure_rates
 from mtp_edge.train.report import final_report
-from mtp_edge.train.writer import build_corpus, open_target_bundle
+from mtp_edge.train.writer import build_corpus, int8_writer, open_target_bundle
 
 # Under --minutes, held-out evaluations come this many times over the training time (and once
 # more at its end); each is also a checkpoint.
@@ -95,7 +95,10 @@ def _split(n: int, fraction: float, seed: int, world: int) -> tuple[list[int], l
 
 
 def _comparable(recipe: dict) -> dict:
-    """A resumed run may change --steps or --minutes (train longer); the rest must match."""
+    """A resumed run may change --steps or --minutes (train longer); the rest must match.
+    Runs recorded before --labeller existed were labelled by the bundle when given, else by
+    the target as loaded."""
+    recipe = {"labeller": "bundle" if recipe.get("bundle") else "fp32", **recipe}
     return {k: v for k, v in recipe.items() if k not in ("steps", "minutes")}
 
 
@@ -193,21 +196,39 @@ def _train(options: TrainOptions, rank: int, world: int, progress, clock) -> dic
     session, bundle_hash = None, None
     if options.bundle:
         session, bundle_hash = open_target_bundle(options.bundle, loaded)
-    # The cache of written text is keyed by who wrote it.
+    # The cache of written text is keyed by who wrote it, the labels by who labelled them.
+    int8 = int8_writer(target) if "int8" in (options.writer, options.labeller) else None
     text_hash, writer = {
         "bundle": (bundle_hash, session),
         "fp32": (target_hash, target),
-        "int8": ("int8-" + target_hash, None),
+        "int8": ("int8-" + target_hash, int8),
     }[options.writer]
-    say(
-        f"{'the exported target' if options.writer == 'bundle' else options.writer + ' target'}"
-        f" writes the text; {'the exported target' if session else 'the target'} labels it"
-    )
     cache = options.attention == "target_cache"  # labels keep the target's last-layer K/V
-    by_session = session is not None and not cache
+    # The exported program returns no K/V: heads that read the cache are labelled by the
+    # eager target (the bundle may still write the text).
+    by_session = options.labeller == "bundle" and not cache
+    labeller = {"int8": int8, "fp32": target, "bundle": target if cache else session}[
+        options.labeller
+    ]
+    label_hash = (
+        bundle_hash
+        if by_session
+        else {"int8": "int8-" + target_hash}.get(options.labeller, target_hash)
+    )
+
+    def named(kind: str) -> str:
+        return "the exported target" if kind == "bundle" else f"the {kind} target"
+
+    say(
+        f"{named(options.writer)} writes the text; "
+        f"{named('bundle' if by_session else options.labeller.replace('bundle', 'fp32'))} "
+        "labels it"
+    )
     if budget is not None:
         budget.stage("measuring")
-        measure_rates(budget, target, session if by_session else None, options)
+        measure_rates(
+            budget, target if by_session else labeller, session if by_session else None, options
+        )
         say(f"{options.minutes:g} minutes; measured: {budget.describe_plan()}")
 
     earlier_training = {k: v for k, v in state.items() if k != "budget"}
@@ -234,19 +255,16 @@ def _train(options: TrainOptions, rank: int, world: int, progress, clock) -> dic
 
     def label(ids: list[int], part: str) -> tuple[Labels, list]:
         chosen = [sequences[i] for i in ids[rank::world]]
-        # The exported program returns no K/V: heads that read the cache learn it from the
-        # eager target (the bundle still writes the text).
-        source = bundle_hash if by_session else target_hash
         path = paths["labels"].with_name(f"{paths['labels'].name}.{part}{rank}.safetensors")
         labels = cached_labels(
             path,
             chosen,
-            source,
+            label_hash,
             cache,
             lambda: (
                 label_with_session(session, chosen, shown, stop)
                 if by_session
-                else label_sequences(target, chosen, cache, say=shown, stop=stop)
+                else label_sequences(labeller, chosen, cache, say=shown, stop=stop)
             ),
             say,
             prefix_ok=budget is not None and options.resume,

@@ -74,7 +74,7 @@ def _batch_caches(model: Transformer, caches):
 class Int8Linear(nn.Module):
     """x W^T (+ b) with W in int8 per output row and each row of x quantized as it comes
     (dynamic, symmetric), multiplied in int8 by torch._int_mm (VNNI/AMX where the CPU has
-    them). For writing training text only: the text is labelled by the real target."""
+    them). For writing and labelling training text (--writer, --labeller int8)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
