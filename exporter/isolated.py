@@ -68,7 +68,13 @@ def export_in_child(
     read_fd, write_fd = os.pipe()
     try:
         child = subprocess.Popen(
-            [sys.executable, "-m", "mtp_edge.exporter.lowering_child", str(write_fd)],
+            [
+                sys.executable,
+                "-m",
+                "mtp_edge.exporter.lowering_child",
+                str(write_fd),
+                str(os.getpid()),
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -1,8 +1,9 @@
 """The child process of an export (exporter/isolated.py has the parent's side and the why):
 read the job as JSON on stdin, load, quantize and lower into the bundle's directory, and report
-progress and the result as JSON lines on the pipe whose descriptor is the one argument.
+progress and the result as JSON lines on the pipe whose descriptor is the first argument; the
+second is the parent's process id: the child leaves as soon as that process is gone.
 
-    python -m mtp_edge.exporter.lowering_child FD
+    python -m mtp_edge.exporter.lowering_child FD PARENT_PID
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -51,9 +54,25 @@ def _lower(job: dict, say: Callable[[str], None]) -> dict:
     }
 
 
+def exit_with_parent(parent: int, every_s: float = 0.5) -> None:
+    """Leave (exit 137) once this process is no longer `parent`'s child. A parent killed
+    without a chance to stop us (SIGKILL, the OOM killer) would otherwise leave this process
+    loading and lowering, gigabytes in use, for nobody. Checked by a daemon thread every
+    `every_s` seconds; a reparented process sees another parent id (Linux and macOS alike)."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        os._exit(137)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 def main(argv: list[str]) -> int:
     from mtp_edge import logs
 
+    if len(argv) > 1:
+        exit_with_parent(int(argv[1]))
     channel = os.fdopen(int(argv[0]), "w", encoding="utf-8", buffering=1)
 
     def send(**message) -> None:

@@ -224,6 +224,8 @@ def test_interrupted_lowering_process_leaves_nothing(model_dir, tmp_path):
         text=True,
     ).stdout.split()
     assert len(child) == 1, seen
+    with open(f"/proc/{child[0]}/cmdline", "rb") as f:  # told whose child it is
+        assert f.read().split(b"\0")[-2] == str(process.pid).encode()
     process.send_signal(signal.SIGINT)  # to the parent alone: it must stop the child itself
     rest = process.stderr.read()
     assert process.wait(timeout=60) == 130, seen + rest
@@ -233,6 +235,44 @@ def test_interrupted_lowering_process_leaves_nothing(model_dir, tmp_path):
         time.sleep(0.1)
     assert not os.path.exists(f"/proc/{child[0]}")
     assert not out.exists() and list(out.parent.iterdir()) == []
+
+
+def test_lowering_process_leaves_when_its_parent_is_killed(tmp_path):
+    """SIGKILL (or the OOM killer) takes an export's parent without a chance to stop its
+    lowering child, which may be silent for minutes (nothing to fail on a closed pipe): the
+    child notices it has another parent and exits instead of lowering for nobody. Here the
+    child is silent, as lowering a large model is."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    child_code = (
+        "import os, time\n"
+        "from mtp_edge.exporter.lowering_child import exit_with_parent\n"
+        "exit_with_parent(os.getppid(), every_s=0.1)\n"
+        "time.sleep(60)\n"
+    )
+    parent_code = (
+        "import subprocess, sys, time\n"
+        f"child = subprocess.Popen([sys.executable, '-c', {child_code!r}])\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], stdout=subprocess.PIPE)
+    child = int(parent.stdout.readline())
+    time.sleep(1.0)  # the child has imported and watches
+    assert os.path.exists(f"/proc/{child}")
+    parent.kill()
+    parent.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = os.path.exists(f"/proc/{child}")
+    if alive:
+        os.kill(child, signal.SIGKILL)
+    assert not alive, "the child outlived its killed parent"
 
 
 def test_drafter_vocabulary_checked_at_export(model_dir, tmp_path):
