@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import shlex
 
+from mtp_edge.machine import measure_matmul_gops
 from mtp_edge.model import Transformer
 from mtp_edge.mtp import MTPHead
 from mtp_edge.train.budget import Budget
@@ -87,15 +88,25 @@ def final_report(
         total += f" of {_clock(timer.total_s)}"
     lines.append(f"time          {stages} ({total})")
     weights = matmul_params(target)
-    for name, rate, who in (
-        ("writer", timer.write_tps, options.writer),
-        ("labeller", timer.label_tps, options.labeller),
-    ):
-        if rate:
-            lines.append(
-                f"{name:<13} {rate:.0f} tokens/s = {2 * weights * rate / 1e9:.1f} Gop/s "
-                f"(2 x {_count(weights)} weights x tokens/s; {who})"
-            )
+    rates = [
+        (name, rate, who)
+        for name, rate, who in (
+            ("writer", timer.write_tps, options.writer),
+            ("labeller", timer.label_tps, options.labeller),
+        )
+        if rate
+    ]
+    if rates:
+        int8_peak, fp32_peak = measure_matmul_gops()
+    for name, rate, who in rates:
+        gops = 2 * weights * rate / 1e9
+        # fp32 models multiply in float; int8 and exported (8-bit) ones in int8
+        peak, kind = (fp32_peak, "fp32") if who == "fp32" else (int8_peak, "int8")
+        lines.append(
+            f"{name:<13} {rate:.0f} tokens/s x 2 x {_count(weights)} weights = {gops:.1f} Gop/s"
+            f" = {gops / peak:.0%} of this machine's {kind} matmul peak ({peak:.0f} Gop/s, "
+            f"measured; {who} target)"
+        )
     model = "default" if options.model == "default" else shlex.quote(options.model)
     lines.append(
         "export        mtp-export --target android --model "
