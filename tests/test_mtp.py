@@ -308,6 +308,14 @@ def test_int8_writer():
     approx = Int8Linear(weight)(x)
     assert approx.shape == exact.shape
     assert (approx - exact).abs().max() < 0.03 * exact.abs().max()
+    # scaled in place, yet exactly the numbers of the plain formula (the cached text stays valid)
+    bias = torch.randn(40)
+    linear = Int8Linear(weight, bias)
+    rows = x.reshape(-1, 24)
+    step = rows.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
+    q = (rows / step).round().to(torch.int8)
+    plain = torch._int_mm(q, linear.weight_t).float() * step * linear.scale + bias
+    assert torch.equal(linear(x), plain.reshape(5, 3, 40))
     model = tiny_model(seed=3, vocab=48)
     writer = int8_writer(model)
     assert writer.embed_tokens.weight is model.embed_tokens.weight  # shared, not copied

@@ -88,9 +88,12 @@ class Int8Linear(nn.Module):
         rows = x.reshape(-1, x.shape[-1]).float()
         step = rows.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
         q = (rows / step).round().to(torch.int8)
-        y = torch._int_mm(q, self.weight_t).float() * step * self.scale
+        # Scaled in place: the same values as (y * step) * scale, without two more tensors of
+        # the output's size (an LM head's is [rows, vocabulary]: 20% of its time at 64 rows).
+        y = torch._int_mm(q, self.weight_t).float()
+        y.mul_(step).mul_(self.scale)
         if self.bias is not None:
-            y = y + self.bias
+            y.add_(self.bias)
         return y.reshape(*x.shape[:-1], -1).to(x.dtype)
 
 
