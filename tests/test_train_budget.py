@@ -219,6 +219,10 @@ def test_the_split_rule():
     assert budget.writing_over()
     label_share = (1 / 100) / (1 / 100 + PASSES_PER_ORIGIN * 1.0 / 100)
     assert budget.labelling_seconds(100) == pytest.approx(budget.room_s() * label_share)
+    # 1.5 tokens labelled per draft origin (a prompt for every two response tokens): labelling
+    # an origin costs 1.5 tokens' time, and gets that much more of the room
+    label_share = (1.5 / 100) / (1.5 / 100 + PASSES_PER_ORIGIN * 1.0 / 100)
+    assert budget.labelling_seconds(100, 1.5) == pytest.approx(budget.room_s() * label_share)
     assert budget.training_deadline() == pytest.approx(120 * (1 - EVALUATION_SHARE))
 
 

@@ -13,7 +13,10 @@ from the cache) costs only the last two. Writing goes on while it pays:
 more tokens, that is T/write more seconds (write, label: tokens/s; f: labelled tokens per
 written token; step: seconds per training step of B origins; P: PASSES_PER_ORIGIN), with
 writing kept between MIN_WRITING_SHARE and MAX_WRITING_SHARE of the time. Labelling then gets
-the same rule with write = infinity (and at most 1 - MIN_TRAINING_SHARE of what is left);
+the same rule with write = infinity, a draft origin paying for the labelling of the text's
+tokens per origin (prompts are labelled but not drafted from; counting a labelled token as an
+origin left a third of a 0.5B run's written text unlabelled), and at most 1 -
+MIN_TRAINING_SHARE of what is left;
 training runs to the end of the budget less EVALUATION_SHARE, kept for held-out evaluations
 and the report. Each stage stops on its own deadline. The rates are measured on this machine:
 labelling and a training step on a short probe before writing (random tokens: their cost does
@@ -121,18 +124,22 @@ class Budget:
         per_token = 1 / self.write_tps + self.labelled_per_written * label_s + per_origin
         return max(0.0, (left - fixed) / per_token) / self.write_tps
 
-    def _labelling_share(self, batch_origins: int) -> float:
+    def _labelling_share(self, batch_origins: int, tokens_per_origin: float = 1.0) -> float:
         if not self.label_tps:
             return 1 - MIN_TRAINING_SHARE
-        per_token = 1 / self.label_tps + self._training_s_per_origin(batch_origins)
-        return min(1 - MIN_TRAINING_SHARE, (1 / self.label_tps) / per_token)
+        label_s = tokens_per_origin / self.label_tps  # a draft origin's share of the labelling
+        per_origin = label_s + self._training_s_per_origin(batch_origins)
+        return min(1 - MIN_TRAINING_SHARE, label_s / per_origin)
 
-    def labelling_seconds(self, batch_origins: int) -> float:
+    def labelling_seconds(self, batch_origins: int, tokens_per_origin: float = 1.0) -> float:
         """Seconds of labelling worth spending from now: the same rule with the text already
-        there (labelled tokens stand for draft origins), and training's share kept."""
-        return self.room_s() * self._labelling_share(batch_origins)
+        there, each draft origin costing the labelling of `tokens_per_origin` tokens (a
+        response's origins also pay for its prompt), and training's share kept."""
+        return self.room_s() * self._labelling_share(batch_origins, tokens_per_origin)
 
-    def labelling_stop(self, batch_origins: int) -> Callable[[int], str | None]:
+    def labelling_stop(
+        self, batch_origins: int, tokens_per_origin: float = 1.0
+    ) -> Callable[[int], str | None]:
         """What labelling asks after each sequence, with the tokens it just labelled: None (go
         on) or the time left as text ("" once the deadline has passed). The deadline follows
         the labelling rate as it is measured (the probe's is a first guess)."""
@@ -143,7 +150,7 @@ class Budget:
             labelled[0] += tokens
             if labelled[0] and now > began:
                 self.label_tps = labelled[0] / (now - began)
-            until = began + room * self._labelling_share(batch_origins)
+            until = began + room * self._labelling_share(batch_origins, tokens_per_origin)
             return "" if now >= until else minutes_left(until, self.clock)
 
         return stop

@@ -251,7 +251,11 @@ def _train(options: TrainOptions, rank: int, world: int, progress, clock) -> dic
     shown = say if rank == 0 else None  # progress bars: the first process's only
     context = options.attention != "none"
     timer.stage("labelling")
-    stop = None if budget is None else budget.labelling_stop(options.batch_size)
+    stop = None
+    if budget is not None:  # the text's tokens per draft origin: prompts are labelled too
+        origins = sum(max(1, len(s.tokens) - s.start - 1) for s in sequences)
+        tokens_per_origin = sum(len(s.tokens) for s in sequences) / origins
+        stop = budget.labelling_stop(options.batch_size, tokens_per_origin)
 
     def label(ids: list[int], part: str) -> tuple[Labels, list]:
         chosen = [sequences[i] for i in ids[rank::world]]
