@@ -20,7 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
 import torch
 
 from mtp_edge.errors import UserError
@@ -51,7 +50,13 @@ class Drafter(Protocol):
 class NgramDrafter:
     """Prompt lookup: find the latest earlier occurrence of the context's last n tokens and
     propose what followed it. Free to run, strong on text that repeats its input (code edits,
-    summaries, extraction), silent elsewhere."""
+    summaries, extraction), silent elsewhere.
+
+    It keeps an index from every n-gram of the context to where its latest occurrence ends, and
+    extends it by the tokens each call adds, so a call costs a few dictionary lookups however long
+    the context is (searching the whole context at every step cost more than a small model's
+    draft step). A context that is not an extension of the last one is indexed anew.
+    """
 
     name = "ngram"
     needs_hidden = False
@@ -60,20 +65,30 @@ class NgramDrafter:
         if not 1 <= min_n <= max_n:
             raise UserError(f"n-gram sizes need 1 <= min <= max, got min {min_n}, max {max_n}")
         self.max_n, self.min_n = max_n, min_n
+        self.indexed: list[int] = []  # the tokens whose n-grams are in the index
+        self.ends: dict[tuple[int, ...], int] = {}  # n-gram -> where its latest occurrence ends
+
+    def _index(self, context) -> None:
+        """Index the n-grams that end before the context's last token (each has a token after
+        it to propose)."""
+        known = len(self.indexed)
+        if known > len(context) or self.indexed != context[:known]:
+            self.indexed, self.ends, known = [], {}, 0
+        for end in range(max(known - 1, 1), len(context)):
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                self.ends[tuple(context[end - n : end])] = end
+        self.indexed += context[known:]
 
     def propose(self, context, hidden, k, sampler) -> Draft:
-        tokens = np.asarray(context)
-        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
-            # Candidate starts: every window of n tokens that ends before the last token.
-            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
-            hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
-            if len(hits):
-                start = hits[-1] + n
-                return Draft(tokens[start : start + k].tolist())
+        self._index(context)
+        for n in range(min(self.max_n, len(context) - 1), self.min_n - 1, -1):
+            end = self.ends.get(tuple(context[-n:]))
+            if end is not None:
+                return Draft([int(t) for t in context[end : end + k]])
         return Draft([])
 
     def observe(self, context, hidden) -> None:
-        pass  # it reads the whole context at every call
+        pass  # it indexes the context at its next call
 
 
 class HybridDrafter:

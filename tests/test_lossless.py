@@ -199,3 +199,43 @@ def test_stats_are_consistent():
     assert s.tau == pytest.approx((s.generated_tokens - 1) / s.verify_steps)
     assert all(a <= d for a, d in zip(s.accepted_per_position, s.drafted_per_position, strict=True))
     assert s.accepted_per_position == sorted(s.accepted_per_position, reverse=True)
+
+
+def latest_continuation(context: list[int], k: int, max_n: int, min_n: int) -> list[int]:
+    """Prompt lookup by brute force: for n from max_n down, the latest earlier window equal to
+    the context's last n tokens; what followed it."""
+    for n in range(min(max_n, len(context) - 1), min_n - 1, -1):
+        for start in range(len(context) - 1 - n, -1, -1):
+            if context[start : start + n] == context[-n:]:
+                return context[start + n : start + n + k]
+    return []
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.tuples(st.integers(1, 3), st.integers(0, 2)),
+    moves=st.lists(
+        st.tuples(
+            st.sampled_from(["extend", "extend", "extend", "rewind", "restart"]),
+            st.lists(st.integers(0, 5), min_size=1, max_size=4),
+            st.integers(1, 5),
+        ),
+        min_size=1,
+        max_size=40,
+    ),
+)
+def test_the_lookup_index_finds_what_a_full_search_finds(sizes, moves):
+    """The n-gram drafter keeps an index it extends call by call; whatever the loop does to the
+    context between calls (extend it, rewind it, start anew), it proposes exactly what searching
+    the whole context would."""
+    min_n, max_n = sizes[0], sizes[0] + sizes[1]
+    drafter, context = NgramDrafter(max_n=max_n, min_n=min_n), [1]
+    for move, tokens, k in moves:
+        if move == "extend":
+            context = context + tokens
+        elif move == "rewind":
+            context = context[: max(1, len(context) - len(tokens))] + tokens[:1]
+        else:
+            context = list(tokens)
+        expected = latest_continuation(context, k, max_n, min_n)
+        assert drafter.propose(context, None, k, None).tokens == expected
