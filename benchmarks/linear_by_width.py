@@ -46,7 +46,7 @@ def linear_program(fan_in: int, fan_out: int, scheme: QuantScheme, max_rows: int
     dynamic = ({1: torch.export.Dim("T", min=1, max=max_rows)},)
     with torch.no_grad():
         exported = torch.export.export(layer, example, dynamic_shapes=dynamic, strict=True)
-        return lower(exported)
+        return lower(exported).buffer
 
 
 def loaded_forward(buffer: bytes):

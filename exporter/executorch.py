@@ -270,8 +270,9 @@ def estimate_s(stage: str, model: Transformer, methods: int = 1) -> float:
     return methods * (fixed + per_layer * model.config.num_layers)
 
 
-def lower(programs, constants: dict | None = None, share_mutable_buffers: bool = False) -> bytes:
-    """Lower exported programs (one, or a dict by method name) for XNNPACK: the .pte bytes."""
+def lower(programs, constants: dict | None = None, share_mutable_buffers: bool = False):
+    """Lower exported programs (one, or a dict by method name) for XNNPACK: the ExecuTorch
+    program, to be written with `write_program` (its `.buffer` joins the .pte in memory)."""
     edge = to_edge_transform_and_lower(
         programs,
         # One partitioner for quantized and float ops alike. ExecuTorch's LLM recipe runs
@@ -296,7 +297,16 @@ def lower(programs, constants: dict | None = None, share_mutable_buffers: bool =
             sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass(),
         )
     )
-    return program.buffer
+    return program
+
+
+def write_program(program, path) -> int:
+    """Write a lowered program's .pte piece by piece, as serialization holds it: joining it into
+    one bytes object first (`.buffer`) would hold the whole program a second time at the export's
+    peak. Returns the bytes written."""
+    with open(path, "wb") as f:
+        program.write_to_file(f)
+    return Path(path).stat().st_size
 
 
 def export_program(
@@ -378,9 +388,10 @@ def export_program(
         say("[lower] XNNPACK")
         # verify (and draft) write the cache forward reads: one allocation for all
         with estimated_stage("lowering to XNNPACK", estimate_s("lower", model, len(programs))):
-            buffer = lower(programs, constants, share_mutable_buffers=True)
-    say(f"[write] {path} ({len(buffer) / 1e6:.0f} MB)")
-    Path(path).write_bytes(buffer)
+            program = lower(programs, constants, share_mutable_buffers=True)
+    written = write_program(program, path)
+    del program
+    say(f"[write] {path} ({written / 1e6:.0f} MB)")
     methods = method_metadata(model, max_chunk, constants, verify_width)
     if draft_head is not None:
         d, vd = model.config.hidden_size, draft_head.config.draft_vocab_size
@@ -543,8 +554,7 @@ def export_mtp_program(
     with torch.no_grad():
         exported = torch.export.export(step, example, dynamic_shapes=dynamic, strict=True)
         say("[lower] drafter, XNNPACK")
-        buffer = lower(exported)
-    Path(path).write_bytes(buffer)
+        write_program(lower(exported), path)
     vd = head.config.draft_vocab_size
     outputs = [
         {"name": "draft_logits", "shape": [1, vd], "dtype": "float32"},
