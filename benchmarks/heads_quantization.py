@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+from results_files import write_results
 
 from mtp_edge.checkpoints import load_model
 from mtp_edge.devices.harness import load_prompts
@@ -124,9 +125,7 @@ def main() -> None:
     ]
     print("\n".join(lines))
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out + ".json").write_text(json.dumps(summary, indent=2) + "\n")
-        Path(args.out + ".md").write_text("\n".join(lines) + "\n")
+        write_results(args.out, summary, lines)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import torch
+from results_files import write_results
 
 from mtp_edge import train
 from mtp_edge.checkpoints import load_model
@@ -101,9 +102,7 @@ def main() -> None:
     ]
     print("\n".join(lines[4:]))
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out + ".json").write_text(json.dumps(result, indent=2) + "\n")
-        Path(args.out + ".md").write_text("\n".join(lines) + "\n")
+        write_results(args.out, result, lines)
 
 
 if __name__ == "__main__":

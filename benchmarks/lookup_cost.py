@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from results_files import write_results
 
 from mtp_edge.checkpoints import load_tokenizer
 from mtp_edge.runtime.drafters import NgramDrafter
@@ -99,15 +100,10 @@ def main() -> None:
         lines.append(line)
     print("\n".join(lines))
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(
-            json.dumps({"decode_ms": decode, "rows": rows}, indent=1)
-        )
         command = "python benchmarks/lookup_cost.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None
         )
-        out.with_suffix(".md").write_text("\n".join(lines) + f"\n\nCommand: `{command}`\n")
+        write_results(args.out, {"decode_ms": decode, "rows": rows}, lines, command)
 
 
 if __name__ == "__main__":
