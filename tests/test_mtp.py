@@ -409,6 +409,54 @@ def test_self_written_requests(tiny_dir, monkeypatch):
     assert [s.tokens for s in again] == [s.tokens for s in sequences]
 
 
+def test_self_written_requests_by_default(tiny_dir, monkeypatch):
+    """Without --self-prompt-tokens, a model with a chat template answers requests it writes
+    itself too (a quarter of --gen-tokens); one that writes no usable request gets the
+    template prompts only, with a note instead of an error."""
+    from mtp_edge.train import writer
+
+    loaded = load_model(str(tiny_dir / "model"))
+    loaded.tokenizer.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}<assistant> {% endif %}"
+    )
+    real = writer.generate_batch
+    word = loaded.tokenizer.encode(" a")[-1]
+    rounds = []
+
+    def sampled(usable):
+        def generate(model, prompts, max_new, eos_ids, temperature=0.0, generator=None, ended=None):
+            outs = real(model, prompts, 8, [], temperature, generator, None)
+            if ended is not None:  # a request: ends its turn with 4+ words only when usable
+                rounds.append(len(prompts))
+                ended[:] = [usable] * len(outs)
+                outs = [[word if i % 2 == 0 else t for i, t in enumerate(o)] for o in outs]
+            return outs
+
+        return generate
+
+    settings = dict(data=(), gen_tokens=40, gen_max_new=8, gen_batch=2, raw_tokens=0)
+    for usable in (True, False):
+        root = tiny_dir / f"default-requests-{usable}"
+        root.mkdir()
+        opts = options(tiny_dir, out=str(root / "heads.safetensors"), **settings)
+        assert opts.self_prompt_tokens is None
+        monkeypatch.setattr(writer, "generate_batch", sampled(usable))
+        notes, rounds[:] = [], []
+        sequences = writer.build_corpus(loaded, opts, "hash", 0, 1, notes.append)
+        kinds = {}
+        for s in sequences:
+            kinds[s.kind] = kinds.get(s.kind, 0) + len(s.tokens) - s.start - 1
+        templates = sum(n for kind, n in kinds.items() if kind != "self-written")
+        assert templates >= 40
+        if usable:
+            assert 40 // 4 <= kinds["self-written"] < 40 // 4 + 2 * 8  # up to a batch more
+        else:
+            assert "self-written" not in kinds
+            assert len(rounds) == writer.AUTOMATIC_PATIENCE  # gave up, no error
+            assert any("no usable request" in n for n in notes)
+
+
 def test_init_continues_from_heads(tiny_dir, trained):
     """--init starts from given heads: their held-out result at step 0, their vocabulary."""
     path, summary = trained

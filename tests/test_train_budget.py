@@ -24,6 +24,7 @@ from mtp_edge.train.budget import (
     MIN_WRITING_SHARE,
     OFFLINE_SHARE,
     PASSES_PER_ORIGIN,
+    SELF_WRITTEN_SHARE,
     Budget,
 )
 from mtp_edge.train.labels import (
@@ -215,6 +216,13 @@ def test_the_split_rule():
     more = (budget.room_s() - fixed) / per_token / 20
     assert MIN_WRITING_SHARE * room < 1.0 + more < MAX_WRITING_SHARE * room
     assert budget.writing_until == pytest.approx(1.0 + more)
+    # The self-written requests' share of writing ends that share of the way to its deadline
+    budget.writing_share = SELF_WRITTEN_SHARE
+    assert budget.writing_deadline() == pytest.approx(SELF_WRITTEN_SHARE * (1.0 + more))
+    now[0] = budget.writing_deadline()
+    assert budget.writing_over()
+    budget.writing_share = 1.0
+    assert not budget.writing_over()
     now[0] = budget.writing_until
     assert budget.writing_over()
     label_share = (1 / 100) / (1 / 100 + PASSES_PER_ORIGIN * 1.0 / 100)

@@ -71,10 +71,12 @@ from mtp_edge.files import check_output
 )
 @click.option(
     "--self-prompt-tokens",
-    default=0,
-    show_default=True,
+    default=None,
+    type=int,
     help="More response tokens, to requests the target writes itself (sampled from the start "
-    "of a user turn of its chat template): more varied requests than the templates.",
+    "of a user turn of its chat template): more varied requests than the templates; 0: none  "
+    "[default: a quarter of --gen-tokens; with --minutes, 40% of the writing time; none for a "
+    "model without a chat template or one that writes no usable request]",
 )
 @click.option(
     "--init",

@@ -44,6 +44,11 @@ MIN_WRITING_SHARE = 0.15
 MAX_WRITING_SHARE = 0.6
 # Training gets at least this share of what is left after labelling starts.
 MIN_TRAINING_SHARE = 0.3
+# Share of the writing time for answers to requests the target writes itself (Magpie-style),
+# written before the template prompts' answers: such requests are costlier per token (most
+# sampled turns are dropped) but are what makes heads draft for requests unlike the templates
+# (benchmarks/README.md, "What the text is about").
+SELF_WRITTEN_SHARE = 0.4
 # Offline text (Python docs and sources: not the target's own words) is at most this share of
 # the tokens the budget can label and train on: at --raw-tokens' 50k it took the whole of a
 # 10-minute budget on a busy 2-core machine, leaving writing its minimum.
@@ -77,6 +82,9 @@ class Budget:
         self.frozen_text: list[int] | None = None
         self.after_batch: Callable[[], None] | None = None  # records the time spent so far
         self.offline_cap: int | None = None  # offline tokens taken (kept for a resumed run)
+        # The share of the writing time the current kind of text may take (its deadline: that
+        # share of the way from the start of writing to writing's own deadline).
+        self.writing_share = 1.0
 
     def spent_s(self) -> float:
         return sum(self.before.values()) + self.clock() - self.began
@@ -203,7 +211,14 @@ class Budget:
         self.writing_until = self._writing_began + planned
 
     def writing_over(self) -> bool:
-        return self.past(self.writing_until)
+        return self.past(self.writing_deadline())
+
+    def writing_deadline(self) -> float:
+        """The clock reading at which writing the current kind of text stops."""
+        if self.writing_share >= 1.0 or math.isinf(self.writing_until):
+            return self.writing_until
+        began = self._writing_began
+        return began + self.writing_share * (self.writing_until - began)
 
     def writer_starts(self) -> None:
         """The writer starts a batch of generation (time outside generation is not its rate)."""

@@ -46,8 +46,10 @@ class TrainOptions:
     gen_tokens: int | None = None
     # More response tokens, to requests the target writes itself (Magpie: sampled from the
     # start of a user turn of its own chat template): requests as varied as the model's own
-    # idea of what users ask, beyond the templates over offline material.
-    self_prompt_tokens: int = 0
+    # idea of what users ask, beyond the templates over offline material. None: a quarter of
+    # gen_tokens, or under --minutes 40% of the writing time (none for a model without a chat
+    # template or one that writes no usable request).
+    self_prompt_tokens: int | None = None
     init: str | None = None  # heads to start from (their draft vocabulary and design too)
     gen_max_new: int = 256  # longest response
     gen_batch: int = 64  # prompts (and self-written requests) decoded together
@@ -132,7 +134,7 @@ class TrainOptions:
                 "--labeller bundle labels with the exported target: give it with --bundle",
             ),
             (
-                min(self.gen_tokens or 0, self.raw_tokens, self.self_prompt_tokens) >= 0,
+                min(self.gen_tokens or 0, self.raw_tokens, self.self_prompt_tokens or 0) >= 0,
                 "token budgets must be >= 0",
             ),
             (

@@ -19,7 +19,7 @@ from mtp_edge.errors import UserError
 from mtp_edge.logs import progress_bar
 from mtp_edge.model import KVCache, Transformer
 from mtp_edge.mtp import target_fingerprint
-from mtp_edge.train.budget import Budget, minutes_left
+from mtp_edge.train.budget import SELF_WRITTEN_SHARE, Budget, minutes_left
 from mtp_edge.train.corpus import (
     Sequence,
     chat_sequences,
@@ -208,6 +208,14 @@ def generate_batch(
     return outputs
 
 
+# Without --minutes and without --self-prompt-tokens: response tokens to self-written requests
+# per template response token (about SELF_WRITTEN_SHARE of the writing time, as they cost more).
+SELF_WRITTEN_PER_TEMPLATE = 0.25
+# Rounds in a row without a usable request after which the default gives up on them (a model
+# that cannot write requests: tiny or base models); --self-prompt-tokens insists.
+AUTOMATIC_PATIENCE = 3
+
+
 def self_written_requests(
     loaded: LoadedModel,
     count: int,
@@ -216,13 +224,19 @@ def self_written_requests(
     progress: Callable[[str], None],
     writer,
     batch: int = 16,
+    stop: Callable[[], bool] | None = None,
+    patience: int | None = None,
 ) -> list[str]:
     """`count` distinct user requests the target writes itself: its chat template up to the
     start of a user message, continued by sampling (temperature 1) until the turn ends
     (Magpie, Xu et al. 2024). Requests cut off by the length limit, very short or repeated
     ones are dropped. Kept in `path` (keyed by model and seed) so reruns reuse them. Written
     by `writer`: an eager model (int8_writer or the target) in batches, or an exported target's
-    session one at a time."""
+    session one at a time.
+
+    Fewer come back when `stop()` turns true between rounds (a deadline), or, with `patience`,
+    after that many rounds in a row without a usable request (a model that cannot write them:
+    the caller goes on without; without `patience` that is an error after 50 rounds)."""
     from mtp_edge.runtime.loop import GenerationConfig, generate
     from mtp_edge.runtime.sampling import SamplingParams
 
@@ -252,7 +266,13 @@ def self_written_requests(
     generator = torch.Generator().manual_seed(seed * 7919 + len(requests))
     barren = 0
     bar = _writing_bar(count, "writing requests", "request", len(requests))
-    while len(requests) < count:
+    while len(requests) < count and not (stop is not None and stop()):
+        if patience is not None and barren == patience:
+            progress(
+                f"{loaded.name} wrote no usable request in {patience} rounds (each must end its "
+                "turn, have 4 words or more and be new): the template prompts only"
+            )
+            break
         if barren == 50:
             raise UserError(
                 f"{loaded.name} wrote no usable request in 50 rounds (each must end its turn, "
@@ -291,7 +311,7 @@ def self_written_requests(
         barren = 0 if new else barren + 1
         bar.update(min(len(requests), count) - bar.n)
     bar.close()
-    progress(f"the target's requests: {count}")
+    progress(f"the target's requests: {min(count, len(requests))}")
     return requests[:count]
 
 
@@ -359,44 +379,70 @@ def generated_sequences(
     writer,
     budget: Budget | None = None,
 ) -> list[Sequence]:
-    """Prompt + the target's greedy response, until `gen_tokens` response tokens (or, with a
-    `budget`, until its writing deadline), written by `writer` (an eager model in batches, or an
-    exported target's session one at a time).
+    """Prompt + the target's greedy response: to template prompts over the offline material,
+    until `gen_tokens` response tokens, and to requests the target writes itself, until
+    `self_prompt_tokens` (or, with a `budget`, until its writing deadline, the self-written
+    requests taking SELF_WRITTEN_SHARE of the writing time first), written by `writer` (an
+    eager model in batches, or an exported target's session one at a time).
 
     Responses are appended to the cache file as they are made, so an interrupted run (or any
     later run with the same target and seed) continues where it stopped.
     """
     # A resumed --minutes run whose writing had ended reads back exactly the text it wrote.
     frozen = budget.frozen_text if budget is not None else None
-    limits = frozen or [options.response_tokens(), options.self_prompt_tokens]
     timed = None if frozen else budget
-    sequences = _responses(
+    automatic = options.self_prompt_tokens is None
+    if frozen:
+        limits = list(frozen)
+    elif automatic and loaded.tokenizer.chat_template is None:
+        limits = [options.response_tokens(), 0]  # a model without chat turns: templates only
+    elif automatic:
+        templates = options.response_tokens()
+        limits = [templates, None if timed else round(templates * SELF_WRITTEN_PER_TEMPLATE)]
+    else:
+        limits = [options.response_tokens(), options.self_prompt_tokens]
+    own: list[Sequence] = []
+    written = [0, 0]
+    if limits[1] != 0:
+        if timed is not None:  # the self-written requests' share of the writing time
+            timed.writing_share = SELF_WRITTEN_SHARE
+        path = artifact_paths(options.out)["requests"]
+        # About one request per 150 response tokens; more are written if they run out.
+        first = limits[1] // 150 + 16 if limits[1] else options.gen_batch
+        requests = _request_stream(
+            loaded, options.seed, first, path, progress, writer, options.gen_batch,
+            stop=timed.writing_over if timed else None,
+            patience=AUTOMATIC_PATIENCE if automatic and not frozen else None,
+        )  # fmt: skip
+        own, written[1] = _responses(
+            loaded, options, target_hash, rank, world, progress, writer,
+            requests, limits[1], timed, frozen is not None,
+        )  # fmt: skip
+        if timed is not None:
+            timed.writing_share = 1.0
+    sequences, written[0] = _responses(
         loaded, options, target_hash, rank, world, progress, writer,
         kinded_prompts(options.seed), limits[0], timed, frozen is not None,
     )  # fmt: skip
-    if options.self_prompt_tokens and limits[1] and not (timed and timed.writing_over()):
-        # About one request per 150 response tokens; more are written if they run out.
-        count = options.self_prompt_tokens // 150 + 16
-        path = artifact_paths(options.out)["requests"]
+    if budget is not None:
+        budget.written_text = written
+    return sequences + own
+
+
+def _request_stream(loaded, seed, first, path, progress, writer, batch, stop, patience):
+    """("self-written", request) pairs, the requests written in rounds as they are asked for
+    (self_written_requests: cached, so a rerun reads them back); ends when no more come (a
+    deadline, or a model that cannot write them within `patience` rounds)."""
+    count, given = first, 0
+    while True:
         requests = self_written_requests(
-            loaded, count, options.seed, path, progress, writer, options.gen_batch
+            loaded, count, seed, path, progress, writer, batch, stop, patience
         )
-        while True:
-            try:
-                sequences += _responses(
-                    loaded, options, target_hash, rank, world, progress, writer,
-                    (("self-written", r) for r in requests), limits[1], timed,
-                    frozen is not None,
-                )  # fmt: skip
-                break
-            except StopIteration:
-                if timed and timed.writing_over():
-                    break
-                count = count * 3 // 2
-                requests = self_written_requests(
-                    loaded, count, options.seed, path, progress, writer, options.gen_batch
-                )
-    return sequences
+        if len(requests) <= given:
+            return
+        for request in requests[given:]:
+            yield "self-written", request
+        given, count = len(requests), max(count * 3 // 2, len(requests) + batch)
 
 
 def _responses(
@@ -415,7 +461,9 @@ def _responses(
     """Responses to `prompts` until `limit` response tokens (None: no limit) or, with a
     `budget`, its writing deadline: a batch cut by the deadline keeps what it wrote (each row a
     prefix of its greedy response, as --gen-max-new cuts them too). `replay`: only the cached
-    responses, as a --minutes run that stopped writing read them (a resumed run's text)."""
+    responses, as a --minutes run that stopped writing read them (a resumed run's text). A
+    finite stream of prompts ends the writing when it runs out. Returns the sequences and their
+    response tokens."""
     path = artifact_paths(options.out)["generated"]
     cached = _read_generated(path, target_hash)
     tokenizer = loaded.tokenizer
@@ -432,20 +480,27 @@ def _responses(
         if budget is None:
             return False
         over = budget.wrote(added)
-        left = minutes_left(budget.writing_until, budget.clock)
+        left = minutes_left(budget.writing_deadline(), budget.clock)
         if left:
             bar.set_postfix_str(left, refresh=False)
         return over
 
-    while total < wanted and not (budget and budget.writing_over()):
+    exhausted = False
+    while total < wanted and not exhausted and not (budget and budget.writing_over()):
         batch = []
-        while len(batch) < options.gen_batch * world:
-            kind, prompt = next(prompts)
+        while len(batch) < options.gen_batch * world and not exhausted:
+            try:
+                kind, prompt = next(prompts)
+            except StopIteration:
+                exhausted = True
+                break
             ids = tokenizer.encode_prompt(prompt)
             if prompt not in seen and len(ids) <= options.seq_len:
                 seen.add(prompt)
                 kinds[prompt] = kind
                 batch.append((prompt, ids))
+        if not batch:
+            break
         todo = [(p, ids) for p, ids in batch if p not in cached]
         if replay and len(todo) == len(batch):
             raise UserError(
@@ -518,10 +573,8 @@ def _responses(
                     budget.text_reused(len(entry["response_ids"]))
         bar.update(min(total, wanted) - bar.n)  # the text kept (decoding steps counted more)
     bar.close()
-    if budget is not None:
-        budget.written_text.append(total)
     progress(f"the target's responses: {total} tokens")
-    return sequences
+    return sequences, total
 
 
 def build_corpus(
