@@ -26,8 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-from heads_quantization import run
+from heads_quantization import run, run_arguments
 from results_files import write_results
 
 from mtp_edge.checkpoints import load_model
@@ -65,13 +64,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("heads", nargs="+", help="heads files (without attention) of the target")
     ap.add_argument("--bundle", required=True, help="an ExecuTorch bundle of the target")
-    ap.add_argument("--model", default="default", help="the bundle's target (its embeddings)")
     ap.add_argument("--prompts", type=int, default=48, help="template prompts and requests")
-    ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", help="results path without extension (.json and .md)")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    args = run_arguments(ap)
     bundle = open_bundle(args.bundle)
     k = bundle.manifest.drafter.k or 4
     loaded = load_model(args.model)

@@ -54,16 +54,23 @@ def run(session, drafter, prompts, k, max_new, eos) -> tuple[dict, list[list[int
     return measured, outputs
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--bundle", required=True, help="an ExecuTorch bundle exported with --heads")
-    ap.add_argument("--heads", required=True, help="the heads file the bundle was exported with")
+def run_arguments(ap: argparse.ArgumentParser) -> argparse.Namespace:
+    """The options the scripts that run heads on a bundle share; parses them and sets the
+    threads."""
     ap.add_argument("--model", default="default", help="the bundle's target (its embeddings)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", help="results path without extension (.json and .md)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    return args
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bundle", required=True, help="an ExecuTorch bundle exported with --heads")
+    ap.add_argument("--heads", required=True, help="the heads file the bundle was exported with")
+    args = run_arguments(ap)
     bundle = open_bundle(args.bundle)
     m = bundle.manifest
     if m.drafter.kind != "mtp":
