@@ -61,7 +61,11 @@ bool check(KernelRuntimeContext& ctx, bool ok, const char* what) {
 // did not vectorize (the compiler may not reorder float reductions), and every per-key
 // reduction and exp ran one float at a time.
 // (GCC notes that passing such vectors between functions compiled for different ISAs changes
-// the ABI: these helpers are inlined into each clone, so no such call exists.)
+// the ABI: these helpers are inlined into each clone, so no such call exists.) They are inlined
+// always: a helper left out of line would be compiled for the baseline, with other arithmetic
+// (no fused multiply-add), into some kernels and not others, and a row computed by two kernels
+// (alone, or with another row of its call) would no longer be bitwise the same.
+#define MTP_INLINE __attribute__((always_inline)) inline
 #pragma GCC diagnostic ignored "-Wpsabi"
 typedef float F16 __attribute__((vector_size(64)));
 typedef int32_t I16 __attribute__((vector_size(64)));
@@ -69,18 +73,18 @@ typedef float F8 __attribute__((vector_size(32)));
 typedef float F4 __attribute__((vector_size(16)));
 constexpr int64_t kLanes = 16;
 
-inline F16 load16(const float* p) {
+MTP_INLINE F16 load16(const float* p) {
   F16 v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
-inline void store16(float* p, F16 v) { std::memcpy(p, &v, sizeof v); }
+MTP_INLINE void store16(float* p, F16 v) { std::memcpy(p, &v, sizeof v); }
 
-inline F16 splat(float x) { return F16{} + x; }
+MTP_INLINE F16 splat(float x) { return F16{} + x; }
 
 // Sum of the 16 lanes, halving: lanes l + 8, then + 4, + 2, + 1.
-inline float sum16(F16 v) {
+MTP_INLINE float sum16(F16 v) {
   F8 lo, hi;
   std::memcpy(&lo, &v, sizeof lo);
   std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
@@ -93,7 +97,7 @@ inline float sum16(F16 v) {
 }
 
 // Lane-wise max of a vector, then across lanes (max is exact in any order).
-inline float max16(F16 v) {
+MTP_INLINE float max16(F16 v) {
   float m = v[0];
   for (int l = 1; l < kLanes; ++l) m = std::max(m, v[l]);
   return m;
@@ -103,7 +107,7 @@ inline float max16(F16 v) {
 // x * log2(e) = n + f with n an integer and |f| <= 1/2; 2^f by Cephes' exp2f polynomial
 // (relative error ~1e-7), 2^n by building the exponent bits. Arguments below -87 (weights
 // under 1e-38 next to the maximum's 1) are clamped there.
-inline F16 exp_nonpositive(F16 x) {
+MTP_INLINE F16 exp_nonpositive(F16 x) {
   const F16 low = splat(-87.f);
   const F16 t = (x < low ? low : x) * 1.44269504088896341f;
   const I16 n = -__builtin_convertvector(0.5f - t, I16);  // round to nearest: t <= 0
@@ -131,72 +135,172 @@ inline F16 exp_nonpositive(F16 x) {
 // of the call: a (k+1)-row verification gives bitwise the rows of k+1 one-row steps.
 constexpr int64_t kBlock = 128;
 
-// One block of n <= kBlock keys (stride floats apart) for kG query heads sharing one KV head;
-// q holds the heads' rows D floats apart. Head g's results go to acc + g * step * D (D floats),
-// m[g * step] and l[g * step]. Each key and value row is loaded once for all kG heads (the
-// arithmetic waited on those loads); each head keeps its own chains of sums. kD > 0 fixes the
-// head size at compile time (64 and 128 cover our models), which keeps the accumulators in
-// registers; kD = 0 takes any multiple of 16 up to 256.
-template <int kD, int kG>
-MTP_VECTOR_CLONES void block_heads(const float* q, int64_t D, const float* k, const float* v,
-                                   int64_t stride, int64_t n, float scale, float* acc, float* m,
-                                   float* l, int64_t step) {
+// Vectors of four 128-bit quarters: from a and b, quarters 0 and 2 of each (kEven) or 1 and 3
+// (kOdd): one lane shuffle on x86 (vshuff32x4), two on ARM.
+MTP_INLINE F16 quarters_even(F16 a, F16 b) {
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+}
+MTP_INLINE F16 quarters_odd(F16 a, F16 b) {
+  return __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+}
+
+// Scores of kR rows (q + r * qstep), kG query heads each (D floats apart), for the keys
+// [j0, j0 + 4 kH) of a block (stride floats apart; n of them exist, the rest count as zero), into
+// scores[r][g][j0..j0 + 4 kH). Four keys share a vector, a 128-bit quarter each, and a quarter's
+// four lanes are the dimensions d = 4m + i (i = 0..3) of its key: lane (key, i) sums
+// q[4m + i] k[4m + i] over m in order, multiply-adds from zero, and the key's score is
+// ((lane 0 + lane 2) + (lane 1 + lane 3)) x scale. Putting four keys' quarters side by side
+// takes 8 lane shuffles per 16 dimensions of 4 keys, shared by every row and head of the
+// call; a key at a time, every score needed a sum across 16 lanes of its own, which cost more
+// than its multiply-adds. A row's scores depend on its query and the keys only, not on kR.
+template <int kG, int kR, int kH>
+MTP_INLINE void score_keys(const F16* qq, int64_t D, const float* k, int64_t stride, int64_t j0,
+                           int64_t n, float scale, float (*scores)[kG][kBlock]) {
+  F16 acc[kR][kG][kH] = {};
+  const int64_t chunks = D / kLanes;
+  // The next keys are asked from memory now: these are read a 16-float column at a time,
+  // across rows, which the hardware's prefetchers follow less well than row after row.
+  for (int64_t j = j0 + 4 * kH; j < std::min(n, j0 + 8 * kH); ++j)
+    for (int64_t c = 0; c < chunks; ++c) __builtin_prefetch(k + j * stride + c * kLanes);
+  for (int64_t c = 0; c < chunks; ++c) {
+    F16 m[kH][4];  // m[h][i]: keys j0 + 4h .. + 3, dimensions 16c + 4i .. + 3
+    for (int h = 0; h < kH; ++h) {
+      F16 row[4];
+      for (int a = 0; a < 4; ++a) {
+        const int64_t j = j0 + 4 * h + a;
+        row[a] = j < n ? load16(k + j * stride + c * kLanes) : F16{};
+      }
+      const F16 u0 = quarters_even(row[0], row[1]), u1 = quarters_odd(row[0], row[1]);
+      const F16 u2 = quarters_even(row[2], row[3]), u3 = quarters_odd(row[2], row[3]);
+      m[h][0] = quarters_even(u0, u2);
+      m[h][2] = quarters_odd(u0, u2);
+      m[h][1] = quarters_even(u1, u3);
+      m[h][3] = quarters_odd(u1, u3);
+    }
+    for (int i = 0; i < 4; ++i)
+      for (int r = 0; r < kR; ++r)
+        for (int g = 0; g < kG; ++g) {
+          const F16 qv = qq[(r * kG + g) * (D / 4) + 4 * c + i];
+          for (int h = 0; h < kH; ++h) acc[r][g][h] += qv * m[h][i];
+        }
+  }
+  for (int r = 0; r < kR; ++r)
+    for (int g = 0; g < kG; ++g) {
+      F16 s[kH];
+      for (int h = 0; h < kH; ++h) {
+        const F16 x = acc[r][g][h];
+        const F16 y = x + __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14,
+                                                  15, 12, 13);
+        s[h] = y + __builtin_shufflevector(y, y, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15,
+                                           14);
+      }
+      for (int h = 0; h < kH; h += 2) {  // lane 4a of s[h] is key j0 + 4h + a's score
+        const F16 eight = __builtin_shufflevector(s[h], s[h + 1], 0, 4, 8, 12, 16, 20, 24, 28, 0,
+                                                  4, 8, 12, 16, 20, 24, 28) * scale;
+        std::memcpy(scores[r][g] + j0 + 4 * h, &eight, 8 * sizeof(float));
+      }
+    }
+}
+
+// One block for kR rows of a call that see its first n[r] <= kBlock keys (k and v: keys and
+// values stride floats apart); row r's kG query heads (sharing one KV head) at q + r * qstep,
+// D floats apart. Row r's head g leaves, at e = r * rstep + g * step, the block's largest score
+// m[e], the sum l[e] of exp(score - m) and the unnormalized sum of exp(score - m) x value in
+// acc + e * D. The rows share every load and shuffle of keys and values; each value row is
+// loaded once for all kR x kG heads, whose sums stay in registers (kR x kG x D / 16 of them).
+// Every row's sums run over its own keys in key order, as they do alone: a row's result does
+// not depend on kR or on the other rows. kD > 0 fixes the head size at compile time (64 and
+// 128 cover our models), which keeps the sums in registers; kD = 0 takes any multiple of 16 up
+// to 256.
+template <int kD, int kG, int kR>
+MTP_VECTOR_CLONES void block_rows(const float* q, int64_t qstep, int64_t D, const float* k,
+                                  const float* v, int64_t stride, const int64_t* n, float scale,
+                                  float* acc, float* m, float* l, int64_t step, int64_t rstep) {
   if (kD > 0) D = kD;
   constexpr int kVecsMax = kD > 0 ? kD / kLanes : 256 / kLanes;
   const int64_t vecs = D / kLanes;
-  alignas(64) float scores[kG][kBlock];
-  for (int64_t j = 0; j < n; ++j) {
-    const float* kj = k + j * stride;
-    const F16 k0 = load16(kj);
-    F16 part[kG];
-    for (int g = 0; g < kG; ++g) part[g] = load16(q + g * D) * k0;
-    for (int64_t c = 1; c < vecs; ++c) {
-      const F16 kc = load16(kj + c * kLanes);
-      for (int g = 0; g < kG; ++g) part[g] += load16(q + g * D + c * kLanes) * kc;
-    }
-    for (int g = 0; g < kG; ++g) scores[g][j] = sum16(part[g]) * scale;
+  int64_t common = n[0], most = n[0];
+  for (int r = 1; r < kR; ++r) {
+    common = std::min(common, n[r]);
+    most = std::max(most, n[r]);
   }
-  const int64_t padded = (n + kLanes - 1) / kLanes * kLanes;
-  float best[kG], total[kG];
-  for (int g = 0; g < kG; ++g) {
-    float* sg = scores[g];
-    for (int64_t j = n; j < padded; ++j) sg[j] = -INFINITY;
-    F16 top = splat(-INFINITY);
-    for (int64_t j = 0; j < padded; j += kLanes) {
-      const F16 x = load16(sg + j);
-      top = x > top ? x : top;
+  // Each head's query, 4 dimensions repeated in every quarter: (4m .. 4m + 3) x 4.
+  F16 qq[kR * kG * (kVecsMax * 4)];
+  for (int r = 0; r < kR; ++r)
+    for (int g = 0; g < kG; ++g)
+      for (int64_t c = 0; c < vecs; ++c) {
+        const F16 x = load16(q + r * qstep + g * D + c * kLanes);
+        F16* out = qq + (r * kG + g) * (D / 4) + 4 * c;
+        out[0] = __builtin_shufflevector(x, x, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
+        out[1] = __builtin_shufflevector(x, x, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7);
+        out[2] = __builtin_shufflevector(x, x, 8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10,
+                                         11);
+        out[3] = __builtin_shufflevector(x, x, 12, 13, 14, 15, 12, 13, 14, 15, 12, 13, 14, 15, 12,
+                                         13, 14, 15);
+      }
+  alignas(64) float weights[kR][kG][kBlock];
+  // 16 keys at a time where the sums fit in registers (4 kR kG chains of multiply-adds keep
+  // both units busy), else 8.
+  constexpr int kH = kR * kG <= 3 ? 4 : 2;
+  for (int64_t j0 = 0; j0 < most; j0 += 4 * kH)
+    score_keys<kG, kR, kH>(qq, D, k, stride, j0, most, scale, weights);
+  float best[kR][kG], total[kR][kG];
+  for (int r = 0; r < kR; ++r) {
+    const int64_t padded = (n[r] + kLanes - 1) / kLanes * kLanes;
+    for (int g = 0; g < kG; ++g) {
+      float* sg = weights[r][g];
+      for (int64_t j = n[r]; j < padded; ++j) sg[j] = -INFINITY;
+      F16 top = splat(-INFINITY);
+      for (int64_t j = 0; j < padded; j += kLanes) {
+        const F16 x = load16(sg + j);
+        top = x > top ? x : top;
+      }
+      best[r][g] = max16(top);
+      F16 sum = {};
+      for (int64_t j = 0; j < padded; j += kLanes) {
+        F16 e = exp_nonpositive(load16(sg + j) - best[r][g]);
+        if (j + kLanes > n[r])  // the padding lanes weigh nothing
+          for (int lane = int(n[r] - j); lane < kLanes; ++lane) e[lane] = 0.f;
+        store16(sg + j, e);
+        sum += e;
+      }
+      total[r][g] = sum16(sum);
     }
-    best[g] = max16(top);
-    F16 sum = {};
-    for (int64_t j = 0; j < padded; j += kLanes) {
-      F16 e = exp_nonpositive(load16(sg + j) - best[g]);
-      if (j + kLanes > n)  // the padding lanes weigh nothing
-        for (int lane = int(n - j); lane < kLanes; ++lane) e[lane] = 0.f;
-      store16(sg + j, e);
-      sum += e;
-    }
-    total[g] = sum16(sum);
   }
-  F16 out[kG][kVecsMax];
-  for (int g = 0; g < kG; ++g)
-    for (int64_t c = 0; c < vecs; ++c) out[g][c] = F16{};
-  for (int64_t j = 0; j < n; ++j) {
+  F16 out[kR][kG][kVecsMax];
+  for (int r = 0; r < kR; ++r)
+    for (int g = 0; g < kG; ++g)
+      for (int64_t c = 0; c < vecs; ++c) out[r][g][c] = F16{};
+  for (int64_t j = 0; j < common; ++j) {
     const float* vj = v + j * stride;
     for (int64_t c = 0; c < vecs; ++c) {
       const F16 vc = load16(vj + c * kLanes);
-      for (int g = 0; g < kG; ++g) out[g][c] += splat(scores[g][j]) * vc;
+      for (int r = 0; r < kR; ++r)
+        for (int g = 0; g < kG; ++g) out[r][g][c] += splat(weights[r][g][j]) * vc;
     }
   }
-  for (int g = 0; g < kG; ++g) {
-    for (int64_t c = 0; c < vecs; ++c) store16(acc + g * step * D + c * kLanes, out[g][c]);
-    m[g * step] = best[g];
-    l[g * step] = total[g];
-  }
+  for (int r = 0; r < kR; ++r)  // the keys a row sees past the others'
+    for (int64_t j = common; j < n[r]; ++j) {
+      const float* vj = v + j * stride;
+      for (int64_t c = 0; c < vecs; ++c) {
+        const F16 vc = load16(vj + c * kLanes);
+        for (int g = 0; g < kG; ++g) out[r][g][c] += splat(weights[r][g][j]) * vc;
+      }
+    }
+  for (int r = 0; r < kR; ++r)
+    for (int g = 0; g < kG; ++g) {
+      const int64_t e = r * rstep + g * step;
+      for (int64_t c = 0; c < vecs; ++c) store16(acc + e * D + c * kLanes, out[r][g][c]);
+      m[e] = best[r][g];
+      l[e] = total[r][g];
+    }
 }
 
 // Any head size, one head, one float at a time (no model of ours needs it; kept for generality).
-void block_any(const float* q, int64_t D, const float* k, const float* v, int64_t stride,
-               int64_t n, float scale, float* acc, float* m, float* l, int64_t) {
+void block_any(const float* q, int64_t, int64_t D, const float* k, const float* v,
+               int64_t stride, const int64_t* rows_n, float scale, float* acc, float* m, float* l,
+               int64_t, int64_t) {
+  const int64_t n = rows_n[0];
   float scores[kBlock];
   float best = -INFINITY;
   for (int64_t j = 0; j < n; ++j) {
@@ -214,24 +318,32 @@ void block_any(const float* q, int64_t D, const float* k, const float* v, int64_
   *l = total;
 }
 
-// How many query heads of a group block_heads takes at once for head size D (its accumulators
+// How many query heads of a group a kernel takes at once for head size D (its sums of values
 // are kG * D floats: up to 256 of them, 16 AVX-512 registers).
 int64_t heads_at_once(int64_t D, int64_t group) {
   const int64_t cap = D == 64 ? 4 : D == 128 ? 2 : 1;
   return std::min(cap, group);
 }
 
-using BlockFn = void (*)(const float*, int64_t, const float*, const float*, int64_t, int64_t,
-                         float, float*, float*, float*, int64_t);
+using BlockFn = void (*)(const float*, int64_t, int64_t, const float*, const float*, int64_t,
+                         const int64_t*, float, float*, float*, float*, int64_t, int64_t);
 
-BlockFn block_kernel(int64_t D, int64_t heads) {
+// The kernel for `heads` heads of size D, for one row, or for two rows at once where their sums
+// fit in registers (else nullptr).
+BlockFn block_kernel(int64_t D, int64_t heads, int rows) {
   if (D == 64) {
-    static const BlockFn by_heads[] = {nullptr, block_heads<64, 1>, block_heads<64, 2>,
-                                       block_heads<64, 3>, block_heads<64, 4>};
-    return by_heads[heads];
+    static const BlockFn one[] = {nullptr, block_rows<64, 1, 1>, block_rows<64, 2, 1>,
+                                  block_rows<64, 3, 1>, block_rows<64, 4, 1>};
+    static const BlockFn two[] = {nullptr, block_rows<64, 1, 2>, block_rows<64, 2, 2>,
+                                  block_rows<64, 3, 2>, nullptr};
+    return rows == 1 ? one[heads] : two[heads];
   }
-  if (D == 128) return heads == 2 ? block_heads<128, 2> : block_heads<128, 1>;
-  return D % kLanes == 0 && D <= 256 ? block_heads<0, 1> : block_any;
+  if (D == 128) {
+    if (rows == 2) return heads == 1 ? block_rows<128, 1, 2> : nullptr;
+    return heads == 2 ? block_rows<128, 2, 1> : block_rows<128, 1, 1>;
+  }
+  if (rows == 2) return nullptr;
+  return D % kLanes == 0 && D <= 256 ? block_rows<0, 1, 1> : block_any;
 }
 
 // A (row, head)'s blocks 0..blocks-1 merged, in block order, into its D outputs: with M the
@@ -309,15 +421,18 @@ bool attend_causal(KernelRuntimeContext& ctx, const char* op, const Tensor& q, c
   float* acc = partials.data();
   float* top = acc + entries * D;
   float* total = top + entries;
-  // Row i's block b for the heads of (KV head kvh, chunk c) into the partials, and the merge of
-  // row i's blocks for those heads into out.
-  auto block = [&](int64_t i, int64_t b, int64_t kvh, int64_t c) {
+  // Block b for the heads of (KV head kvh, chunk c) of `rows` rows from row i (one, or two
+  // where block_kernel has a kernel for two) into the partials, and the merge of row i's blocks
+  // for those heads into out.
+  auto block = [&](int64_t i, int rows, int64_t b, int64_t kvh, int64_t c) {
     const int64_t h0 = kvh * group + c * at_once, heads = std::min(at_once, group - c * at_once);
-    const int64_t first = b * kBlock, n = std::min(kBlock, start + i + 1 - first);
+    const int64_t first = b * kBlock;
+    const int64_t n[2] = {std::min(kBlock, start + i + 1 - first),
+                          std::min(kBlock, start + i + 2 - first)};
     const int64_t e = (i * Hq + h0) * blocks + b;
-    block_kernel(D, heads)(qp + (i * Hq + h0) * D, D, kp + (first * Hkv + kvh) * D,
-                           vp + (first * Hkv + kvh) * D, Hkv * D, n, scale, acc + e * D, top + e,
-                           total + e, blocks);
+    block_kernel(D, heads, rows)(qp + (i * Hq + h0) * D, Hq * D, D, kp + (first * Hkv + kvh) * D,
+                                 vp + (first * Hkv + kvh) * D, Hkv * D, n, scale, acc + e * D,
+                                 top + e, total + e, blocks, Hq * blocks);
   };
   auto merge = [&](int64_t i, int64_t kvh, int64_t c) {
     const int64_t h0 = kvh * group + c * at_once, heads = std::min(at_once, group - c * at_once);
@@ -329,23 +444,37 @@ bool attend_causal(KernelRuntimeContext& ctx, const char* op, const Tensor& q, c
   };
   auto* pool = executorch::extension::threadpool::get_threadpool();
   // Up to two blocks (256 slots) the cache stays in the core's cache between rows anyway; there
-  // tasks are (row, KV head, chunk), each doing its row's blocks one after another and the
-  // merge: more, evener tasks than one per block. Same blocks, same arithmetic, same rows.
+  // tasks are (two rows, KV head, chunk), each doing its rows' blocks one after another and the
+  // merges: more, evener tasks than one per block. Same blocks, same arithmetic, same rows.
   if (T > 1 && blocks <= 2) {
+    const int64_t pairs = (T + 1) / 2;
     pool->run(
         [&](size_t task) {
-          const int64_t i = int64_t(task) / (Hkv * chunks), rest = int64_t(task) % (Hkv * chunks);
+          const int64_t i = 2 * (int64_t(task) / (Hkv * chunks));
+          const int64_t rest = int64_t(task) % (Hkv * chunks);
           const int64_t c = rest % chunks, kvh = rest / chunks;
-          for (int64_t b = 0; b < (start + i + kBlock) / kBlock; ++b) block(i, b, kvh, c);
-          merge(i, kvh, c);
+          const int64_t rows = std::min<int64_t>(2, T - i);
+          if (rows == 2 && block_kernel(D, std::min(at_once, group - c * at_once), 2)) {
+            for (int64_t b = 0; b < (start + i + 1 + kBlock) / kBlock; ++b) {
+              if (b * kBlock > start + i)
+                block(i + 1, 1, b, kvh, c);  // a block only the second row sees into
+              else
+                block(i, 2, b, kvh, c);
+            }
+          } else {
+            for (int64_t r = i; r < i + rows; ++r)
+              for (int64_t b = 0; b < (start + r + kBlock) / kBlock; ++b) block(r, 1, b, kvh, c);
+          }
+          for (int64_t r = i; r < i + rows; ++r) merge(r, kvh, c);
         },
-        size_t(T * Hkv * chunks));
+        size_t(pairs * Hkv * chunks));
     return true;
   }
   // Otherwise a task is one block of one (KV head, chunk) for every row that sees into it. Each
   // (row, KV head, chunk) counts down the blocks still to do; the task that does its last block
   // merges them (reading what other threads wrote), so the merges run in parallel too. Which
-  // thread merges does not change the arithmetic.
+  // thread merges does not change the arithmetic. The rows go two at a time where a kernel
+  // takes two: they share the block's loads.
   const size_t groups = size_t(T * Hkv * chunks);
   thread_local std::unique_ptr<std::atomic<int32_t>[]> pending;
   thread_local size_t pending_size = 0;
@@ -362,10 +491,14 @@ bool attend_causal(KernelRuntimeContext& ctx, const char* op, const Tensor& q, c
       [&](size_t task) {
         const int64_t b = int64_t(task) % blocks, rest = int64_t(task) / blocks;
         const int64_t c = rest % chunks, kvh = rest / chunks;
-        for (int64_t i = std::max<int64_t>(0, b * kBlock - start); i < T; ++i) {
-          block(i, b, kvh, c);
-          if (counts[(i * Hkv + kvh) * chunks + c].fetch_sub(1, std::memory_order_acq_rel) == 1)
-            merge(i, kvh, c);
+        const int pair = block_kernel(D, std::min(at_once, group - c * at_once), 2) ? 2 : 1;
+        for (int64_t i = std::max<int64_t>(0, b * kBlock - start); i < T;) {
+          const int rows = i + 1 < T ? pair : 1;
+          block(i, rows, b, kvh, c);
+          for (int64_t r = i; r < i + rows; ++r)
+            if (counts[(r * Hkv + kvh) * chunks + c].fetch_sub(1, std::memory_order_acq_rel) == 1)
+              merge(r, kvh, c);
+          i += rows;
         }
       },
       size_t(Hkv * chunks * blocks));
