@@ -27,7 +27,9 @@ LAYOUTS = [  # (query heads, KV heads, head size): the kernel's paths
     (3, 1, 32),  # a head size without a compiled-in specialization
     (5, 5, 24),  # not a multiple of 16: the one-float-at-a-time path
 ]
-STARTS = [0, 3, 120, 250, SLOTS - 16]  # rows before, across and after block boundaries
+# Rows before, across and after block boundaries; from 125 the pair of rows at 127 and 128 has
+# a block that only its second row sees into.
+STARTS = [0, 3, 120, 125, 250, SLOTS - 16]
 
 
 def attention_program(heads: int, kv_heads: int, dim: int):
