@@ -135,8 +135,9 @@ MTP_INLINE F16 exp_nonpositive(F16 x) {
 // of the call: a (k+1)-row verification gives bitwise the rows of k+1 one-row steps.
 constexpr int64_t kBlock = 128;
 
-// Vectors of four 128-bit quarters: from a and b, quarters 0 and 2 of each (kEven) or 1 and 3
-// (kOdd): one lane shuffle on x86 (vshuff32x4), two on ARM.
+// Vectors of four 128-bit quarters: quarters 0 and 2 of a, then of b (quarters_even), or 1 and
+// 3 (quarters_odd): one lane shuffle with AVX-512 (vshuff32x4); with NEON, where a vector is
+// four registers, a choice of registers.
 MTP_INLINE F16 quarters_even(F16 a, F16 b) {
   return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
 }
