@@ -207,6 +207,8 @@ def export_bundle(
     max_chunk = min(options.max_chunk, max_seq_len)
     out = Path(out) if out is not None else default_out(options, checkpoint.name)
     check_writable(out)  # fail before the slow part, not after
+    if options.platform == "android":
+        forecast_memory(options, config, progress)
     quality: dict = {}
     heldout: list[int] = []
     if options.quality_tokens:
@@ -319,6 +321,24 @@ class Loaded:
     job: ExportJob
     quality: dict  # the fp32 reference perplexity and how it was taken
     quantized: bool  # the target was quantized as it was read (the platform's load_hook)
+
+
+def forecast_memory(options: ExportOptions, config, progress: Callable[[str], None]) -> None:
+    """Say what the export will need at its peak, from the model's shapes, and warn where the
+    machine has less available: before the slow part, not when the system runs out."""
+    from mtp_edge.memory import available_gb, export_peak_gb, program_gb
+
+    program = program_gb(config, options.quant, options.group_size, options.embedding_quant)
+    peak = export_peak_gb(program)
+    available = available_gb()
+    have = f"; {available:.1f} GB available now" if available is not None else ""
+    progress(f"[memory] expect a peak of ~{peak:.1f} GB (a {program:.2f} GB target program){have}")
+    if available is not None and peak > available:
+        smaller = " or --quant 8da4w (a smaller program)" if options.quant == "8da8w" else ""
+        progress(
+            f"[memory] warning: this export may need more memory than is available "
+            f"(~{peak:.1f} GB against {available:.1f} GB): close other programs{smaller}"
+        )
 
 
 def load_for_export(

@@ -126,3 +126,51 @@ def _reset_peak_rss() -> bool:
         return True
     except OSError:
         return False
+
+
+# --- what an android export will need, before it starts -------------------------------------
+
+# Bytes per weight in the program, by scheme (the scales of 4-bit groups of 32 included).
+_WEIGHT_BYTES = {"8da8w": 1.0, "8da4w": 0.5 + 4 / 32, "fp32": 4.0}
+_EMBEDDING_BYTES = {"8w": 1.0, "4w": 0.5 + 4 / 32, "none": 4.0}
+# The export's peak (lowering, in its child process, plus the parent) against the target
+# program's size, fitted on the measured exports of 0.5B, 1.5B and 3B qwen2 models at 8da8w
+# (benchmarks/results/formats/export_memory_by_size.md).
+_PEAK_FIXED_GB, _PEAK_PER_PROGRAM_GB, _PEAK_LEAST_GB = 1.1, 2.78, 2.0
+
+
+def program_gb(config, quant: str, group_size: int, embedding_quant: str) -> float:
+    """The size of the target's .pte for an android export: its linear layers, embedding table
+    and LM head (a tied head is packed as a linear layer of its own)."""
+    d, f = config.hidden_size, config.intermediate_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    layer = d * q * 2 + d * kv * 2 + d * f * 3
+    per_weight = _WEIGHT_BYTES.get(quant, 1.0)
+    if quant == "8da4w" and group_size == 0:
+        per_weight = 0.5
+    embedding = config.vocab_size * d
+    total = (
+        config.num_layers * layer * per_weight
+        + embedding * _EMBEDDING_BYTES.get(embedding_quant, 1.0)
+        + embedding * per_weight
+    )
+    return total / 1e9
+
+
+def export_peak_gb(program: float) -> float:
+    """The peak memory an android export of a `program`-GB target takes (both processes):
+    within 2% of the measured peaks of 0.6-3.4 GB programs, and ~2 GB at least (the default
+    model's 0.2 GB of programs took 2.0)."""
+    return max(_PEAK_LEAST_GB, _PEAK_FIXED_GB + _PEAK_PER_PROGRAM_GB * program)
+
+
+def available_gb() -> float | None:
+    """Memory the system can give without swapping (Linux's MemAvailable), or None; in the
+    unit of the export log's peaks (thousands of MB of 2^20 bytes)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 1024 / 1000
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

@@ -64,6 +64,38 @@ def test_export_stages_hold_no_float_copy(wide_model_dir, tmp_path):
     assert stages["quality checks"]["rss_before_mb"] < stages["export"]["rss_before_mb"]
     peaks = [row["peak_rss_mb"] + row.get("other_mb", 0) for row in log["stages"]]
     assert log["peak_rss_mb"] == max(peaks)
+    # The forecast an export prints before it starts sizes the program from the shapes alone.
+    from mtp_edge.config import ModelConfig
+    from mtp_edge.memory import program_gb
+
+    config = ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+    predicted = program_gb(config, "8da8w", 0, "8w")
+    written = (out / "target.pte").stat().st_size / 1e9
+    assert abs(predicted - written) < 0.1 * written, (predicted, written)
+
+
+def test_export_warns_before_it_starts_when_memory_is_short(monkeypatch):
+    from mtp_edge import memory
+    from mtp_edge.api import ExportOptions
+    from mtp_edge.config import ModelConfig
+    from mtp_edge.exporter.export import forecast_memory
+
+    # Qwen2.5-1.5B's shapes: a 1.78 GB program at 8da8w, measured peak 5.97 GB.
+    config = ModelConfig(
+        arch="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+        num_layers=28, num_heads=12, num_kv_heads=2, head_dim=128, tie_word_embeddings=True,
+    )  # fmt: skip
+    said: list[str] = []
+    monkeypatch.setattr(memory, "available_gb", lambda: 20.0)
+    forecast_memory(ExportOptions(), config, said.append)
+    assert len(said) == 1 and "1.78 GB target program" in said[0], said
+    peak = float(said[0].split("~")[1].split(" GB")[0])
+    assert 5.0 < peak < 7.0, said
+    said.clear()
+    monkeypatch.setattr(memory, "available_gb", lambda: 4.0)
+    forecast_memory(ExportOptions(), config, said.append)
+    assert len(said) == 2 and said[1].startswith("[memory] warning:"), said
+    assert "--quant 8da4w" in said[1]
 
 
 @pytest.mark.parametrize("tied", [True, False])
