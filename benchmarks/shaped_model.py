@@ -21,43 +21,36 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-# The published configurations (config.json of each model card), the fields our loader reads.
+# The published configurations (config.json of each model card), the fields our loader reads:
+# what the qwen2.5 sizes share, then each size's own.
+_QWEN25 = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": True,
+    "hidden_act": "silu",
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
 SHAPES = {
-    "qwen2.5-1.5b": {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
+    "qwen2.5-1.5b": _QWEN25
+    | {
         "hidden_size": 1536,
         "intermediate_size": 8960,
         "num_hidden_layers": 28,
         "num_attention_heads": 12,
-        "num_key_value_heads": 2,
-        "vocab_size": 151936,
-        "max_position_embeddings": 32768,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "tie_word_embeddings": True,
-        "hidden_act": "silu",
-        "torch_dtype": "bfloat16",
-        "bos_token_id": 151643,
-        "eos_token_id": 151645,
     },
-    "qwen2.5-3b": {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
+    "qwen2.5-3b": _QWEN25
+    | {
         "hidden_size": 2048,
         "intermediate_size": 11008,
         "num_hidden_layers": 36,
         "num_attention_heads": 16,
-        "num_key_value_heads": 2,
-        "vocab_size": 151936,
-        "max_position_embeddings": 32768,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "tie_word_embeddings": True,
-        "hidden_act": "silu",
-        "torch_dtype": "bfloat16",
-        "bos_token_id": 151643,
-        "eos_token_id": 151645,
     },
 }
 
