@@ -323,10 +323,18 @@ class Loaded:
     quantized: bool  # the target was quantized as it was read (the platform's load_hook)
 
 
-def forecast_memory(options: ExportOptions, config, progress: Callable[[str], None]) -> None:
-    """Say what the export will need at its peak, from the model's shapes, and warn where the
-    machine has less available: before the slow part, not when the system runs out."""
+def forecast_memory(
+    options: ExportOptions,
+    config,
+    progress: Callable[[str], None],
+    warn: Callable[[str], None] | None = None,
+) -> None:
+    """Say what the export will need at its peak, from the model's shapes, and warn (also with
+    -q) where the machine has less available: before the slow part, not when it runs out."""
+    from mtp_edge import logs
     from mtp_edge.memory import available_gb, export_peak_gb, program_gb
+
+    warn = warn or logs.warn
 
     program = program_gb(config, options.quant, options.group_size, options.embedding_quant)
     peak = export_peak_gb(program)
@@ -335,7 +343,7 @@ def forecast_memory(options: ExportOptions, config, progress: Callable[[str], No
     progress(f"[memory] expect a peak of ~{peak:.1f} GB (a {program:.2f} GB target program){have}")
     if available is not None and peak > available:
         smaller = " or --quant 8da4w (a smaller program)" if options.quant == "8da8w" else ""
-        progress(
+        warn(
             f"[memory] warning: this export may need more memory than is available "
             f"(~{peak:.1f} GB against {available:.1f} GB): close other programs{smaller}"
         )

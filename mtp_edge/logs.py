@@ -88,6 +88,13 @@ def say(line: str) -> None:
     tqdm.write(line, file=sys.stderr)
 
 
+def warn(line: str) -> None:
+    """One warning line on stderr, also with -q: a warning is not progress."""
+    from tqdm import tqdm
+
+    tqdm.write(line, file=sys.stderr)
+
+
 class _PlainLines:
     """A progress bar's file when stderr is not a terminal: each redraw ("\\r" + status) becomes
     one line, repeats dropped, so that logs read top to bottom."""

@@ -93,9 +93,11 @@ def test_export_warns_before_it_starts_when_memory_is_short(monkeypatch):
     assert 5.0 < peak < 7.0, said
     said.clear()
     monkeypatch.setattr(memory, "available_gb", lambda: 4.0)
-    forecast_memory(ExportOptions(), config, said.append)
-    assert len(said) == 2 and said[1].startswith("[memory] warning:"), said
-    assert "--quant 8da4w" in said[1]
+    warned: list[str] = []
+    forecast_memory(ExportOptions(), config, said.append, warned.append)
+    assert len(said) == 1 and len(warned) == 1, (said, warned)
+    assert warned[0].startswith("[memory] warning:"), warned
+    assert "--quant 8da4w" in warned[0]
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -152,3 +154,17 @@ def test_the_exportable_copy_shares_the_quantized_weights(tmp_path):
     copied = list(copy.parameters())
     assert copied and all(id(p) in originals for p in copied)
     assert copy.layers[0].self_attn is not model.model.layers[0].self_attn  # modules swapped
+
+
+def test_a_warning_shows_with_quiet(capsys):
+    from mtp_edge import logs
+
+    quiet = logs.is_quiet()
+    logs.set_verbosity(quiet=True)
+    try:
+        logs.say("progress")
+        logs.warn("[memory] warning: short")
+    finally:
+        logs.set_verbosity(quiet=quiet)
+    err = capsys.readouterr().err
+    assert "progress" not in err and "[memory] warning: short" in err, err
