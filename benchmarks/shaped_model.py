@@ -4,7 +4,8 @@ What an export costs in time and memory depends on the model's shapes, not on it
 model of a size development has no checkpoint for can still be exported and measured. The
 weights are drawn small (normal, std 0.02) so that activations stay finite; the perplexity an
 export of such a model reports means nothing. The tokenizer comes from a GGUF of the same
-family (the published sizes of a family share one), so prompts tokenize as for the real model.
+family (the published sizes of a family share one), so prompts tokenize as for the real model:
+the 0.5B Qwen GGUF for the Qwen shapes, the default model's for SmolLM2-1.7B.
 
     python benchmarks/shaped_model.py --shape qwen2.5-1.5b \
         --tokenizer-from Qwen2.5-Coder-0.5B-Instruct-Q4_K_M.gguf --out /tmp/qwen2.5-1.5b-shaped
@@ -45,6 +46,24 @@ SHAPES = {
         "num_hidden_layers": 28,
         "num_attention_heads": 12,
     },
+    "smollm2-1.7b": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "vocab_size": 49152,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 130000.0,
+        "tie_word_embeddings": True,
+        "hidden_act": "silu",
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
     "qwen2.5-3b": _QWEN25
     | {
         "hidden_size": 2048,
@@ -56,7 +75,8 @@ SHAPES = {
 
 
 def tensors(config: dict, generator: torch.Generator) -> dict[str, torch.Tensor]:
-    """Every weight of a qwen2 decoder, in bfloat16, named as transformers names them."""
+    """Every weight of a llama or qwen2 decoder (qwen2: biases on q, k and v), in bfloat16,
+    named as transformers names them."""
     d, f = config["hidden_size"], config["intermediate_size"]
     heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = d // heads
@@ -71,12 +91,10 @@ def tensors(config: dict, generator: torch.Generator) -> dict[str, torch.Tensor]
         p = f"model.layers.{i}."
         out[p + "input_layernorm.weight"] = torch.ones(d, dtype=torch.bfloat16)
         out[p + "post_attention_layernorm.weight"] = torch.ones(d, dtype=torch.bfloat16)
-        out[p + "self_attn.q_proj.weight"] = normal(heads * head_dim, d)
-        out[p + "self_attn.q_proj.bias"] = normal(heads * head_dim)
-        out[p + "self_attn.k_proj.weight"] = normal(kv * head_dim, d)
-        out[p + "self_attn.k_proj.bias"] = normal(kv * head_dim)
-        out[p + "self_attn.v_proj.weight"] = normal(kv * head_dim, d)
-        out[p + "self_attn.v_proj.bias"] = normal(kv * head_dim)
+        for name, rows in (("q", heads * head_dim), ("k", kv * head_dim), ("v", kv * head_dim)):
+            out[p + f"self_attn.{name}_proj.weight"] = normal(rows, d)
+            if config["model_type"] == "qwen2":
+                out[p + f"self_attn.{name}_proj.bias"] = normal(rows)
         out[p + "self_attn.o_proj.weight"] = normal(d, heads * head_dim)
         out[p + "mlp.gate_proj.weight"] = normal(f, d)
         out[p + "mlp.up_proj.weight"] = normal(f, d)
