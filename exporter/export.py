@@ -208,7 +208,7 @@ def export_bundle(
     out = Path(out) if out is not None else default_out(options, checkpoint.name)
     check_writable(out)  # fail before the slow part, not after
     if options.platform == "android":
-        forecast_memory(options, config, progress)
+        forecast_memory(options, config, max_seq_len, progress)
     quality: dict = {}
     heldout: list[int] = []
     if options.quality_tokens:
@@ -326,23 +326,28 @@ class Loaded:
 def forecast_memory(
     options: ExportOptions,
     config,
+    max_seq_len: int,
     progress: Callable[[str], None],
     warn: Callable[[str], None] | None = None,
 ) -> None:
     """Say what the export will need at its peak, from the model's shapes, and warn (also with
     -q) where the machine has less available: before the slow part, not when it runs out."""
     from mtp_edge import logs
-    from mtp_edge.memory import available_gb, export_peak_gb, program_gb
+    from mtp_edge.memory import available_gb, cache_gb, export_peak_gb, program_gb
 
     warn = warn or logs.warn
-
     program = program_gb(config, options.quant, options.group_size, options.embedding_quant)
-    peak = export_peak_gb(program)
+    cache = cache_gb(config, max_seq_len)
+    peak = export_peak_gb(program, cache)
     available = available_gb()
     have = f"; {available:.1f} GB available now" if available is not None else ""
-    progress(f"[memory] expect a peak of ~{peak:.1f} GB (a {program:.2f} GB target program){have}")
+    progress(
+        f"[memory] expect a peak of ~{peak:.1f} GB (a {program:.2f} GB target program, a "
+        f"{cache:.2f} GB cache){have}"
+    )
     if available is not None and peak > available:
         smaller = " or --quant 8da4w (a smaller program)" if options.quant == "8da8w" else ""
+        smaller += ", or a shorter -c (a smaller cache)" if cache > 0.5 else ""
         warn(
             f"[memory] warning: this export may need more memory than is available "
             f"(~{peak:.1f} GB against {available:.1f} GB): close other programs{smaller}"

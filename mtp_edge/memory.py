@@ -134,9 +134,9 @@ def _reset_peak_rss() -> bool:
 _WEIGHT_BYTES = {"8da8w": 1.0, "8da4w": 0.5 + 4 / 32, "fp32": 4.0}
 _EMBEDDING_BYTES = {"8w": 1.0, "4w": 0.5 + 4 / 32, "none": 4.0}
 # The export's peak (lowering, in its child process, plus the parent) against the target
-# program's size, fitted on the measured exports of 0.5B, 1.5B and 3B qwen2 models at 8da8w
-# (benchmarks/results/formats/export_memory_by_size.md).
-_PEAK_FIXED_GB, _PEAK_PER_PROGRAM_GB, _PEAK_LEAST_GB = 1.1, 2.78, 2.0
+# program's size and its float32 KV cache, fitted on the measured exports of 0.5B, 1.5B and 3B
+# qwen2 models and a 1.7B llama one at 8da8w (benchmarks/results/formats/export_memory_by_size.md).
+_PEAK_FIXED_GB, _PEAK_PER_PROGRAM_GB, _PEAK_PER_CACHE_GB, _PEAK_LEAST_GB = 1.0, 2.78, 1.0, 2.0
 
 
 def program_gb(config, quant: str, group_size: int, embedding_quant: str) -> float:
@@ -157,11 +157,20 @@ def program_gb(config, quant: str, group_size: int, embedding_quant: str) -> flo
     return total / 1e9
 
 
-def export_peak_gb(program: float) -> float:
-    """The peak memory an android export of a `program`-GB target takes (both processes):
-    within 2% of the measured peaks of 0.6-3.4 GB programs, and ~2 GB at least (the default
-    model's 0.2 GB of programs took 2.0)."""
-    return max(_PEAK_LEAST_GB, _PEAK_FIXED_GB + _PEAK_PER_PROGRAM_GB * program)
+def cache_gb(config, max_seq_len: int) -> float:
+    """The size of the target's KV cache (keys and values of every layer, float32)."""
+    per_position = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
+    return per_position * max_seq_len / 1e9
+
+
+def export_peak_gb(program: float, cache: float) -> float:
+    """The peak memory an android export of a `program`-GB target with a `cache`-GB KV cache
+    takes (both processes): within 3% of the measured peaks of 0.6-3.4 GB programs, and ~2 GB at
+    least (the default model's 0.2 GB of programs took 2.0)."""
+    return max(
+        _PEAK_LEAST_GB,
+        _PEAK_FIXED_GB + _PEAK_PER_PROGRAM_GB * program + _PEAK_PER_CACHE_GB * cache,
+    )
 
 
 def available_gb() -> float | None:

@@ -80,21 +80,22 @@ def test_export_warns_before_it_starts_when_memory_is_short(monkeypatch):
     from mtp_edge.config import ModelConfig
     from mtp_edge.exporter.export import forecast_memory
 
-    # Qwen2.5-1.5B's shapes: a 1.78 GB program at 8da8w, measured peak 5.97 GB.
+    # Qwen2.5-1.5B's shapes: a 1.78 GB program at 8da8w and a 0.12 GB cache of 2048 positions,
+    # measured peak 5.97 GB.
     config = ModelConfig(
         arch="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
         num_layers=28, num_heads=12, num_kv_heads=2, head_dim=128, tie_word_embeddings=True,
     )  # fmt: skip
     said: list[str] = []
     monkeypatch.setattr(memory, "available_gb", lambda: 20.0)
-    forecast_memory(ExportOptions(), config, said.append)
-    assert len(said) == 1 and "1.78 GB target program" in said[0], said
+    forecast_memory(ExportOptions(), config, 2048, said.append)
+    assert len(said) == 1 and "1.78 GB target program, a 0.12 GB cache" in said[0], said
     peak = float(said[0].split("~")[1].split(" GB")[0])
     assert 5.0 < peak < 7.0, said
     said.clear()
     monkeypatch.setattr(memory, "available_gb", lambda: 4.0)
     warned: list[str] = []
-    forecast_memory(ExportOptions(), config, said.append, warned.append)
+    forecast_memory(ExportOptions(), config, 2048, said.append, warned.append)
     assert len(said) == 1 and len(warned) == 1, (said, warned)
     assert warned[0].startswith("[memory] warning:"), warned
     assert "--quant 8da4w" in warned[0]
