@@ -9,11 +9,9 @@ from pathlib import Path
 
 from mtp_edge.errors import UserError
 from mtp_edge.manifest import Manifest
+from mtp_edge.memory import weight_bits
 
 F32 = 4  # the KV cache, logits and hidden states are float32 in our programs
-# Bits per weight of the target's linear layers for each scheme, before the scales (one 16-bit
-# scale per group is added; group 0 = one scale per output channel, negligible).
-WEIGHT_BITS = {"8da4w": 4, "int4": 4, "8da8w": 8, "int8": 8, "fp32": 32}
 
 
 @dataclass
@@ -138,13 +136,6 @@ class BundleCost:
             return 0.0, 0.0
         weights = d.streamed_bytes + d.row_bytes
         return weights + 2 * self.hidden * F32, 2 * d.streamed_bytes * 8 / self.drafter_bits
-
-
-def weight_bits(quant: dict) -> float:
-    """Bits per linear weight of a quantization scheme, with its scales."""
-    bits = WEIGHT_BITS.get(quant.get("scheme"), 32)
-    group = quant.get("group_size") or 0
-    return bits + 16 / group if bits < 32 and group else float(bits)
 
 
 def bundle_cost(bundle_dir: str | Path) -> BundleCost:

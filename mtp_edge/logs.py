@@ -81,15 +81,12 @@ def is_verbose() -> bool:
 
 def say(line: str) -> None:
     """One progress line on stderr (above any progress bar); nothing when quiet."""
-    if _level["quiet"]:
-        return
-    from tqdm import tqdm
-
-    tqdm.write(line, file=sys.stderr)
+    if not _level["quiet"]:
+        warn(line)
 
 
 def warn(line: str) -> None:
-    """One warning line on stderr, also with -q: a warning is not progress."""
+    """One line on stderr above any progress bar, also with -q: a warning is not progress."""
     from tqdm import tqdm
 
     tqdm.write(line, file=sys.stderr)

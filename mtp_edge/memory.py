@@ -130,13 +130,22 @@ def _reset_peak_rss() -> bool:
 
 # --- what an android export will need, before it starts -------------------------------------
 
-# Bytes per weight in the program, by scheme (the scales of 4-bit groups of 32 included).
-_WEIGHT_BYTES = {"8da8w": 1.0, "8da4w": 0.5 + 4 / 32, "fp32": 4.0}
-_EMBEDDING_BYTES = {"8w": 1.0, "4w": 0.5 + 4 / 32, "none": 4.0}
+# Bits per weight of a program's linear layers for each scheme, before the scales (one 16-bit
+# scale per group is added; group 0 = one scale per output channel, negligible), and of its
+# embedding table (one scale per row).
+WEIGHT_BITS = {"8da4w": 4, "int4": 4, "8da8w": 8, "int8": 8, "fp32": 32}
+_EMBEDDING_BITS = {"4w": 4, "8w": 8, "none": 32}
 # The export's peak (lowering, in its child process, plus the parent) against the target
 # program's size and its float32 KV cache, fitted on the measured exports of 0.5B, 1.5B and 3B
 # qwen2 models and a 1.7B llama one at 8da8w (benchmarks/results/formats/export_memory_by_size.md).
 _PEAK_FIXED_GB, _PEAK_PER_PROGRAM_GB, _PEAK_PER_CACHE_GB, _PEAK_LEAST_GB = 1.0, 2.78, 1.0, 2.0
+
+
+def weight_bits(quant: dict) -> float:
+    """Bits per linear weight of a quantization scheme (a manifest's `quant`), with its scales."""
+    bits = WEIGHT_BITS.get(quant.get("scheme"), 32)
+    group = quant.get("group_size") or 0
+    return bits + 16 / group if bits < 32 and group else float(bits)
 
 
 def program_gb(config, quant: str, group_size: int, embedding_quant: str) -> float:
@@ -144,17 +153,10 @@ def program_gb(config, quant: str, group_size: int, embedding_quant: str) -> flo
     and LM head (a tied head is packed as a linear layer of its own)."""
     d, f = config.hidden_size, config.intermediate_size
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    layer = d * q * 2 + d * kv * 2 + d * f * 3
-    per_weight = _WEIGHT_BYTES.get(quant, 1.0)
-    if quant == "8da4w" and group_size == 0:
-        per_weight = 0.5
-    embedding = config.vocab_size * d
-    total = (
-        config.num_layers * layer * per_weight
-        + embedding * _EMBEDDING_BYTES.get(embedding_quant, 1.0)
-        + embedding * per_weight
-    )
-    return total / 1e9
+    linear = config.num_layers * (d * q * 2 + d * kv * 2 + d * f * 3) + config.vocab_size * d
+    bits = weight_bits({"scheme": quant, "group_size": group_size})
+    table_bits = _EMBEDDING_BITS.get(embedding_quant, 32)
+    return (linear * bits + config.vocab_size * d * table_bits) / 8 / 1e9
 
 
 def cache_gb(config, max_seq_len: int) -> float:
