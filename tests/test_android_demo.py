@@ -55,8 +55,15 @@ def jdk() -> Path:
 
 
 def _includes(jdk: Path) -> list[str]:
+    """jni.h, the C API's header and nlohmann/json: the system's, else the pip package's (the
+    CMake build's fallback; the [test] extra installs it)."""
     native_dir = ROOT / "runtime" / "native"
-    return [f"-I{jdk / 'include'}", f"-I{jdk / 'include' / 'linux'}", f"-I{native_dir / 'include'}"]
+    includes = [f"-I{jdk / 'include'}", f"-I{jdk / 'include' / 'linux'}"]
+    includes.append(f"-I{native_dir / 'include'}")
+    nlohmann = native.nlohmann_include()
+    if nlohmann is not None:
+        includes.append(f"-idirafter{nlohmann}")  # after the system's, as CMake's fallback
+    return includes
 
 
 def test_jni_compiles_warning_free(jdk, tmp_path):
