@@ -21,7 +21,7 @@ import torch
 
 from mtp_edge.errors import UserError
 from mtp_edge.runtime.backends import refuse_self_heads
-from mtp_edge.runtime.session import Output
+from mtp_edge.runtime.session import Output, check_token_ids
 
 # call(function, tokens padded to its width, start) -> (logits [W, V], hidden [W, D] | None)
 Call = Callable[[str, list[int], int], tuple[torch.Tensor, torch.Tensor | None]]
@@ -47,6 +47,7 @@ class FixedWidthSession:
             raise ValueError(f"a call takes 1..{self.max_chunk} tokens, got {n}")
         if start < 0 or start + n > self.max_seq_len:
             raise ValueError(f"positions up to {start + n} exceed the cache of {self.max_seq_len}")
+        check_token_ids(tokens, self.vocab_size)
         if return_hidden and not self.has_hidden:
             raise UserError(
                 "this Core ML package returns logits only, and the drafter needs the target's "
@@ -167,11 +168,34 @@ class CoreMLStep:
 
 
 def open_target(bundle) -> CoreMLSession:
+    """The package's target functions; the manifest's cache length checked against the
+    package's cache states (its vocabulary and bos/eos are checked against the tokenizer's
+    metadata when the bundle opens)."""
+    from mtp_edge.runtime.bundle import check_manifest
+
     m = bundle.manifest
     entry = m.models["target"]
-    return CoreMLSession(
+    session = CoreMLSession(
         bundle.path / entry.file, entry.methods, m.max_seq_len, m.vocab_size, m.max_chunk
     )
+    positions = cache_positions(bundle.path / entry.file)
+    if positions is not None:
+        check_manifest(bundle.path, m, {"max_seq_len": positions}, entry.file)
+    return session
+
+
+def cache_positions(path: Path) -> int | None:
+    """The positions the package's cache states hold ([1, kv_heads, positions, head_dim]), read
+    from its spec; None when it declares no state."""
+    import coremltools as ct
+
+    spec = ct.utils.load_spec(str(path))
+    for function in spec.description.functions:
+        for state in function.state:
+            shape = list(state.type.stateType.arrayType.shape)
+            if len(shape) == 4:
+                return int(shape[2])
+    return None
 
 
 def open_program(path: Path, max_seq_len: int, max_chunk: int) -> CoreMLSession | None:

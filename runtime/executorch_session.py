@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from mtp_edge.errors import UserError
-from mtp_edge.runtime.session import Output, claim_cores
+from mtp_edge.runtime.session import Output, check_token_ids, claim_cores
 
 # Calls of up to this many tokens go row-exact through `verify` when the program has it: the
 # loop's verifications (k + 1 <= 16 tokens). Longer calls are prefill chunks and take `forward`.
@@ -67,7 +67,11 @@ class ExecuTorchSession:
         self.last_hidden = None
         if "last_hidden" in self.program.method_names:
             self.last_hidden = self.program.load_method("last_hidden")
-        self.vocab_size = vocab_size
+        # The constants mtp-export stored in the program (exporter/executorch.py,
+        # metadata_methods): what a bundle's manifest is checked against (open_target), and the
+        # vocabulary every token id is checked against before the embedding kernel reads it.
+        self.constants = program_constants(self.program)
+        self.vocab_size = self.constants.get("get_vocab_size", vocab_size)
         self.max_seq_len = max_seq_len
         self.max_chunk = max_chunk
         # A program on our row-exact attention op (manifest quant "attention": "mtp") gives the
@@ -82,6 +86,7 @@ class ExecuTorchSession:
             raise ValueError(
                 f"positions up to {start + len(tokens)} exceed the cache of {self.max_seq_len}"
             )
+        check_token_ids(tokens, self.vocab_size)
         if (
             self.verify is not None
             and not self.row_exact_forward
@@ -116,6 +121,20 @@ class ExecuTorchSession:
                 "target's hidden states: re-export with --drafter mtp, or use ngram"
             )
         return Output(logits, outputs[1][0, :n].clone())
+
+
+def program_constants(program) -> dict:
+    """The program's constant methods (`get_*`, no inputs) by name: an int, or a list of ints
+    for one that holds several (get_eos_ids)."""
+    out = {}
+    for name in sorted(program.method_names):
+        if not name.startswith("get_") or program.metadata(name).num_inputs() != 0:
+            continue
+        values = program.load_method(name).execute([])
+        ints = [int(v) for v in values if isinstance(v, int) and not isinstance(v, bool)]
+        if len(ints) == len(values) and ints:
+            out[name] = ints if name == "get_eos_ids" else ints[0]
+    return out
 
 
 def _joined(pieces: list[Output], return_hidden: bool) -> Output:
@@ -221,9 +240,38 @@ def open_target(bundle) -> ExecuTorchSession:
     m = bundle.manifest
     entry = m.models["target"]
     row_exact = entry.quant.get("attention") == "mtp"
-    return ExecuTorchSession(
+    session = ExecuTorchSession(
         bundle.path / entry.file, m.max_seq_len, m.vocab_size, m.max_chunk, row_exact
     )
+    check_against_program(bundle, session, entry.file)
+    return session
+
+
+# The manifest's keys and the program's constant methods that hold the same number.
+MANIFEST_CONSTANTS = {
+    "max_seq_len": "get_max_context_len",
+    "max_chunk": "get_max_seq_len",
+    "vocab_size": "get_vocab_size",
+    "bos_id": "get_bos_id",
+    "eos_ids": "get_eos_ids",
+}
+
+
+def check_against_program(bundle, session: ExecuTorchSession, file: str) -> None:
+    """The manifest's numbers against the program's own constants; an edited manifest is one
+    line (a cache length one too long reads past the cache, a vocabulary one too large lets an
+    id through to the embedding kernel). Absent bos/eos constants mean none."""
+    from mtp_edge.runtime.bundle import check_manifest
+
+    constants = session.constants
+    if "get_max_context_len" not in constants:
+        raise UserError(
+            f"{bundle.path / file} carries no get_max_context_len constant: it was not written "
+            "by mtp-export; re-export the bundle"
+        )
+    facts = {key: constants.get(name) for key, name in MANIFEST_CONSTANTS.items()}
+    facts["eos_ids"] = facts["eos_ids"] or []
+    check_manifest(bundle.path, bundle.manifest, facts, file)
 
 
 def open_program(path: Path, max_seq_len: int, max_chunk: int) -> ExecuTorchSession:
@@ -246,5 +294,11 @@ def open_mtp_step(bundle, target) -> tuple[ExecuTorchStep, int | None]:
 
 def open_draft_model(bundle) -> ExecuTorchSession:
     m = bundle.manifest
-    file = bundle.path / m.models["drafter"].file
-    return ExecuTorchSession(file, m.max_seq_len, m.vocab_size, m.max_chunk)
+    entry = m.models["drafter"]
+    session = ExecuTorchSession(bundle.path / entry.file, m.max_seq_len, m.vocab_size, m.max_chunk)
+    from mtp_edge.runtime.bundle import check_manifest
+
+    keys = ("max_seq_len", "max_chunk")  # the draft model's vocabulary may be sized otherwise
+    facts = {key: session.constants.get(MANIFEST_CONSTANTS[key]) for key in keys}
+    check_manifest(bundle.path, m, facts, entry.file)
+    return session

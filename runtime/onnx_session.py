@@ -17,7 +17,7 @@ import torch
 
 from mtp_edge.errors import UserError
 from mtp_edge.runtime.backends import refuse_self_heads
-from mtp_edge.runtime.session import Output, claim_cores
+from mtp_edge.runtime.session import Output, check_token_ids, claim_cores
 
 _ORT_DTYPES = {"tensor(float)": "float32", "tensor(int64)": "int64", "tensor(float16)": "float16"}
 
@@ -137,6 +137,12 @@ class OnnxSession:
         if method is None:
             method = signature(self.session)
         check_signature(self.session, path, method)
+        # The graph's own vocabulary (the logits' last dimension): what the manifest's is
+        # checked against (open_target) and every token id before the embedding reads it.
+        logits = next((o for o in self.session.get_outputs() if o.name == "logits"), None)
+        width = logits.shape[-1] if logits is not None and logits.shape else None
+        self.graph_vocab_size = width if isinstance(width, int) else None
+        vocab_size = self.graph_vocab_size or vocab_size
         self.vocab_size, self.max_seq_len, self.max_chunk = vocab_size, max_seq_len, max_chunk
         # Quantized graphs compute a one-token call on another kernel path than longer calls,
         # with other rounding: such calls are padded to min_tokens (the pad row writes the slot
@@ -175,6 +181,7 @@ class OnnxSession:
                 "this ONNX model returns logits only, and the drafter needs the target's hidden "
                 "states: re-export with --drafter mtp, or use ngram"
             )
+        check_token_ids(tokens, self.vocab_size)
         n = len(tokens)
         ids = np.array([tokens + [0] * (self.min_tokens - n)], dtype=np.int64)
         pos = np.array([start], dtype=np.int64)
@@ -253,11 +260,18 @@ def available() -> bool:
 
 
 def open_target(bundle) -> OnnxSession:
+    """The target graph; the manifest's vocabulary checked against the graph's logits (its cache
+    length is checked against the graph's cache inputs as the session binds them)."""
+    from mtp_edge.runtime.bundle import check_manifest
+
     m = bundle.manifest
     entry = m.models["target"]
-    return OnnxSession(
+    session = OnnxSession(
         bundle.path / entry.file, entry.methods["forward"], m.max_seq_len, m.vocab_size, m.max_chunk
     )
+    if session.graph_vocab_size is not None:
+        check_manifest(bundle.path, m, {"vocab_size": session.graph_vocab_size}, entry.file)
+    return session
 
 
 def open_program(path: Path, max_seq_len: int, max_chunk: int) -> OnnxSession:

@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from mtp_edge.errors import UserError
 from mtp_edge.model import Transformer
 
 _backend_threads: int | None = None
@@ -50,6 +51,14 @@ class Session(Protocol):
         ...
 
 
+def check_token_ids(tokens: list[int], vocab_size: int) -> None:
+    """Refuse token ids outside the vocabulary before a kernel indexes its embedding with them
+    (ExecuTorch's embedding kernel aborts the process); every session calls it."""
+    if vocab_size > 0 and not all(0 <= t < vocab_size for t in tokens):
+        bad = next(t for t in tokens if not 0 <= t < vocab_size)
+        raise UserError(f"token id {bad} is outside the vocabulary: ids run 0..{vocab_size - 1}")
+
+
 def prefill(session: Session, tokens: list[int], start: int = 0, return_hidden: bool = False):
     """Run `tokens` through `session` in chunks: the last chunk's logits (and all hidden)."""
     hidden = []
@@ -78,6 +87,7 @@ class EagerSession:
         end = start + len(tokens)
         if end > self.max_seq_len:
             raise ValueError(f"positions up to {end} exceed the cache of {self.max_seq_len}")
+        check_token_ids(tokens, self.vocab_size)
         ids = torch.tensor([tokens], dtype=torch.long)
         logits, hidden = self.model(ids, torch.tensor([start]), return_hidden=True, kv_len=end)
         return Output(logits[0], hidden[0] if return_hidden else None)
