@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from mtp_edge.logs import progress_bar
-from mtp_edge.runtime.loop import GenerationConfig, generate
+from mtp_edge.runtime.loop import GenerationConfig, generate, tau_of
 from mtp_edge.runtime.session import Session
 
 
@@ -27,7 +27,7 @@ def measure_acceptance(
         stats = generate(session, prompt, drafter, GenerationConfig(max_new_tokens, k)).stats
         drafted += stats.drafted_tokens
         accepted += stats.accepted_tokens
-        generated += stats.decoded_tokens  # the first token comes from the prefill
+        generated += stats.step_tokens  # the first token comes from the prefill
         steps += stats.verify_steps
         for i, (d, a) in enumerate(
             zip(stats.drafted_per_position, stats.accepted_per_position, strict=True)
@@ -37,7 +37,7 @@ def measure_acceptance(
                 per_position_accepted[i] += a
     return {
         "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
-        "tau": round(generated / steps, 4) if steps else 0.0,
+        "tau": round(tau_of(generated, steps), 4),
         "acceptance_per_position": [
             round(a / d, 4) if d else 0.0
             for a, d in zip(per_position_accepted, per_position_drafted, strict=True)

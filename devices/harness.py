@@ -18,7 +18,13 @@ from pathlib import Path
 
 from mtp_edge.errors import UserError
 from mtp_edge.runtime.drafters import Drafter
-from mtp_edge.runtime.loop import GenerationConfig, GenerationResult, first_divergence, generate
+from mtp_edge.runtime.loop import (
+    GenerationConfig,
+    GenerationResult,
+    first_divergence,
+    generate,
+    tau_of,
+)
 from mtp_edge.runtime.session import Session
 
 # A (k+1)-token verify and single-token steps sum in different orders; in float32 through 30
@@ -127,6 +133,7 @@ class Suite:
             {"ar_tokens": 0, "ar_s": 0.0, "spec_tokens": 0, "spec_s": 0.0} for _ in range(repeat)
         ]
         self.steps = self.drafted = self.accepted = 0
+        self.step_tokens = 0  # what the speculative verify steps gave (tau's numerator)
         self.drafted_steps = self.fallback_steps = 0
         self.accepted_pos = [0] * k
         self.drafted_pos = [0] * k
@@ -161,6 +168,7 @@ class Suite:
         self.last_runs = (plain, spec)
         s = spec.stats
         self.steps += s.verify_steps
+        self.step_tokens += s.step_tokens
         self.drafted += s.drafted_tokens
         self.accepted += s.accepted_tokens
         self.drafted_steps += s.drafted_steps
@@ -182,6 +190,7 @@ class Suite:
             "tau": round(s.tau, 4),
             "acceptance_rate": round(s.acceptance_rate, 4),
             "verify_steps": s.verify_steps,
+            "step_tokens": s.step_tokens,
             "drafted_steps": s.drafted_steps,
             "fallback_steps": s.fallback_steps,
             "draft_ms_per_step": round(s.draft_seconds * 1e3 / max(s.verify_steps, 1), 4),
@@ -219,7 +228,7 @@ class Suite:
             "ar_tokens_per_s": round(ar, 3),
             "spec_tokens_per_s": round(sp, 3),
             "speedup": round(_rate(sp, ar), 4),
-            "tau": round(sum(r["spec_tokens"] - 1 for r in rows) / max(self.steps, 1), 4),
+            "tau": round(tau_of(self.step_tokens, self.steps), 4),
             "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else 0.0,
             # speculative steps that verified drafts, and those the fallback kept plain
             "drafted_steps": self.drafted_steps,

@@ -22,6 +22,7 @@ from mtp_edge.devices.harness import Prompt, per_category, to_markdown
 from mtp_edge.errors import UserError
 from mtp_edge.files import write_atomic
 from mtp_edge.manifest import Manifest
+from mtp_edge.runtime.loop import tau_of
 
 WORKDIR = "/data/local/tmp/mtp"
 # runtime/native/build-android/mtp-runner, where the native runtime's Android build puts it
@@ -267,7 +268,7 @@ def merge_reports(parts: list[dict]) -> dict:
         "ar_tokens_per_s": round(ar, 3),
         "spec_tokens_per_s": round(sp, 3),
         "speedup": round(sp / ar, 4) if ar else 0.0,
-        "tau": round(sum(r["spec_tokens"] - 1 for r in rows) / max(steps, 1), 4),
+        "tau": round(tau_of(sum(_step_tokens(r) for r in rows), steps), 4),
         "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
         "acceptance_by_position": by_position,
         "ar_ms_per_step": median("ar_ms_per_step"),
@@ -287,6 +288,14 @@ def merge_reports(parts: list[dict]) -> dict:
         "per_category": per_category(rows),
         "prompts": rows,
     }
+
+
+def _step_tokens(row: dict) -> int:
+    """What a prompt's speculative verify steps gave (tau's numerator): the row's own count, or,
+    from a runner that does not report it, the tokens after the first plus an ending eos."""
+    if "step_tokens" in row:
+        return row["step_tokens"]
+    return row["spec_tokens"] - 1 + (row.get("stop_reason_spec") == "eos")
 
 
 def runner_abi(path: Path) -> str | None:

@@ -48,10 +48,21 @@ class GenerationConfig:
             raise UserError(f"--k must be >= 0, got {self.k}")
 
 
+def tau_of(step_tokens: int, verify_steps: int) -> float:
+    """Tokens per verify step: what the steps gave (`step_tokens`: the accepted drafts and each
+    step's own token, an eos that ended generation included) over the steps. Every step gives
+    at least its own token, so tau >= 1; plain decoding is 1.0, and so is a run with no step.
+    The one formula for a run, a suite (sums over its runs) and every report of either."""
+    return step_tokens / verify_steps if verify_steps else 1.0
+
+
 @dataclass
 class GenerationStats:
     generated_tokens: int = 0
     verify_steps: int = 0  # target calls after prefill
+    # tokens the verify steps gave: the emitted ones plus the eos that ended generation, if a
+    # step gave it (an eos is not emitted, but its step counts: without it plain tau < 1)
+    step_tokens: int = 0
     drafted_tokens: int = 0
     drafted_steps: int = 0  # verify steps that carried at least one drafted token
     fallback_steps: int = 0  # steps the fallback drafted nothing for, as drafting did not pay
@@ -70,8 +81,8 @@ class GenerationStats:
 
     @property
     def tau(self) -> float:
-        """Tokens emitted per verify step, the bonus token included (1.0 for plain decoding)."""
-        return self.decoded_tokens / self.verify_steps if self.verify_steps else 0.0
+        """Tokens per verify step, the bonus token included (1.0 for plain decoding)."""
+        return tau_of(self.step_tokens, self.verify_steps)
 
     @property
     def acceptance_rate(self) -> float:
@@ -85,6 +96,7 @@ class GenerationStats:
         return {
             "generated_tokens": self.generated_tokens,
             "verify_steps": self.verify_steps,
+            "step_tokens": self.step_tokens,
             "tau": round(self.tau, 4),
             "acceptance_rate": round(self.acceptance_rate, 4),
             "ttft_ms": round(self.ttft_ms, 3),
@@ -247,6 +259,7 @@ def decode(
             pos += n + 1
             hidden = None if out.hidden is None else out.hidden[: n + 1]
             step = emit(new_tokens, out.logits[: n + 1], pos)
+            stats.step_tokens += len(step.tokens) + (step.stop_reason == "eos")
             stats.decode_seconds += time.perf_counter() - step_start
             yield step
     except GeneratorExit:

@@ -179,7 +179,7 @@ def test_a_drafter_with_non_finite_logits_is_refused():
 
 def test_rates_are_never_negative():
     stats = GenerationStats(generated_tokens=0, decode_seconds=0.25)
-    assert stats.decode_tokens_per_s == 0.0 and stats.tau == 0.0
+    assert stats.decode_tokens_per_s == 0.0 and stats.tau == 1.0  # no step: nothing gained
     assert stats.to_dict()["decode_tokens_per_s"] == 0.0
     model = tiny_model(seed=2)
     session = EagerSession(model, 64)
@@ -187,7 +187,7 @@ def test_rates_are_never_negative():
     config = GenerationConfig(max_new_tokens=8, eos_ids=(first,))
     result = generate(EagerSession(model, 64), [3, 4, 5], NgramDrafter(), config)
     assert result.stop_reason == "eos" and result.token_ids == []
-    assert result.stats.decode_tokens_per_s == 0.0 and result.stats.tau == 0.0
+    assert result.stats.decode_tokens_per_s == 0.0 and result.stats.tau == 1.0
 
 
 def test_export_refuses_a_nan_fp32_perplexity(monkeypatch, ok_dir, tmp_path):
