@@ -15,8 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from mtp_edge.errors import UserError
-
-MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed and the native core take 64 bits
+from mtp_edge.limits import MAX_SEED
 
 
 def check_logits(maxima: list[float], start: int | None) -> None:
