@@ -362,7 +362,8 @@ def export_program(
     say(f"[export] torch.export, T in 1..{max_chunk}, cache of {max_seq_len} positions")
     if not 0 <= verify_width <= max_chunk:
         raise UserError(f"the verify width must be in 0..{max_chunk}, got {verify_width}")
-    with torch.no_grad(), estimated_stage("exporting forward", estimate_s("export", model)):
+    tracing = estimate_s("export", model)
+    with torch.no_grad(), estimated_stage("exporting forward", tracing, "finishing: tracing"):
         programs = {
             "forward": torch.export.export(exportable, example, dynamic_shapes=dynamic, strict=True)
         }
@@ -374,7 +375,7 @@ def export_program(
                 if isinstance(attention, CustomOpAttention):
                     attention.rows_apart = True
             wide = (torch.zeros((1, verify_width), dtype=torch.long), example[1])
-            with estimated_stage("exporting verify", estimate_s("export", model)):
+            with estimated_stage("exporting verify", tracing, "finishing: tracing"):
                 programs["verify"] = torch.export.export(exportable, wide, strict=True)
         if return_hidden:
             programs["last_hidden"] = torch.export.export(LastHidden(exportable), (), strict=True)
@@ -387,7 +388,8 @@ def export_program(
             programs["draft"] = torch.export.export(step, draft_example, strict=True)
         say("[lower] XNNPACK")
         # verify (and draft) write the cache forward reads: one allocation for all
-        with estimated_stage("lowering to XNNPACK", estimate_s("lower", model, len(programs))):
+        lowering = estimate_s("lower", model, len(programs))
+        with estimated_stage("lowering to XNNPACK", lowering, "finishing: lowering, serializing"):
             program = lower(programs, constants, share_mutable_buffers=True)
     written = write_program(program, path)
     del program

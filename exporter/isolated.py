@@ -98,7 +98,7 @@ def export_in_child(
             for line in channel:
                 message = json.loads(line)
                 if "say" in message:
-                    progress(message["say"])
+                    _on_own_line(progress, message["say"])
                 elif "result" in message:
                     result = message["result"]
                     # the parent's own memory while the child still maps the same libraries
@@ -131,9 +131,32 @@ def export_in_child(
     )
 
 
+# Whether what was last forwarded to stderr ended its line. A child's progress bar redraws in
+# place ("\r" + bar, no newline); a line said meanwhile must not start at the bar's end.
+_stderr_lock = threading.Lock()
+_line_open = [False]
+
+
 def _forward(stream) -> None:
     """Copy a child's output to our stderr as it comes (progress bars redraw in place)."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     while chunk := os.read(stream.fileno(), 65536):
-        sys.stderr.write(decoder.decode(chunk))
-        sys.stderr.flush()
+        text = decoder.decode(chunk)
+        with _stderr_lock:
+            sys.stderr.write(text)
+            sys.stderr.flush()
+            if text:
+                _line_open[0] = not text.endswith("\n")
+
+
+def _on_own_line(progress: Callable[[str], None], line: str) -> None:
+    """Say a child's line on a line of its own: a bar the child is drawing is cleared first (on
+    a terminal; it redraws below at its next tick) or ended (elsewhere)."""
+    from mtp_edge import logs
+
+    with _stderr_lock:
+        if _line_open[0]:
+            sys.stderr.write("\r\x1b[K" if logs.stderr_on_terminal() else "\n")
+            sys.stderr.flush()
+            _line_open[0] = False
+        progress(line)

@@ -155,18 +155,37 @@ def _on_terminal(stream) -> bool:
 
 
 @contextmanager
-def estimated_stage(desc: str, estimate_s: float) -> Iterator[None]:
+def estimated_stage(desc: str, estimate_s: float, after: str = "still working") -> Iterator[None]:
     """A bar for a stage that reports nothing until it ends: elapsed time against an estimate
-    of its duration (held at 99% if the estimate runs out), full when the stage ends."""
-    total = max(1, round(estimate_s))
+    of its duration, full when the stage ends. The estimate is `estimate_s` scaled by how long
+    this stage took on this machine before against its estimate then (`learned_factor`). Past
+    the estimate the bar does not sit at 99%: it turns into an elapsed-time line that says the
+    time left is unknown and what is still going on (`after`)."""
+    factor = learned_factor(desc)
+    estimate = max(1.0, estimate_s * factor)
+    total = max(1, round(estimate))
     form = "{desc}: {percentage:3.0f}%|{bar}| {elapsed} elapsed, ~{remaining} left (estimated)"
+    over = (
+        "{desc}: {elapsed} elapsed, past the ~" + _clock(estimate) + f" estimate; {after}, "
+        "time left unknown"
+    )
     bar = progress_bar(total, desc, unit="s", bar_format=form)
     done = threading.Event()
     started = time.monotonic()
 
+    past = threading.Event()  # the estimate ran out: no percentage, no time left
+
     def tick() -> None:
+        shown = started
         while not done.wait(0.5):
-            bar.update(min(time.monotonic() - started, total * 0.99) - bar.n)
+            elapsed = time.monotonic() - started
+            if not past.is_set() and elapsed < total * 0.95:
+                bar.update(elapsed - bar.n)
+            elif time.monotonic() - shown >= bar.mininterval:
+                past.set()
+                bar.bar_format = over
+                bar.refresh()
+                shown = time.monotonic()
 
     ticker = threading.Thread(target=tick, daemon=True)
     if not bar.disable:
@@ -176,10 +195,72 @@ def estimated_stage(desc: str, estimate_s: float) -> Iterator[None]:
         done.set()
         if ticker.is_alive():
             ticker.join()
+        seconds = time.monotonic() - started
+        if past.is_set():
+            bar.bar_format = "{desc}: done in {elapsed}"
         bar.update(total - bar.n)
+        remember_duration(desc, seconds, estimate_s)
     finally:
         done.set()
         bar.close()
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes:02d}:{secs:02d}"
+
+
+# How long estimated stages took on this machine against their estimates: each stage's factor
+# (measured / estimated seconds, smoothed over runs) scales its next estimate.
+_DURATIONS_FILE = "stage_durations.json"
+
+
+def _durations_path():
+    from pathlib import Path
+
+    base = os.environ.get("XDG_CACHE_HOME") or (
+        str(Path.home() / ".cache") if os.environ.get("HOME") else None
+    )
+    return None if base is None else Path(base) / "mtp-edge" / _DURATIONS_FILE
+
+
+def learned_factor(desc: str) -> float:
+    """This machine's measured / estimated time for stage `desc`, 1.0 when never measured."""
+    import json
+
+    path = _durations_path()
+    try:
+        factor = float(json.loads(path.read_text())[desc])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return 1.0
+    return min(max(factor, 0.05), 50.0) if factor == factor else 1.0
+
+
+def remember_duration(desc: str, seconds: float, estimate_s: float) -> None:
+    """Fold a stage's measured time into its factor (the geometric mean of the last factor and
+    this run's, so that one odd run moves it half way). A read-only cache costs only this."""
+    import json
+    import math
+
+    path = _durations_path()
+    if path is None or estimate_s <= 0 or seconds <= 0:
+        return
+    try:
+        known = json.loads(path.read_text())
+        known = known if isinstance(known, dict) else {}
+    except (OSError, ValueError):
+        known = {}
+    ratio = seconds / estimate_s
+    old = known.get(desc)
+    if isinstance(old, (int, float)) and old > 0:
+        ratio = math.sqrt(old * ratio)
+    known[desc] = round(ratio, 4)
+    try:
+        from mtp_edge.files import write_atomic
+
+        write_atomic(path, json.dumps(known, indent=1, sort_keys=True) + "\n")
+    except OSError:
+        pass
 
 
 def quiet_library_noise() -> None:
