@@ -4,7 +4,8 @@
  * loaded, tokenizer). A chat is a conversation on an engine that keeps its turns' K/V in the
  * target's cache, so that each turn prefills only what it adds. Calls on one engine (and its
  * chats) must not overlap; separate engines are independent. Errors come back as a message in
- * `err` (NUL-terminated, truncated to err_len).
+ * `err` (NUL-terminated, truncated to err_len). Token ids are checked against the vocabulary
+ * before any kernel sees them.
  */
 #ifndef MTP_EDGE_H
 #define MTP_EDGE_H
@@ -36,16 +37,19 @@ typedef void (*mtp_on_text)(const char* piece, void* user);
  * defaults):
  *   {"max_new_tokens": 128, "speculative": true, "k": <bundle's>, "temperature": 0,
  *    "top_k": 0, "top_p": 1, "seed": 0, "chat": true, "stop_strings": [],
- *    "drafter": "bundle", "ngram_sizes": <"1-3" or the bundle's>,
- *    "draft_confidence": <bundle's or 0>}
- * drafter: the names mtp-runner --drafter takes: none, ngram, bundle (the bundle's own, with
- * its drafting policy: the default), the bundle's own model drafter by name (mtp or
- * draft-lm), or bundle+ngram, mtp+ngram, draft-lm+ngram (prompt lookup where the context
- * repeats itself, the model drafter elsewhere). ngram_sizes ("MIN-MAX", the lookup's n-gram
- * sizes) and draft_confidence (a number in [0, 1): a model drafter stops drafting below it)
- * override the bundle's policy, as --ngram-sizes and --draft-confidence. A name the bundle
- * cannot serve fails, with the names it takes in err. Each drafter is built on its first
- * call and kept until mtp_close (a model drafter once per draft_confidence).
+ *    "drafter": <the bundle's>, "ngram_sizes": <the bundle's or "1-3">,
+ *    "draft_confidence": <the bundle's or 0>, "fallback": false}
+ * drafter: the names mtp-run --drafter and mtp-runner --drafter take for a bundle: none,
+ * ngram, the bundle's own model drafter by name (mtp or draft-lm), or mtp+ngram,
+ * draft-lm+ngram (prompt lookup where the context repeats itself, the model drafter
+ * elsewhere). Not given: the bundle's own drafter with its drafting policy (manifest
+ * drafter.kind, behind a lookup of drafter.lookup's sizes when the manifest has one), as
+ * mtp-run runs it. ngram_sizes ("MIN-MAX", the lookup's n-gram sizes) and draft_confidence (a
+ * number in [0, 1): a model drafter stops drafting below it) override the bundle's policy, as
+ * --ngram-sizes and --draft-confidence. A name the bundle cannot serve fails, with the names
+ * it takes in err. Each drafter is built on its first call and kept until mtp_close (a model
+ * drafter once per draft_confidence). fallback: true drafts each step only as many tokens as
+ * the measured acceptance and call costs say pay (as mtp-run --fallback; output unchanged).
  * "speculative": false: plain decoding, whatever drafter is named.
  * stop_strings: non-empty texts; generation stops once the generated text contains one
  * (stop_reason "stop_string", as mtp-run --stop); "text" then ends before it, while the

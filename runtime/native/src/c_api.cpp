@@ -70,6 +70,11 @@ Settings parse_settings(mtp::Engine& engine, const char* options_json) {
   if (!(config.sampling.temperature >= 0)) throw mtp::UserError("temperature must be >= 0");
   if (!(config.sampling.top_p > 0 && config.sampling.top_p <= 1))
     throw mtp::UserError("top_p must be in (0, 1]");
+  if (options.contains("fallback")) {
+    if (!options["fallback"].is_boolean())
+      throw mtp::UserError("fallback must be true or false");
+    config.fallback = options["fallback"].get<bool>();
+  }
   settings.chat = options.value("chat", true);
   settings.reuse_cache = options.value("reuse_cache", true);
   const bool speculative = options.value("speculative", true);

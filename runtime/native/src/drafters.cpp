@@ -14,14 +14,18 @@ NgramDrafter::NgramDrafter(int max_n, int min_n) : max_n_(max_n), min_n_(min_n) 
 
 Draft NgramDrafter::propose(const std::vector<int64_t>& context, const Hidden*,
                             int64_t k, Sampler&) {
+  return {lookup(context, k), {}};
+}
+
+std::vector<int64_t> NgramDrafter::lookup(const std::vector<int64_t>& context, int64_t k) const {
   const int64_t len = int64_t(context.size());
   for (int64_t n = std::min<int64_t>(max_n_, len - 1); n >= min_n_; --n) {
     // Candidate windows of n tokens that end before the last token; the latest one wins.
     for (int64_t s = len - 1 - n; s >= 0; --s) {
       if (std::equal(context.begin() + s, context.begin() + s + n, context.end() - n)) {
         const int64_t start = s + n;
-        const int64_t end = std::min(len, start + k);
-        return Draft{{context.begin() + start, context.begin() + end}, {}};
+        const int64_t end = std::min(len, start + std::max<int64_t>(k, 0));
+        return {context.begin() + start, context.begin() + end};
       }
     }
   }
@@ -89,9 +93,13 @@ void MtpDrafter::observe(const std::vector<int64_t>& context, const Hidden* hidd
 Draft MtpDrafter::propose(const std::vector<int64_t>& context, const Hidden* hidden, int64_t k,
                           Sampler& sampler) {
   Draft draft;
-  if (k <= 0 || hidden == nullptr || hidden->empty()) return draft;
+  if (hidden == nullptr || hidden->empty()) return draft;
   int64_t position = int64_t(context.size()) - 1;
   if (cache_len_ > 0) k = std::min(k, cache_len_ - position);
+  if (k <= 0) {  // nothing to draft, but a self head's cache must still take in the rows
+    observe(context, hidden);
+    return draft;
+  }
   std::vector<float> h, next_h, logits;
   std::vector<int64_t> feed;
   if (feeds_context_) {  // rows at positions len(context) - 1 - T .. len(context) - 2
@@ -137,6 +145,10 @@ Draft HybridDrafter::propose(const std::vector<int64_t>& context, const Hidden* 
   model_->observe(context, hidden);
   ++from_lookup_;
   return draft;
+}
+
+std::string HybridDrafter::source(const std::vector<int64_t>& context) const {
+  return lookup_.lookup(context, 1).empty() ? model_->name() : "lookup";
 }
 
 }  // namespace mtp

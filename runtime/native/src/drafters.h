@@ -43,6 +43,12 @@ class Drafter {
   virtual void observe(const std::vector<int64_t>& context, const Hidden* hidden) {
     (void)context, (void)hidden;
   }
+  // Which of its sources drafts next (one name for a drafter with one source): the fallback
+  // measures each source's acceptance and cost apart.
+  virtual std::string source(const std::vector<int64_t>& context) const {
+    (void)context;
+    return name();
+  }
 };
 
 // Passes every call through to a drafter it does not own: lends a drafter kept elsewhere to one
@@ -59,6 +65,9 @@ class ForwardingDrafter : public Drafter {
   void observe(const std::vector<int64_t>& context, const Hidden* hidden) override {
     inner_->observe(context, hidden);
   }
+  std::string source(const std::vector<int64_t>& context) const override {
+    return inner_->source(context);
+  }
 
  private:
   Drafter* inner_;
@@ -72,6 +81,8 @@ class NgramDrafter : public Drafter {
   std::string name() const override { return "ngram"; }
   Draft propose(const std::vector<int64_t>& context, const Hidden* hidden, int64_t k,
                 Sampler& sampler) override;
+  // The proposal's tokens: what followed the latest earlier occurrence, at most k.
+  std::vector<int64_t> lookup(const std::vector<int64_t>& context, int64_t k) const;
 
  private:
   int max_n_, min_n_;
@@ -130,6 +141,12 @@ class HybridDrafter : public Drafter {
   bool needs_hidden() const override { return model_->needs_hidden(); }
   Draft propose(const std::vector<int64_t>& context, const Hidden* hidden, int64_t k,
                 Sampler& sampler) override;
+  // The model drafter takes in the rows of a step neither drafted for.
+  void observe(const std::vector<int64_t>& context, const Hidden* hidden) override {
+    model_->observe(context, hidden);
+  }
+  // "lookup" where the context's last tokens occurred before, else the model's name.
+  std::string source(const std::vector<int64_t>& context) const override;
   int64_t from_lookup() const { return from_lookup_; }  // drafts the lookup made
 
  private:

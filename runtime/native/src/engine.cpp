@@ -57,61 +57,46 @@ bool is_hybrid(const std::string& spec) {
 
 // The drafter names a bundle whose own drafter is `own` serves, for messages.
 std::string accepted_drafters(const std::string& own) {
-  if (own == "mtp" || own == "draft-lm")
-    return "none, ngram, bundle, " + own + ", bundle+ngram or " + own + "+ngram";
-  return "none, ngram or bundle";
+  if (own == "mtp" || own == "draft-lm") return "none, ngram, " + own + " or " + own + "+ngram";
+  return "none or ngram";
 }
 
-// `spec` with the bundle's own drafter for "bundle" (bundle+ngram -> mtp+ngram, say).
-std::string resolve_bundle(const std::string& spec, const std::string& own) {
-  if (spec == "bundle") return own;
-  if (spec == "bundle" + kHybridSuffix) return own + kHybridSuffix;
-  return spec;
-}
-
-// The drafter named by `spec` (runtime/assemble.py build_drafter): none | ngram | bundle (the
-// bundle's own) | mtp | draft-lm (the bundle's own, by name) | any of these + "+ngram" (prompt
-// lookup first, the model where it finds nothing: HybridDrafter). Null for none. `model(kind)`
-// gives the bundle's model drafter. Throws UserError naming what the bundle takes.
+// The drafter named by `spec` (runtime/assemble.py build_drafter, for a bundle): none | ngram |
+// the bundle's own model drafter by its kind (mtp or draft-lm) | any of these + "+ngram"
+// (prompt lookup first, the model where it finds nothing: HybridDrafter). Null for none.
+// `model(kind)` gives the bundle's model drafter. Throws UserError naming what the bundle takes.
 std::unique_ptr<Drafter> make_drafter(
     const std::string& spec, const std::string& own, const DrafterOptions& options,
     const std::function<std::unique_ptr<Drafter>(const std::string&)>& model) {
-  auto refuse = [&](const std::string& name, const std::string& why) {
-    return UserError("drafter '" + name + "': " + why + "; it takes " + accepted_drafters(own));
-  };
+  check_drafter_name(spec, own);
   if (is_hybrid(spec)) {
     auto inner = make_drafter(spec.substr(0, spec.size() - kHybridSuffix.size()), own, options,
                               model);
-    if (inner == nullptr) throw refuse(spec, "name a model drafter before +ngram");
     return std::make_unique<HybridDrafter>(std::move(inner), options.ngram_max, options.ngram_min);
   }
-  const std::string kind = spec == "bundle" ? own : spec;
-  if (kind == "none") return nullptr;
-  if (kind == "ngram") return std::make_unique<NgramDrafter>(options.ngram_max, options.ngram_min);
-  if (kind == "mtp" || kind == "draft-lm") {
-    if (kind != own)
-      throw refuse(spec, own == "none" ? "this bundle carries no model drafter"
-                                       : "this bundle carries a '" + own +
-                                             "' drafter (export another bundle for " + kind + ")");
-    return model(kind);
-  }
-  throw UserError("unknown drafter '" + spec + "': this bundle takes " + accepted_drafters(own));
+  if (spec == "none") return nullptr;
+  if (spec == "ngram") return std::make_unique<NgramDrafter>(options.ngram_max, options.ngram_min);
+  return model(spec);
 }
 
-// The bundle's drafting policy (set by mtp-export) where the options leave it open: its own
-// model drafter behind a prompt lookup of drafter.lookup = "MIN-MAX" sizes, and its
-// drafter.draft_confidence.
+// The options with runtime/assemble.py's defaults from the manifest where they leave a choice
+// open: no drafter named, the bundle's drafter.kind, behind a lookup of drafter.lookup =
+// "MIN-MAX" sizes when it has one (those sizes unless others are given); its
+// drafter.draft_confidence unless one is given.
 DrafterOptions with_bundle_policy(const DrafterOptions& options, const Manifest& m) {
   DrafterOptions out = options;
-  if (options.drafter == "bundle" && m.drafter.lookup) {
-    out.drafter = "bundle" + kHybridSuffix;
-    if (!options.ngram_sizes_given) {
-      const std::string sizes = *m.drafter.lookup;
-      try {
-        std::tie(out.ngram_min, out.ngram_max) = parse_ngram_sizes(sizes, "drafter.lookup");
-      } catch (const UserError&) {
-        throw UserError("manifest drafter.lookup must be MIN-MAX, got '" + sizes +
-                        "': re-export the bundle");
+  if (!options.drafter) {
+    out.drafter = m.drafter_kind();
+    if (m.drafter.lookup) {
+      *out.drafter += kHybridSuffix;
+      if (!options.ngram_sizes_given) {
+        const std::string sizes = *m.drafter.lookup;
+        try {
+          std::tie(out.ngram_min, out.ngram_max) = parse_ngram_sizes(sizes, "drafter.lookup");
+        } catch (const UserError&) {
+          throw UserError("manifest drafter.lookup must be MIN-MAX, got '" + sizes +
+                          "': re-export the bundle");
+        }
       }
     }
   }
@@ -126,6 +111,27 @@ std::string exact(double x) {
 }
 
 }  // namespace
+
+void check_drafter_name(const std::string& spec, const std::string& own) {
+  auto refuse = [&](const std::string& why) {
+    return UserError("drafter '" + spec + "': " + why + "; it takes " + accepted_drafters(own));
+  };
+  if (is_hybrid(spec)) {
+    const std::string inner = spec.substr(0, spec.size() - kHybridSuffix.size());
+    if (inner == "none") throw refuse("name a model drafter before +ngram");
+    return check_drafter_name(inner, own);
+  }
+  if (spec == "none" || spec == "ngram") return;
+  if (spec == "mtp" || spec == "draft-lm") {
+    if (spec != own)
+      throw refuse(own == "none" || own == "ngram"
+                       ? "this bundle carries no model drafter"
+                       : "this bundle carries a '" + own + "' drafter (export another bundle "
+                                                           "for " + spec + ")");
+    return;
+  }
+  throw UserError("unknown drafter '" + spec + "': this bundle takes " + accepted_drafters(own));
+}
 
 std::pair<int, int> parse_ngram_sizes(const std::string& text, const std::string& what) {
   const size_t dash = text.find('-');
@@ -167,9 +173,9 @@ Engine::~Engine() = default;
 Drafter* Engine::drafter(const DrafterOptions& options) {
   const DrafterOptions chosen = with_bundle_policy(options, manifest_);
   const std::string own = manifest_.drafter_kind();
-  // The key tells apart what changes the drafter: its name ("bundle" resolved), the lookup's
-  // sizes if it has one, the model's confidence floor if it has one.
-  const std::string name = resolve_bundle(chosen.drafter, own);
+  // The key tells apart what changes the drafter: its name, the lookup's sizes if it has one,
+  // the model's confidence floor if it has one.
+  const std::string& name = *chosen.drafter;
   const std::string base = is_hybrid(name) ? name.substr(0, name.size() - kHybridSuffix.size())
                                            : name;
   std::string key = name;
@@ -191,7 +197,7 @@ Drafter* Engine::drafter(const DrafterOptions& options) {
     }
     return std::make_unique<ForwardingDrafter>(kept.get());
   };
-  auto made = make_drafter(chosen.drafter, own, chosen, model);
+  auto made = make_drafter(name, own, chosen, model);
   Drafter* out = made.get();
   drafters_[key] = std::move(made);
   return out;
@@ -202,6 +208,18 @@ void Engine::check_k(int64_t k) const {
     throw UserError("--k must be in 0.." + std::to_string(target_->max_chunk - 1) +
                     " (k drafts and the pending token go in one call of at most " +
                     std::to_string(target_->max_chunk) + " tokens), got " + std::to_string(k));
+}
+
+void check_token_ids(const std::vector<int64_t>& ids, int64_t vocab_size) {
+  for (size_t i = 0; i < ids.size(); ++i)
+    if (ids[i] < 0 || ids[i] >= vocab_size)
+      throw UserError("token id " + std::to_string(ids[i]) + " (at index " + std::to_string(i) +
+                      ") is not in the vocabulary: ids must be in 0.." +
+                      std::to_string(vocab_size - 1));
+}
+
+void Engine::check_token_ids(const std::vector<int64_t>& ids) const {
+  mtp::check_token_ids(ids, std::min(manifest_.vocab_size, target_->vocab_size));
 }
 
 bool Engine::has_tokenizer() const {
@@ -270,13 +288,16 @@ std::vector<int64_t> Engine::encode_chat(const std::vector<std::string>& pieces)
 GenerationResult Engine::generate(const std::vector<int64_t>& prompt, Drafter* drafter,
                                   const GenerationConfig& config, const OnToken& on_token,
                                   bool reuse_cache) {
+  check_token_ids(prompt);
   size_t shared = 0;
   if (reuse_cache)
     while (shared < std::min(cached_.size(), prompt.size()) && cached_[shared] == prompt[shared])
       ++shared;
   cached_.clear();  // unknown should the call fail half-way
   auto detokenize = [this](const std::vector<int64_t>& ids) { return decode(ids); };
-  GenerationResult result = mtp::generate(*target_, prompt, drafter, config, detokenize,
+  GenerationConfig with_costs = config;
+  if (with_costs.costs == nullptr) with_costs.costs = &costs_;
+  GenerationResult result = mtp::generate(*target_, prompt, drafter, with_costs, detokenize,
                                           on_token, int64_t(shared));
   cached_ = result.cached_tokens;
   return result;
@@ -366,6 +387,8 @@ nlohmann::json stats_json(const GenerationStats& s) {
       {"accepted_per_position", s.accepted_per_position},
       {"drafted_per_position", s.drafted_per_position},
       {"drafted_tokens", s.drafted_tokens},
+      {"drafted_steps", s.drafted_steps},
+      {"fallback_steps", s.fallback_steps},
       {"accepted_tokens", s.accepted_tokens},
       {"draft_ms", rounded(s.draft_seconds * 1e3, 3)},
       {"verify_ms", rounded(s.verify_seconds * 1e3, 3)},

@@ -25,22 +25,32 @@
 namespace mtp {
 
 // Which drafter to decode with, by name: what mtp-runner's --drafter, --ngram-sizes and
-// --draft-confidence and the C API's "drafter", "ngram_sizes" and "draft_confidence" set.
+// --draft-confidence and the C API's "drafter", "ngram_sizes" and "draft_confidence" set. The
+// names and defaults are runtime/assemble.py's (mtp-run --drafter), read from the same
+// manifest fields.
 struct DrafterOptions {
-  // bundle (the bundle's own) | none | ngram | mtp | draft-lm, or a model drafter's name
-  // +ngram (bundle+ngram, mtp+ngram, draft-lm+ngram: prompt lookup where the context repeats
-  // itself, the model drafter elsewhere)
-  std::string drafter = "bundle";
-  int ngram_min = 1, ngram_max = 3;
+  // none | ngram | the bundle's own model drafter by its kind (mtp or draft-lm) | any of these
+  // +ngram (mtp+ngram: prompt lookup where the context repeats itself, the model drafter
+  // elsewhere). Unset: the bundle's drafter (manifest drafter.kind), behind a prompt lookup of
+  // drafter.lookup's sizes when the manifest has one.
+  std::optional<std::string> drafter;
+  int ngram_min = 1, ngram_max = 3;  // the default sizes, runtime/assemble.py's "1-3"
   double draft_confidence = 0.0;
-  // Unless given, the bundle's drafting policy applies (manifest drafter.lookup: "bundle"
-  // becomes "bundle+ngram" with those sizes; drafter.draft_confidence), as in runtime/assemble.py.
+  // Unless given: the bundle's lookup sizes for its own drafter's lookup (else the default
+  // above), its drafter.draft_confidence.
   bool ngram_sizes_given = false, draft_confidence_given = false;
 };
 
 struct EngineOptions : DrafterOptions {
   unsigned threads = 0;  // ExecuTorch thread pool size (0 = one per core)
 };
+
+// Throws UserError, naming the drafters the bundle takes, unless `spec` is a drafter name that
+// a bundle whose own drafter is `own` (manifest drafter.kind) serves.
+void check_drafter_name(const std::string& spec, const std::string& own);
+
+// Throws UserError for a token id outside 0..vocab_size - 1.
+void check_token_ids(const std::vector<int64_t>& ids, int64_t vocab_size);
 
 // "MIN-MAX" (or "N": MIN = MAX = N) n-gram sizes as --ngram-sizes takes them; throws UserError
 // naming `what` otherwise.
@@ -57,7 +67,8 @@ class Engine {
     cached_.clear();
     return *target_;
   }
-  // Generates from `prompt` on the target (loop.h generate, stop strings detokenized here).
+  // Generates from `prompt` on the target (loop.h generate, stop strings detokenized here, the
+  // fallback reading costs() unless the config names other costs; check_token_ids first).
   // With reuse_cache, the longest prefix the target's cache shares with `prompt` (left by an
   // earlier call of this function) is not prefilled again.
   GenerationResult generate(const std::vector<int64_t>& prompt, Drafter* drafter,
@@ -74,6 +85,11 @@ class Engine {
   Drafter* drafter(const DrafterOptions& options);
   // Throws UserError unless k drafts plus the pending token fit one target call.
   void check_k(int64_t k) const;
+  // Throws UserError for a token id outside the target's vocabulary (before any kernel sees
+  // it: the embedding kernel would abort the process).
+  void check_token_ids(const std::vector<int64_t>& ids) const;
+  // The target's call costs measured so far, which the fallback reads (kept across calls).
+  StepCosts& costs() { return costs_; }
 
   // Prompt text -> ids ready for prefill: one user turn of the bundle's chat format when
   // `chat`, bos first when the tokenizer adds one. Throws UserError without a tokenizer.
@@ -96,6 +112,7 @@ class Engine {
   std::map<std::string, std::unique_ptr<Drafter>> drafters_;
   Drafter* drafter_ = nullptr;
   std::vector<int64_t> cached_;  // the tokens whose K/V the target's cache holds, if known
+  StepCosts costs_;
 #ifdef MTP_HAVE_TOKENIZER
   std::optional<Tokenizer> tokenizer_;
 #endif
@@ -113,8 +130,8 @@ struct ContextFull : UserError {
 // cache still shares with it). Drafters catch up as in one generation: MTP heads read the
 // hidden states of the rows prefilled, the n-gram lookup the whole conversation, a draft model
 // its own cache's longest shared prefix; a self (EAGLE) head's own cache misses the rows of
-// earlier turns it was not run on (an answer's last step, answers decoded without it), which
-// lowers its acceptance, never changes the tokens.
+// earlier turns it was not run on (answers decoded without it; an answer's last step it takes
+// in at the answer's end), which lowers its acceptance, never changes the tokens.
 class Conversation {
  public:
   // An empty system_prompt: the template's default. Throws UserError when the bundle has no

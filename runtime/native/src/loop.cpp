@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <optional>
 #include <stdexcept>
 
 #include "errors.h"
@@ -59,6 +60,13 @@ GenerationResult generate(Model& target, const std::vector<int64_t>& prompt, Dra
   const bool wants_hidden = drafter != nullptr && drafter->needs_hidden();
   const int64_t k_max = drafter != nullptr ? config.k : 0;
   int64_t k_now = k_max;
+  StepCosts own_costs;
+  std::optional<Fallback> fallback;
+  if (drafter != nullptr && config.fallback.value_or(sampler.greedy()) && k_max > 0)
+    fallback.emplace(k_max, config.costs ? *config.costs : own_costs,
+                     [drafter](const std::vector<int64_t>& context) {
+                       return drafter->source(context);
+                     });
   GenerationResult result;
   GenerationStats& stats = result.stats;
   stats.accepted_per_position.assign(k_max, 0);
@@ -112,13 +120,28 @@ GenerationResult generate(Model& target, const std::vector<int64_t>& prompt, Dra
       stop = "context_full";
       break;
     }
+    const double t0 = now();
     const int64_t k =
         std::min({k_now, room - 1, config.max_new_tokens - int64_t(generated.size()) - 1});
-
-    const double t0 = now();
+    int64_t requested = k;
+    bool shadow = false;
+    if (fallback) {
+      const Fallback::Plan plan = fallback->plan(k, context);
+      requested = plan.draft;
+      shadow = plan.shadow;
+      stats.fallback_steps += k > 0 && requested == 0;
+      if (shadow) requested = k;  // drafted to learn whether drafting pays again, not verified
+    }
     Draft draft;
-    if (k > 0) draft = drafter->propose(context, wants_hidden ? &hidden : nullptr, k, sampler);
-    if (int64_t(draft.tokens.size()) > k) draft.tokens.resize(k);
+    if (drafter != nullptr)
+      draft = drafter->propose(context, wants_hidden ? &hidden : nullptr, requested, sampler);
+    if (shadow) {
+      const size_t n = std::min(draft.tokens.size(), size_t(k));
+      fallback->start_shadow({draft.tokens.begin(), draft.tokens.begin() + n},
+                             int64_t(context.size()));
+      draft = Draft{};
+    }
+    if (int64_t(draft.tokens.size()) > requested) draft.tokens.resize(requested);
     if (draft.probs.size() > draft.tokens.size()) draft.probs.resize(draft.tokens.size());
     const double t1 = now();
     std::vector<int64_t> inputs{context.back()};
@@ -135,7 +158,9 @@ GenerationResult generate(Model& target, const std::vector<int64_t>& prompt, Dra
     stats.verify_seconds += t2 - t1;
     stats.verify_steps += 1;
     stats.drafted_tokens += drafted;
+    stats.drafted_steps += drafted > 0;
     stats.accepted_tokens += a.n;
+    result.step_counts.emplace_back(drafted, a.n);
     for (int64_t i = 0; i < drafted; ++i) {
       stats.drafted_per_position[i] += 1;
       stats.accepted_per_position[i] += i < a.n;
@@ -147,6 +172,14 @@ GenerationResult generate(Model& target, const std::vector<int64_t>& prompt, Dra
     new_tokens.push_back(a.next_token);
     stop = emit(new_tokens, out);
     context.insert(context.end(), new_tokens.begin(), new_tokens.end());
+    if (fallback) {
+      const bool modelled = config.cost_model.has_value();
+      fallback->record_step(
+          requested, drafted, a.n,
+          modelled ? config.cost_model->draft_seconds(fallback->source(), requested) : t1 - t0,
+          modelled ? config.cost_model->verify_seconds(drafted + 1) : t2 - t1);
+      fallback->check_shadow(context);
+    }
     pos += a.n + 1;
     if (wants_hidden) {  // the accepted inputs' rows: context[-(n+2)] .. context[-2]
       hidden.rows = a.n + 1;
@@ -154,6 +187,9 @@ GenerationResult generate(Model& target, const std::vector<int64_t>& prompt, Dra
     }
   }
 
+  // A drafter that keeps state takes in the last verified rows (runtime/loop.py does the same):
+  // a self head's cache then holds the whole answer for a conversation's next turn.
+  if (drafter != nullptr) drafter->observe(context, wants_hidden ? &hidden : nullptr);
   stats.decode_seconds = now() - decode_start;
   stats.generated_tokens = int64_t(generated.size());
   result.stop_reason = stop;

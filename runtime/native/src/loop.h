@@ -1,18 +1,24 @@
 // The speculative decoding loop: runtime/loop.py in C++, step for step.
 //
-// Prefill in chunks; then repeat {draft k; verify k+1 in one target call; accept the longest
-// agreeing prefix (greedy) or by rejection sampling; advance} until eos, a stop string, max
-// tokens or a full context. Plain decoding is the same loop with no drafter. Invariant between
+// Prefill in chunks; then repeat {draft k (or as many as pay, with the fallback); verify k+1 in
+// one target call; accept the longest agreeing prefix (greedy) or by rejection sampling;
+// advance} until eos, a stop string, max tokens or a full context; then the drafter observes
+// the last verified rows (a self head's cache takes them in for a conversation's next turn).
+// The drafter is asked at every step, for 0 tokens too (so that a drafter keeping state takes
+// in the rows). Plain decoding is the same loop with no drafter. Invariant between
 // steps: `context` holds every token so far; the target's cache holds all of them but the last,
 // which the next call feeds (with the drafts behind it) at position `pos`.
 #pragma once
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "drafters.h"
+#include "fallback.h"
 #include "model.h"
 #include "sampling.h"
 
@@ -22,6 +28,15 @@ struct GenerationConfig {
   int64_t max_new_tokens = 128;
   int64_t k = 4;            // most tokens drafted per step
   bool adaptive_k = false;  // grow k by 2 after a fully accepted step, shrink by 1 otherwise
+  // Draft per step only as many tokens (0..k) as measured acceptance and costs say pay
+  // (fallback.h). true: always; empty: when greedy (its choices follow timings, so sampling
+  // with it gives other samples from run to run for one seed); false: never.
+  std::optional<bool> fallback = false;
+  // The target's costs measured so far, which the fallback reads and adds to (Engine keeps
+  // one per target); null: this generation's own, measured from nothing.
+  StepCosts* costs = nullptr;
+  // Fixed costs reported to the fallback instead of the timings (same decisions run after run).
+  std::optional<CostModel> cost_model;
   SamplingParams sampling;
   std::vector<int64_t> eos_ids;
   // Stop as soon as the text of the generated tokens contains one of these (checked after each
@@ -39,6 +54,8 @@ struct GenerationStats {
   int64_t generated_tokens = 0;
   int64_t verify_steps = 0;  // target calls after prefill
   int64_t drafted_tokens = 0;
+  int64_t drafted_steps = 0;   // verify steps that carried at least one drafted token
+  int64_t fallback_steps = 0;  // steps the fallback drafted nothing for, as drafting did not pay
   int64_t accepted_tokens = 0;
   std::vector<int64_t> accepted_per_position;  // steps that kept draft i
   std::vector<int64_t> drafted_per_position;   // steps that drafted i
@@ -59,6 +76,8 @@ struct GenerationResult {
   // context but the last): what a later call may pass back as its cached prefix.
   std::vector<int64_t> cached_tokens;
   std::vector<double> top2_gaps;  // the target's best-minus-second logit where each was chosen
+  // Per verify step, (tokens drafted and verified, tokens of them accepted).
+  std::vector<std::pair<int64_t, int64_t>> step_counts;
 };
 
 // Sees each emitted token (for streaming); returning false stops generation there (stop_reason

@@ -49,7 +49,8 @@ class RecordingDrafter : public ForwardingDrafter {
   Draft propose(const std::vector<int64_t>& context, const Hidden* hidden, int64_t k,
                 Sampler& sampler) override {
     Draft draft = ForwardingDrafter::propose(context, hidden, k, sampler);
-    const size_t n = std::min(draft.tokens.size(), size_t(std::max<int64_t>(k, 0)));
+    if (k <= 0) return draft;  // asked for nothing (a drafter keeping state takes in the rows)
+    const size_t n = std::min(draft.tokens.size(), size_t(k));
     drafts.emplace_back(draft.tokens.begin(), draft.tokens.begin() + n);
     return draft;
   }
@@ -110,18 +111,15 @@ nlohmann::json run_suite(Engine& engine, const std::vector<Prompt>& prompts,
     std::vector<double> ar_rates, spec_rates;
     GenerationResult plain, spec;
     std::vector<std::vector<int64_t>> spec_drafts;
-    const Detokenize detokenize = [&engine](const std::vector<int64_t>& t) {
-      return engine.decode(t);
-    };
     for (int r = 0; r < options.repeat; ++r) {
       // Interleaved, so that machine drift affects both alike.
-      plain = generate(engine.target(), ids, nullptr, cfg, detokenize);
+      plain = engine.generate(ids, nullptr, cfg, nullptr, false);
       if (options.record_drafts && engine.drafter() != nullptr) {
         RecordingDrafter recording(engine.drafter());
-        spec = generate(engine.target(), ids, &recording, cfg, detokenize);
+        spec = engine.generate(ids, &recording, cfg, nullptr, false);
         spec_drafts = std::move(recording.drafts);
       } else {
-        spec = generate(engine.target(), ids, engine.drafter(), cfg, detokenize);
+        spec = engine.generate(ids, engine.drafter(), cfg, nullptr, false);
       }
       ar_rates.push_back(plain.stats.decode_tokens_per_s());
       spec_rates.push_back(spec.stats.decode_tokens_per_s());
@@ -166,7 +164,10 @@ nlohmann::json run_suite(Engine& engine, const std::vector<Prompt>& prompts,
     row.update(compare_runs(plain, spec));
     row["ar_token_ids"] = plain.token_ids;
     row["spec_token_ids"] = spec.token_ids;
-    if (options.record_drafts) row["spec_drafts"] = spec_drafts;
+    if (options.record_drafts) {
+      row["spec_drafts"] = spec_drafts;
+      row["spec_steps"] = spec.step_counts;  // per verify step [drafted, accepted]
+    }
     ar_steps.push_back(row["ar_ms_per_step"]);
     verify_steps.push_back(row["verify_ms_per_step"]);
     draft_steps.push_back(row["draft_ms_per_step"]);

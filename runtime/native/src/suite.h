@@ -28,9 +28,10 @@ struct SuiteOptions {
   int repeat = 1;
   bool chat = true;
   // Each row also gets "spec_drafts": the tokens the drafter proposed at each verify step of the
-  // last speculative run (what the target verified), to compare drafters step by step.
+  // last speculative run (what the target verified), to compare drafters step by step, and
+  // "spec_steps": per verify step, [tokens drafted, tokens accepted].
   bool record_drafts = false;
-  GenerationConfig config;  // k, adaptive_k, sampling, eos_ids, stop_strings
+  GenerationConfig config;  // k, adaptive_k, fallback, sampling, eos_ids, stop_strings
 };
 
 // The report body: summary, per_category, prompts (each row also carries ar_token_ids and

@@ -16,6 +16,7 @@
 
 #include "drafters.h"
 #include "engine.h"
+#include "fallback.h"
 #include "mtp_edge.h"
 #include "errors.h"
 #include "loop.h"
@@ -207,6 +208,72 @@ void test_mtp_self_head_feeds_the_verified_rows() {
   positions.clear(), fed.clear();
   self.observe({1, 2, 3, 4, 5}, &two);
   CHECK((positions == std::vector<int64_t>{3}) && (fed == std::vector<std::vector<int64_t>>{{4, 5}}));
+  // Asked for no tokens (the loop asks at every step), it still takes in the rows.
+  positions.clear(), fed.clear();
+  CHECK(self.propose({1, 2, 3, 4, 5}, &two, 0, s).tokens.empty());
+  CHECK((positions == std::vector<int64_t>{3}) && (fed == std::vector<std::vector<int64_t>>{{4, 5}}));
+}
+
+// The fallback's choices from given costs, worked by hand as runtime/fallback.py computes them.
+void test_fallback_decisions() {
+  mtp::StepCosts costs;
+  CHECK(!costs.verify_seconds(1));
+  mtp::Fallback f(4, costs, [](const std::vector<int64_t>&) { return std::string("m"); });
+  const mtp::Fallback::Plan first = f.plan(4, {1});
+  CHECK(first.draft == 0 && first.shadow);  // nothing measured: a plain step, a shadow draft
+  for (int i = 0; i < 3; ++i) costs.record_verify(1, 1.0);
+  // An unmeasured width: verify(1) scaled by the prior slope 0.1 per token.
+  CHECK(std::fabs(*costs.verify_seconds(3) - 1.2) < 1e-12);
+  // Prior acceptance 0.5 per position and free drafts: n = 2 gives 1.75 / 1.2 tokens per
+  // second, more than n = 1 (1.5 / 1.1), n = 3 (1.875 / 1.3) or none (1).
+  CHECK(f.best_k(4, "m") == 2 && f.best_k(1, "m") == 1);
+  costs.record_draft("m", 4, 2.0);  // 0.5 s a token: no draft pays (1.5 / 1.6 < 1)
+  CHECK(f.best_k(4, "m") == 0);
+  const mtp::Fallback::Plan second = f.plan(4, {1}), third = f.plan(4, {1});
+  CHECK(second.draft == 0 && !second.shadow && third.draft == 0 && third.shadow);
+  // A shadow draft of two: the first kept, the second not.
+  f.start_shadow({5, 6}, 1);
+  f.check_shadow({1, 5, 7});
+  const std::vector<double> a = f.acceptance("m");
+  CHECK(std::fabs(a[0] - 0.575) < 1e-12 && std::fabs(a[1] - 0.48875) < 1e-12 && a[3] == a[1]);
+  // One call of width 3 above the prior's estimate: the lower of the two stands until trusted.
+  costs.record_verify(3, 1.5);
+  CHECK(std::fabs(*costs.verify_seconds(3) - 1.2) < 1e-12);
+  CHECK(std::fabs(*costs.verify_seconds(2) - 1.1) < 1e-12);
+  costs.record_verify(3, 1.5), costs.record_verify(3, 1.4);
+  CHECK(*costs.verify_seconds(3) == 1.5 && std::fabs(*costs.verify_seconds(2) - 1.25) < 1e-12);
+}
+
+// With the fallback the loop's output is plain decoding's; it asks the drafter at every step
+// (for 0 tokens too) and tells it the last verified rows at the end, as runtime/loop.py does.
+void test_loop_fallback_and_observe() {
+  mtp::GenerationConfig cfg;
+  cfg.max_new_tokens = 30;
+  cfg.k = 4;
+  const std::vector<int64_t> prompt = {1, 2, 3, 4, 1, 2, 3};
+  FakeModel a(11, 64, 6);
+  const auto plain = mtp::generate(a, prompt, nullptr, cfg);
+  for (const double draft_ms : {0.0, 1e6}) {
+    FakeModel b(11, 64, 6);
+    NoisyDrafter noisy;
+    mtp::GenerationConfig c = cfg;
+    c.fallback = true;
+    c.cost_model = mtp::CostModel{10, 0.1, draft_ms};
+    const auto spec = mtp::generate(b, prompt, &noisy, c);
+    CHECK(spec.token_ids == plain.token_ids && spec.stop_reason == plain.stop_reason);
+    CHECK(noisy.observed == 1 && noisy.calls == spec.stats.verify_steps + 1);
+    CHECK(int64_t(spec.step_counts.size()) == spec.stats.verify_steps);
+    int64_t drafted = 0;
+    for (const auto& [d, kept] : spec.step_counts) {
+      drafted += d;
+      CHECK(kept <= d);
+    }
+    CHECK(drafted == spec.stats.drafted_tokens);
+    if (draft_ms > 0)  // drafts never pay: none verified, every step a fallback step
+      CHECK(drafted == 0 && spec.stats.fallback_steps > 0);
+    else
+      CHECK(drafted > 0 && spec.stats.drafted_steps > 0);
+  }
 }
 
 // mtp+ngram: the lookup's draft where it finds one (the model only observes the step), the
@@ -463,8 +530,11 @@ void check_drafters_by_name(const char* bundle) {
   CHECK(refused("ngram-3", "unknown drafter 'ngram-3'"));
   if (own != "mtp" && own != "draft-lm") return;
   mtp::Drafter* model = engine.drafter(named(own));
-  CHECK(model != nullptr && model->name() == own && engine.drafter(named("bundle+ngram")) ==
-                                                        engine.drafter(named(own + "+ngram")));
+  CHECK(model != nullptr && model->name() == own &&
+        engine.drafter(named(own + "+ngram")) == engine.drafter(named(own + "+ngram")));
+  // Exactly the names mtp-run takes: no "bundle" (leaving the drafter unnamed means that).
+  CHECK(refused("bundle", "unknown drafter 'bundle'"));
+  CHECK(refused("bundle+ngram", "unknown drafter 'bundle'"));
   CHECK(engine.drafter(named(own + "+ngram"))->name() == own + "+ngram");
   CHECK(refused(own == "mtp" ? "draft-lm" : "mtp", "this bundle carries a '" + own + "'"));
   CHECK(refused("none+ngram", "name a model drafter before +ngram"));
@@ -651,6 +721,8 @@ int main(int argc, char** argv) {
   test_loop_lossless();
   test_loop_stop_strings();
   test_loop_cached_prefix();
+  test_fallback_decisions();
+  test_loop_fallback_and_observe();
   if (failures) {
     std::fprintf(stderr, "%d check(s) failed\n", failures);
     return 1;

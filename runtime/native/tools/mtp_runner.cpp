@@ -1,8 +1,11 @@
 // mtp-runner: plain vs speculative decoding of a prompt suite on a bundle, natively; writes the
 // mtp-bench JSON report. The same arguments on the host and on a phone (mtp-profile drives it).
+#include <cctype>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <sstream>
@@ -22,9 +25,10 @@ namespace {
 const char* kUsage =
     "usage: mtp-runner --bundle DIR (--prompts FILE.jsonl | --prompt TEXT | --prompt-ids 1,2,3)\n"
     "       [--max-new-tokens N] [--repeat R] [--json OUT|-] [--k K]\n"
-    "       [--drafter bundle|none|ngram|mtp|draft-lm|bundle+ngram|mtp+ngram|draft-lm+ngram]\n"
+    "       [--drafter none|ngram|mtp|draft-lm|mtp+ngram|draft-lm+ngram]\n"
     "       [--ngram-sizes MIN-MAX]\n"
-    "       [--draft-confidence P] [--adaptive-k] [--no-chat-template] [--threads N]\n"
+    "       [--draft-confidence P] [--adaptive-k] [--fallback] [--no-fallback]\n"
+    "       [--fallback-costs VERIFY_MS,SLOPE,DRAFT_MS] [--no-chat-template] [--threads N]\n"
     "       [--no-weight-cache]\n"
     "       [--temperature T] [--top-k K] [--top-p P] [--seed S] [--stop TEXT]...\n"
     "       [--record-drafts]\n"
@@ -32,12 +36,18 @@ const char* kUsage =
     "Short names as the Python commands: -p --prompt, -n --max-new-tokens, -s --seed,\n"
     "-t --threads, --temp --temperature.\n"
     "--json OUT: write the report there (- or no --json: on stdout).\n"
-    "--drafter X+ngram: prompt lookup (--ngram-sizes) where the context repeats itself, the\n"
-    "bundle's model drafter X elsewhere.\n"
+    "--drafter (as mtp-run --drafter; default: the bundle's drafter, behind a prompt lookup\n"
+    "when the bundle says so): X+ngram is prompt lookup (--ngram-sizes, default 1-3 or the\n"
+    "bundle's) where the context repeats itself, the bundle's model drafter X elsewhere.\n"
+    "--k: 1..15 (default: the bundle's); --draft-confidence: in [0, 1) (default: the bundle's).\n"
+    "--fallback: draft each step only as many tokens as measured acceptance and costs say pay\n"
+    "(as mtp-run --fallback; off by default). --fallback-costs: the fallback reads these fixed\n"
+    "costs instead of timings (a call of width w: VERIFY_MS * (1 + SLOPE * (w - 1)); a drafted\n"
+    "token of a model drafter DRAFT_MS, of a lookup 0), so that runs decide alike.\n"
     "--stop TEXT (repeatable): stop a run once its generated text contains TEXT, keeping the\n"
     "token that completes it (as mtp-run --stop; stop_reason \"stop_string\").\n"
     "--record-drafts: each prompt's report row gets spec_drafts, the tokens drafted at each\n"
-    "verify step of its speculative run.\n"
+    "verify step of its speculative run, and spec_steps, [drafted, accepted] per verify step.\n"
     "--no-weight-cache: XNNPACK packs weights once per method instead of once per program\n"
     "(more memory; as MTP_XNNPACK_WEIGHT_CACHE=0).\n"
     "prompts file: one JSON per line, {\"id\", \"category\", \"prompt\" or \"prompt_ids\",\n"
@@ -50,6 +60,53 @@ T number(const std::string& flag, const std::string& text) {
   if (!(in >> value) || !in.eof())
     throw mtp::UserError(flag + " takes a number, got '" + text + "'");
   return value;
+}
+
+// A count or seed: digits only (an unsigned parse would read "-1" as 2^64 - 1).
+template <typename T>
+T natural(const std::string& flag, const std::string& text, const std::string& range) {
+  if (text.empty() || !std::isdigit(static_cast<unsigned char>(text[0])))
+    throw mtp::UserError(flag + " must be in " + range + ", got '" + text + "'");
+  return number<T>(flag, text);
+}
+
+double finite(const std::string& flag, const std::string& text) {
+  const double value = number<double>(flag, text);
+  if (!std::isfinite(value)) throw mtp::UserError(flag + " must be a finite number, got " + text);
+  return value;
+}
+
+// "VERIFY_MS,SLOPE,DRAFT_MS", each finite and >= 0, VERIFY_MS > 0.
+mtp::CostModel parse_costs(const std::string& flag, const std::string& text) {
+  std::vector<double> parts;
+  std::stringstream in(text);
+  std::string part;
+  while (std::getline(in, part, ',')) parts.push_back(finite(flag, part));
+  if (parts.size() != 3 || !(parts[0] > 0) || parts[1] < 0 || parts[2] < 0)
+    throw mtp::UserError(flag + " takes VERIFY_MS,SLOPE,DRAFT_MS (VERIFY_MS > 0, the others >= "
+                         "0) such as 10,0.1,1, got '" + text + "'");
+  return {parts[0], parts[1], parts[2]};
+}
+
+// Fail before any work: OUT must be a file that can be written where it is (mtp_edge/files.py
+// check_output: its directory made, a probe file written and removed there).
+void check_output(const std::string& flag, const std::string& path) {
+  if (path.empty() || path == "-") return;
+  namespace fs = std::filesystem;
+  std::error_code error;
+  if (fs::is_directory(path, error))
+    throw mtp::UserError(flag + " " + path + " is a directory: give a file name");
+  const fs::path parent = fs::absolute(path, error).parent_path();
+  const std::string probe = (parent / ("." + fs::path(path).filename().string() + ".probe")).string();
+  fs::create_directories(parent, error);
+  std::ofstream out(probe, std::ios::binary);
+  out << "probe";
+  out.close();
+  const bool written = bool(out);
+  std::remove(probe.c_str());
+  if (!written)
+    throw mtp::UserError(flag + " " + path + ": cannot write in " + parent.string() +
+                         ": choose another path");
 }
 
 std::vector<int64_t> parse_ids(const std::string& text) {
@@ -103,10 +160,10 @@ int run(int argc, char** argv) {
     } else if (flag == "--prompt-ids") {
       prompt_ids = value();
     } else if (flag == "--max-new-tokens" || flag == "-n") {
-      options.max_new_tokens = number<int64_t>(flag, value());
+      options.max_new_tokens = natural<int64_t>(flag, value(), ">= 1");
       if (options.max_new_tokens < 1) throw mtp::UserError("--max-new-tokens must be >= 1");
     } else if (flag == "--repeat") {
-      options.repeat = number<int>(flag, value());
+      options.repeat = natural<int>(flag, value(), ">= 1");
       if (options.repeat < 1) throw mtp::UserError("--repeat must be >= 1");
     } else if (flag == "--json") {
       json_out = value();
@@ -118,32 +175,43 @@ int run(int argc, char** argv) {
     } else if (flag == "--ngram-sizes") {
       std::tie(engine_options.ngram_min, engine_options.ngram_max) =
           mtp::parse_ngram_sizes(value(), flag);
+      if (!(1 <= engine_options.ngram_min && engine_options.ngram_min <= engine_options.ngram_max))
+        throw mtp::UserError("--ngram-sizes needs 1 <= MIN <= MAX, got min " +
+                             std::to_string(engine_options.ngram_min) + ", max " +
+                             std::to_string(engine_options.ngram_max));
       engine_options.ngram_sizes_given = true;
     } else if (flag == "--draft-confidence") {
-      engine_options.draft_confidence = number<double>(flag, value());
+      engine_options.draft_confidence = finite(flag, value());
+      if (!(engine_options.draft_confidence >= 0 && engine_options.draft_confidence < 1))
+        throw mtp::UserError("--draft-confidence must be in [0, 1)");
       engine_options.draft_confidence_given = true;
     } else if (flag == "--adaptive-k") {
       options.config.adaptive_k = true;
+    } else if (flag == "--fallback" || flag == "--no-fallback") {
+      options.config.fallback = flag == "--fallback";
+    } else if (flag == "--fallback-costs") {
+      options.config.cost_model = parse_costs(flag, value());
     } else if (flag == "--record-drafts") {
       options.record_drafts = true;
     } else if (flag == "--no-chat-template" || flag == "--no-chat") {  // --no-chat: older name
       options.chat = false;
     } else if (flag == "--threads" || flag == "-t") {
-      engine_options.threads = number<unsigned>(flag, value());
+      engine_options.threads = natural<unsigned>(flag, value(), ">= 0 (0 = all cores)");
     } else if (flag == "--no-weight-cache") {
       mtp::set_xnnpack_weight_cache(false);
     } else if (flag == "--temperature" || flag == "--temp") {
-      options.config.sampling.temperature = number<double>(flag, value());
+      options.config.sampling.temperature = finite(flag, value());
       if (!(options.config.sampling.temperature >= 0))
-        throw mtp::UserError("--temperature must be >= 0 (0 = greedy)");
+        throw mtp::UserError("--temperature must be a finite number >= 0 (0 = greedy)");
     } else if (flag == "--top-k") {
-      options.config.sampling.top_k = number<int>(flag, value());
+      options.config.sampling.top_k = natural<int>(flag, value(), ">= 0 (0 = off)");
     } else if (flag == "--top-p") {
-      options.config.sampling.top_p = number<double>(flag, value());
+      options.config.sampling.top_p = finite(flag, value());
       if (!(options.config.sampling.top_p > 0 && options.config.sampling.top_p <= 1))
         throw mtp::UserError("--top-p must be in (0, 1] (1 = off)");
     } else if (flag == "--seed" || flag == "-s") {
-      options.config.sampling.seed = number<uint64_t>(flag, value());
+      options.config.sampling.seed =
+          natural<uint64_t>(flag, value(), "0..18446744073709551615 (64 bits)");
     } else if (flag == "--stop") {
       options.config.stop_strings.push_back(value());
       if (options.config.stop_strings.back().empty())
@@ -164,6 +232,20 @@ int run(int argc, char** argv) {
     mtp::Prompt p{"prompt", "default", prompt_text, 128, {}};
     if (!prompt_ids.empty()) p.ids = parse_ids(prompt_ids);
     prompts.push_back(p);
+  }
+  check_output("--json", json_out);
+  {  // What the manifest alone answers, before the programs load (the engine checks again).
+    const mtp::Manifest manifest = mtp::Manifest::load(bundle, /*verify=*/false);
+    if (engine_options.drafter) mtp::check_drafter_name(*engine_options.drafter,
+                                                        manifest.drafter_kind());
+    for (const mtp::Prompt& p : prompts) {
+      try {
+        mtp::check_token_ids(p.ids, manifest.vocab_size);
+      } catch (const mtp::UserError& e) {
+        throw mtp::UserError((prompts_path.empty() ? "--prompt-ids: " : "prompt " + p.id + ": ") +
+                             e.what());
+      }
+    }
   }
   std::cerr << "[load] " << bundle << std::endl;
   mtp::Engine engine(bundle, engine_options);
