@@ -1,5 +1,196 @@
+"""Fixtures shared by the test modules: tiny model directories and tiny bundles, each built once
+per run and shared by every module that needs one. Under pytest-xdist the workers share them too:
+the first worker to need one builds it under a file lock, the others wait for it and reuse it.
+
+Shared directories are read-only for the tests: a test that edits a bundle edits the copy that
+`copy_bundle` gives it. A module whose model must differ (another size, vocabulary or seed that
+its assertions rely on) keeps its own fixture."""
+
+from __future__ import annotations
+
 import os
+import shutil
 import sys
+from pathlib import Path
+
+import pytest
 
 # tests/tiny.py is imported as a plain module by the tests.
 sys.path.insert(0, os.path.dirname(__file__))
+
+from tiny import (  # noqa: E402
+    NATIVE_BUILD_LOCK,
+    amplify_cache_attention,
+    file_lock,
+    hf_reference,
+    save_chat_dir,
+    save_hf_dir,
+    save_random_heads,
+)
+
+MTP_KINDS = ("target_cache", "none", "self")
+
+
+def built_once(factory: pytest.TempPathFactory, name: str, build) -> Path:
+    """The directory `name`, made by `build(path)` the first time any test process of this run
+    asks for it. A build that fails leaves nothing behind: the next caller builds afresh."""
+    base = factory.getbasetemp()
+    # An xdist worker's base directory sits in the run's: the run's is the one all workers share.
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
+    out, done = root / name, root / f"{name}.done"
+    with file_lock(root / f"{name}.lock"):
+        if not done.exists():
+            shutil.rmtree(out, ignore_errors=True)
+            try:
+                build(out)
+            except BaseException:
+                shutil.rmtree(out, ignore_errors=True)
+                raise
+            done.touch()
+    return out
+
+
+def export_cli(*args: str) -> None:
+    """mtp-export in this process with `args`; it must succeed."""
+    from click.testing import CliRunner
+
+    from mtp_edge.cli import export
+
+    result = CliRunner().invoke(export, [*args])
+    assert result.exit_code == 0, result.output
+
+
+# --- model directories ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    """A tiny random llama (seed 3, 97-token byte-level vocabulary) as a Hugging Face directory:
+    safetensors weights, config.json and tokenizer.json, no tokenizer_config.json."""
+    return built_once(
+        tmp_path_factory, "tiny-llama", lambda out: save_hf_dir(hf_reference("llama", seed=3), out)
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_dir_seed5(tmp_path_factory) -> Path:
+    """The same shape with other random weights (seed 5)."""
+    return built_once(
+        tmp_path_factory,
+        "tiny-llama-seed5",
+        lambda out: save_hf_dir(hf_reference("llama", seed=5), out),
+    )
+
+
+@pytest.fixture(scope="session")
+def chat_tiny_dir(tmp_path_factory) -> Path:
+    """tiny_dir's model with a chat template and a bos token (tokenizer_config.json)."""
+    return built_once(tmp_path_factory, "tiny-llama-chat", lambda out: save_chat_dir(out, seed=3))
+
+
+# --- bundles -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def mtp_bundle_of(tmp_path_factory, chat_tiny_dir):
+    """kind -> an android (ExecuTorch, 8da4w) bundle of chat_tiny_dir with random MTP heads of
+    that attention kind (mtp.py: "target_cache", "none" or "self"; lossless needs no good
+    drafts), 256 positions and the exporter's default drafting policy. The heads that attend
+    have their attention output amplified (tiny.amplify_cache_attention) so that their drafts
+    depend on what they read; the self head's program is fp32 (test_native says why). The heads
+    file sits beside the bundle: bundle.parent / "heads.safetensors"."""
+
+    def build(kind: str, root: Path) -> None:
+        heads = save_random_heads(chat_tiny_dir, _mkdir(root) / "heads.safetensors", kind)
+        if kind != "none":
+            amplify_cache_attention(heads)
+        args = ["--model", str(chat_tiny_dir), "--out", str(root / "bundle")]
+        args += ["--max-seq-len", "256", "--quality-tokens", "0"]
+        args += ["--drafter", "mtp", "--heads", str(heads)]
+        if kind == "self":
+            args += ["--draft-quant", "fp32"]
+        export_cli(*args)
+
+    def bundle(kind: str) -> Path:
+        assert kind in MTP_KINDS, kind
+        root = built_once(tmp_path_factory, f"mtp-{kind}", lambda root: build(kind, root))
+        return root / "bundle"
+
+    return bundle
+
+
+@pytest.fixture(scope="session")
+def draft_lm_bundle_256(tmp_path_factory, chat_tiny_dir) -> Path:
+    """An android 8da4w bundle of chat_tiny_dir with a draft model of the same vocabulary (the
+    target's own weights, so that drafts are often right: a random draft model never is), 256
+    positions, without a drafting policy (the draft model runs alone, ungated)."""
+
+    def build(root: Path) -> None:
+        draft = save_chat_dir(root / "draft", seed=3)
+        args = ["--model", str(chat_tiny_dir), "--out", str(root / "bundle")]
+        args += ["--max-seq-len", "256", "--quality-tokens", "0", "--drafter", str(draft)]
+        export_cli(*args, "--lookup", "none", "--draft-confidence", "0")
+
+    return built_once(tmp_path_factory, "draft-lm", build) / "bundle"
+
+
+@pytest.fixture(scope="session")
+def ngram_bundle_8da4w(tmp_path_factory, tiny_dir_seed5) -> Path:
+    """An android bundle of tiny_dir_seed5 named tiny-8da4w: 8da4w in groups of 32, 96
+    positions, the n-gram drafter (no heads ship for a random model), no quality measurement."""
+
+    def build(root: Path) -> None:
+        out = root / "tiny-8da4w"
+        args = ["--model", str(tiny_dir_seed5), "--out", str(out), "--max-seq-len", "96"]
+        export_cli(*args, "--quality-tokens", "0", "--quant", "8da4w", "--group-size", "32")
+
+    return built_once(tmp_path_factory, "ngram-8da4w", build) / "tiny-8da4w"
+
+
+@pytest.fixture
+def copy_bundle(tmp_path):
+    """bundle -> a fresh copy of it in this test's directory, to edit or break."""
+
+    def copy(bundle: Path) -> Path:
+        out = tmp_path / f"copy-{Path(bundle).name}"
+        n = 1
+        while out.exists():
+            n += 1
+            out = tmp_path / f"copy{n}-{Path(bundle).name}"
+        shutil.copytree(bundle, out)
+        return out
+
+    return copy
+
+
+# --- the native build ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_native_build_at_a_time():
+    """mtp_edge.runtime.native.build under NATIVE_BUILD_LOCK for the whole run: test modules in
+    other processes (xdist workers) build in the same runtime/native/build."""
+    from mtp_edge.runtime import native
+
+    build = native.build
+
+    def locked_build(*args, **kwargs):
+        with file_lock(NATIVE_BUILD_LOCK):
+            return build(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(native, "build", locked_build)
+        yield
+
+
+@pytest.fixture(scope="session")
+def native_runner() -> Path:
+    """The host build of the native runtime (runtime/native/build): mtp-runner's path."""
+    from mtp_edge.runtime import native
+
+    return native.build(jobs=1)
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path

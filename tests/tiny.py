@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
+import json
+import os
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
 import torch
 
 from mtp_edge.config import ModelConfig
@@ -93,6 +100,29 @@ def byte_level_tokenizer(vocab: int = 97):
     return backend
 
 
+# A chat template in the ChatML frame the tiny tokenizer's special tokens spell.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Held while the native runtime builds in runtime/native/build: two test processes (pytest-xdist
+# workers, or two runs side by side) must not run cmake in one build directory at once.
+NATIVE_BUILD_LOCK = Path(tempfile.gettempdir()) / f"mtp-edge-native-build-{os.getuid()}.lock"
+
+
+@contextmanager
+def file_lock(path: Path):
+    """An exclusive lock on `path` (created if missing), across processes; blocks until free."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def save_hf_dir(reference, directory, vocab: int = 97, **save_options):
     """A Hugging Face model directory: safetensors weights, config.json and tokenizer.json."""
     reference.save_pretrained(directory, safe_serialization=True, **save_options)
@@ -154,6 +184,39 @@ def save_random_heads(model_dir, path, attention: str = "target_cache"):
     init_from_target(head, target.model, torch.arange(c.vocab_size - 64, c.vocab_size))
     save_heads(head, config, path)
     return path
+
+
+def save_chat_dir(directory, seed: int = 3, **overrides):
+    """A tiny llama with a chat template and a bos token that opens every prompt."""
+    model_dir = save_hf_dir(hf_reference("llama", seed=seed, **overrides), Path(directory))
+    config = {"bos_token": "<|im_start|>", "add_bos_token": True, "chat_template": CHAT_TEMPLATE}
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    return model_dir
+
+
+def amplify_cache_attention(path, factor: float = 4.0) -> None:
+    """Scale the random head's attention output so that its drafts depend on what it reads in
+    the cache: with the plain random head, a draft method reading a cache of its own (zeros)
+    drafts the same tokens, and the tests could not tell (checked by breaking the sharing). A
+    self head's drafts then depend more on the rows fed into its own cache."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata()
+        state = {name: f.get_tensor(name) for name in f.keys()}
+    state["blocks.0.cache_attn.o_proj.weight"] *= factor
+    save_file(state, str(path), metadata=metadata)
+
+
+def without_drafting_policy(bundle: Path) -> None:
+    """Make `bundle`'s manifest say what `mtp-export --lookup none --draft-confidence 0` writes:
+    no drafting policy (the exporter writes nothing else differently for these options)."""
+    path = Path(bundle) / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["drafter"].pop("lookup", None)
+    manifest["drafter"].pop("draft_confidence", None)
+    path.write_text(json.dumps(manifest, indent=2) + "\n")
 
 
 def setup_options(bundle, max_seq_len: int):
