@@ -44,6 +44,10 @@ class BenchmarkActivity : Activity() {
             } catch (e: RuntimeException) {
                 Log.e(TAG, "benchmark failed: ${e.message}")
                 JSONObject().put("error", e.message ?: e.toString()).toString(2)
+            } catch (e: LinkageError) { // an APK built without the NDK: no libmtp_demo_jni.so
+                val message = getString(R.string.no_native_library, (e.cause ?: e).toString())
+                Log.e(TAG, message)
+                JSONObject().put("error", message).toString(2)
             }
             // Written beside and renamed into place: a reader never sees half a report.
             val partial = File(output.path + ".tmp")
@@ -58,7 +62,12 @@ class BenchmarkActivity : Activity() {
     private fun deviceInfo(): JSONObject {
         val memory = ActivityManager.MemoryInfo()
         getSystemService(ActivityManager::class.java).getMemoryInfo(memory)
-        val soc = if (Build.VERSION.SDK_INT >= 31) Build.SOC_MODEL else Build.HARDWARE
+        // Build.SOC_MODEL (API 31) read by name: the app also compiles against older android.jars.
+        val soc = if (Build.VERSION.SDK_INT >= 31) {
+            Build::class.java.getField("SOC_MODEL").get(null) as String
+        } else {
+            Build.HARDWARE
+        }
         return JSONObject()
             .put("device", Build.BRAND)
             .put("arch", Build.MODEL)

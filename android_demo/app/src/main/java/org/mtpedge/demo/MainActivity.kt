@@ -46,14 +46,14 @@ class MainActivity : Activity() {
     override fun onCreate(savedInstanceState: Bundle?) {
         super.onCreate(savedInstanceState)
         setContentView(R.layout.activity_main)
-        statsView = findViewById(R.id.stats)
-        messages = findViewById(R.id.messages)
-        scrollView = findViewById(R.id.scroll)
-        input = findViewById(R.id.input)
-        sendButton = findViewById(R.id.send)
+        statsView = find(R.id.stats)
+        messages = find(R.id.messages)
+        scrollView = find(R.id.scroll)
+        input = find(R.id.input)
+        sendButton = find(R.id.send)
         sendButton.setOnClickListener { if (generating) stopRequested = true else send() }
-        findViewById<Button>(R.id.settings).setOnClickListener { showSettings() }
-        findViewById<Button>(R.id.new_chat).setOnClickListener { newChat() }
+        find<Button>(R.id.settings).setOnClickListener { showSettings() }
+        find<Button>(R.id.new_chat).setOnClickListener { newChat() }
 
         val bundles = findBundles(this)
         if (bundles.isEmpty()) {
@@ -62,7 +62,7 @@ class MainActivity : Activity() {
             sendButton.isEnabled = false
             return
         }
-        val spinner = findViewById<Spinner>(R.id.bundle)
+        val spinner = find<Spinner>(R.id.bundle)
         spinner.adapter = ArrayAdapter(
             this, android.R.layout.simple_spinner_dropdown_item, bundles.map { it.path },
         )
@@ -89,6 +89,8 @@ class MainActivity : Activity() {
             } catch (e: RuntimeException) {
                 closeEngine()
                 getString(R.string.load_failed, e.message)
+            } catch (e: LinkageError) { // an APK built without the NDK: no libmtp_demo_jni.so
+                getString(R.string.no_native_library, (e.cause ?: e).toString())
             }
             runOnUiThread {
                 statsView.text = message
@@ -178,10 +180,10 @@ class MainActivity : Activity() {
     /** The settings sheet; what it sets applies from the next answer on. */
     private fun showSettings() {
         val view = layoutInflater.inflate(R.layout.settings, null)
-        val speculative = view.findViewById<Switch>(R.id.setting_speculative)
-        val k = view.findViewById<EditText>(R.id.setting_k)
-        val temperature = view.findViewById<EditText>(R.id.setting_temperature)
-        val maxNewTokens = view.findViewById<EditText>(R.id.setting_max_new_tokens)
+        val speculative = view.find<Switch>(R.id.setting_speculative)
+        val k = view.find<EditText>(R.id.setting_k)
+        val temperature = view.find<EditText>(R.id.setting_temperature)
+        val maxNewTokens = view.find<EditText>(R.id.setting_max_new_tokens)
         speculative.isChecked = settings.speculative
         k.setText(settings.k?.toString().orEmpty())
         temperature.setText(settings.temperature.toString())
@@ -227,4 +229,16 @@ class MainActivity : Activity() {
         worker.shutdown()
         super.onDestroy()
     }
+}
+
+// findViewById's generic form (<T : View>) is API 26; these read the View and cast it, which
+// compiles against every android.jar the app is built with (API 23 here, 35 with Gradle).
+private inline fun <reified V : View> Activity.find(id: Int): V {
+    val found: View = findViewById(id)
+    return found as V
+}
+
+private inline fun <reified V : View> View.find(id: Int): V {
+    val found: View = findViewById(id)
+    return found as V
 }
