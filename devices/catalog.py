@@ -16,7 +16,7 @@ from functools import cache
 from importlib import resources
 
 from mtp_edge.errors import UserError
-from mtp_edge.machine import measure_matmul_gops
+from mtp_edge.machine import INT8_PATHS, int8_path, measure_matmul_rates
 
 
 @dataclass
@@ -35,6 +35,10 @@ class Device:
     npu_int8_tops: float | None
     sources: dict  # figure -> where it comes from
     measured: bool = False  # True for the host: figures from live probes, not spec sheets
+    # How the CPU multiplies int8 (mtp_edge/machine.py INT8_PATHS): a dot-product instruction
+    # (VNNI, SDOT, SMMLA) or widening multiply-adds (AVX2), which decides what a verification of
+    # k+1 rows costs beyond a step where the weights' read does not hide the arithmetic.
+    int8_path: str | None = None
 
 
 def catalog() -> list[Device]:
@@ -57,6 +61,7 @@ def catalog() -> list[Device]:
                 gpu_fp32_tflops=d["gpu_fp32_tflops"]["value"],
                 npu_int8_tops=d["npu_int8_tops"]["value"],
                 sources={k: v["source"] for k, v in figures.items()},
+                int8_path=d["cpu_int8_path"]["value"],
             )
         )
     return out
@@ -81,9 +86,10 @@ def host_device() -> Device:
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     import torch
 
+    threads = torch.get_num_threads()  # before the probes hand the cores to ExecuTorch
     bandwidth = measure_bandwidth_gbs()
-    int8, fp32 = measure_matmul_gops()
-    threads = torch.get_num_threads()
+    rates = measure_matmul_rates()
+    path = int8_path()
     how = "measured live on this machine"
     return Device(
         name="host",
@@ -94,17 +100,19 @@ def host_device() -> Device:
         ram_gb=round(ram, 1),
         bandwidth_gbs=round(bandwidth, 1),
         cpu=f"{cores} cores ({threads} threads in the matmul probes), {cpu_model()}",
-        cpu_int8_gops=round(int8, 1),
-        cpu_fp32_gflops=round(fp32, 1),
+        cpu_int8_gops=round(rates.int8_gops, 1),
+        cpu_fp32_gflops=round(rates.fp32_gflops, 1),
         gpu_fp32_tflops=None,
         npu_int8_tops=None,
         sources={
             "memory_bandwidth_gbs": f"{how}: numpy sums over a 512 MB array, a stream per core",
-            "cpu_int8_gops": f"{how}: torch._int_mm 1024^3 int8 matmul",
-            "cpu_fp32_gflops": f"{how}: torch 1024^3 fp32 matmul",
+            "cpu_int8_gops": f"{how}: {rates.how}",
+            "cpu_fp32_gflops": f"{how}: {rates.how}",
+            "cpu_int8_path": f"{path.instruction}; from the CPU's flags (/proc/cpuinfo)",
             "ram_gb": "os.sysconf",
         },
         measured=True,
+        int8_path=path.name,
     )
 
 
@@ -153,14 +161,23 @@ def devices_table(devices: list[Device]) -> str:
         return "—" if v is None else fmt.format(v)
 
     lines = [
-        "| name | device | SoC | RAM GB | bandwidth GB/s | CPU int8 Gop/s | CPU fp32 GFLOP/s "
-        "| GPU fp32 TFLOPS | NPU int8 TOPS |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| name | device | SoC | RAM GB | bandwidth GB/s | CPU int8 path | CPU int8 Gop/s "
+        "| CPU fp32 GFLOP/s | GPU fp32 TFLOPS | NPU int8 TOPS |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for d in devices:
         lines.append(
             f"| {d.name} | {d.title} | {d.soc} | {show(d.ram_gb)} | {show(d.bandwidth_gbs)}"
-            f"{' (measured)' if d.measured else ''} | {show(d.cpu_int8_gops)} | "
+            f"{' (measured)' if d.measured else ''} | {int8_path_label(d.int8_path)} | "
+            f"{show(d.cpu_int8_gops)}{' (measured)' if d.measured else ''} | "
             f"{show(d.cpu_fp32_gflops)} | {show(d.gpu_fp32_tflops)} | {show(d.npu_int8_tops)} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def int8_path_label(name: str | None) -> str:
+    """'avx2 (no dot product)', 'i8mm', ...: the path and whether it has an int8 dot product."""
+    if name is None:
+        return "—"
+    path = INT8_PATHS.get(name)
+    return name if path is None or path.dot_product else f"{name} (no dot product)"

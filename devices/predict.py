@@ -14,6 +14,13 @@ memory-bound chip t(k+1) is close to t(1), which is where the speedup comes from
 Device compute and bandwidth are peak figures; kernels reach a fraction of them. That fraction,
 the per-call overhead, the loop's own work and the drafter's cost are measured on the host by
 timing the bundle's programs (`calibrate_session`), and carried over to catalog devices.
+
+The compute rate is the int8 rate at which a verification's extra rows are computed (a k+1-token
+call against a one-token call), not a prefill's: on a CPU without an int8 dot product (x86 with
+AVX2 only: XNNPACK widens the weights to 16 bits and multiplies with VPMADDWD) those rows cost
+far more than the weight read they share, and verify(k+1) costs ~1.7 decoding steps where a
+VNNI or SDOT/SMMLA core keeps it near 1.1. A catalog device's rate is its int8 peak times the
+host's efficiency against its own int8 probe (XNNPACK's 8-bit GEMM, mtp_edge/machine.py).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from mtp_edge.devices.catalog import Device, host_device
+from mtp_edge.devices.catalog import Device, host_device, int8_path_label
 from mtp_edge.devices.cost import BundleCost, bundle_cost
 from mtp_edge.errors import UserError
 from mtp_edge.manifest import Manifest
@@ -39,8 +46,8 @@ class Calibration:
     """Measured on the host: what the roofline alone does not know."""
 
     bandwidth_gbs: float  # memory read bandwidth, probed at calibration time
-    compute_gops: float  # achieved by a compute-bound target call (a full prefill chunk)
-    compute_efficiency: float  # compute_gops / the host's int8 matmul probe
+    compute_gops: float  # int8 rate of a verification's extra rows (k+1 vs 1 token, same context)
+    compute_efficiency: float  # compute_gops / the host's int8 matmul probe (XNNPACK 8da8w)
     target_overhead_ms: float  # a 1-token call minus its memory and compute time
     draft_overhead_ms: float  # one draft step (incl. the drafter's Python) minus its roofline
     plain_loop_ms: float  # the loop's own work per plain step (a session that costs nothing)
@@ -129,9 +136,11 @@ def calibrate(bundle_dir: str | Path, cost: BundleCost, repeats: int = 3) -> Cal
 def calibrate_session(
     session, drafter, cost: BundleCost, context: int = 256, runs: int = 7
 ) -> Calibration:
-    """Time the bundle's programs on this machine: a 1-token call (overhead), a full prefill
-    chunk (achieved compute), the drafter's proposals, the loop around a free session; and probe
-    the memory bandwidth right then, since other load on the machine changes all of them.
+    """Time the bundle's programs on this machine: a 1-token call (overhead), a k+1-token call
+    right after it (the int8 rate of a verification's extra rows), a full prefill chunk (the
+    rate where those rows cost nothing measurable), the drafter's proposals, the loop around a
+    free session; and probe the memory bandwidth right then, since other load on the machine
+    changes all of them.
 
     The session's cache slots from `context` on are written; a generation that starts at 0
     overwrites them before it reads them."""
@@ -140,13 +149,20 @@ def calibrate_session(
 
     host = host_device()
     chunk = min(session.max_chunk, session.max_seq_len // 2)
+    width = min(cost.k + 1, chunk)
     context = max(min(context, session.max_seq_len - chunk - 1), 8)
     bw = measure_bandwidth_gbs(megabytes=256, runs=3) * 1e9
-    one = _median_ms(lambda: session.forward([5], context), runs)
     full = _median_ms(lambda: session.forward([5] * chunk, context), max(3, runs // 3))
     memory_full = call_time(*cost.target_call(chunk, context), bw, float("inf"), 0.0).ms
-    compute = cost.target_call(chunk, context)[1] / max((full - memory_full) / 1e3, 1e-6)
+    prefill_compute = cost.target_call(chunk, context)[1] / max((full - memory_full) / 1e3, 1e-6)
+    one, verify_ms = _alternating_ms(session, width, context, 3 * runs)
     b1, f1 = cost.target_call(1, context)
+    bk, fk = cost.target_call(width, context)
+    # The verification's extra rows: their arithmetic and the few extra bytes they move. Where
+    # they cost no measurable time (a dot-product core, memory-bound), the prefill's rate.
+    extra_s = (verify_ms - one) / 1e3 - (bk - b1) / bw
+    compute = (fk - f1) / extra_s if extra_s > 0 else prefill_compute
+    compute = min(compute, prefill_compute) if width > 1 else prefill_compute
     target_overhead = max(one - call_time(b1, f1, bw, compute, 0.0).ms, 0.0)
     plain_loop, spec_loop = loop_overheads(cost)
     # The drafter's whole proposal of k tokens, as the loop calls it: right after a target call,
@@ -180,12 +196,31 @@ def calibrate_session(
         spec_loop_ms=round(spec_loop, 3),
         measured_ms={
             "target_1_token": round(one, 3),
+            f"target_{width}_tokens_after_1": round(verify_ms, 3),
+            "verify_over_decode": round(verify_ms / one, 3),
             f"target_{chunk}_tokens": round(full, 3),
+            "prefill_compute_gops": round(prefill_compute / 1e9, 2),
             f"draft_proposal_k{cost.k}": round(draft_ms, 3),
             "context": context,
             "host_int8_probe_gops": host.cpu_int8_gops,
+            "host_int8_path": host.int8_path,
         },
     )
+
+
+def _alternating_ms(session, width: int, context: int, runs: int) -> tuple[float, float]:
+    """Median ms of a one-token call and of a `width`-token call right after it, alternating
+    as in the speculative loop (a call repeated alone is cheaper than in the loop)."""
+    ones, wides = [], []
+    for i in range(runs + 2):
+        t = time.perf_counter()
+        session.forward([5], context)
+        middle = time.perf_counter()
+        session.forward([5] * width, context + 1)
+        if i >= 2:
+            ones.append(middle - t)
+            wides.append(time.perf_counter() - middle)
+    return statistics.median(ones) * 1e3, statistics.median(wides) * 1e3
 
 
 def best(calibrations: list[Calibration]) -> Calibration:
@@ -301,6 +336,7 @@ def predict(
         "device": device.name,
         "bundle": cost.name,
         "context": context,
+        "int8_path": device.int8_path,
         "bandwidth_gbs_used": round(bandwidth / 1e9, 2),
         "compute_gops_used": round(compute / 1e9, 1),
         "plain": {**_show(plain), "tokens_per_s": round(1e3 / plain.ms, 2)},
@@ -348,6 +384,7 @@ def predict(
     spec_tps = tau / step_ms * 1e3
     out["speculative"] = {
         "verify": _show(verify),
+        "verify_over_decode": round(verify.ms / plain.ms, 3),
         "draft": _show(step) if step else None,
         "draft_ms_per_verify": round(draft_ms, 3),
         "ms_per_verify": round(step_ms, 3),
@@ -400,18 +437,20 @@ def compare_with_measured(prediction: dict, bench: dict) -> dict:
 
 def to_markdown(predictions: list[dict], validation: dict | None = None) -> str:
     lines = [
-        "| device | plain tok/s | plain bound | spec tok/s | verify bound | speedup | tau |",
-        "|---|---|---|---|---|---|---|",
+        "| device | int8 path | plain tok/s | plain bound | spec tok/s | verify / decode "
+        "| verify bound | speedup | tau |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for p in predictions:
         spec = p.get("speculative")
         lines.append(
-            f"| {p['device']} | {p['plain']['tokens_per_s']:.1f} | {p['plain']['bound']} | "
+            f"| {p['device']} | {int8_path_label(p.get('int8_path'))} | "
+            f"{p['plain']['tokens_per_s']:.1f} | {p['plain']['bound']} | "
             + (
-                f"{spec['tokens_per_s']:.1f} | {spec['verify']['bound']} | {p['speedup']:.2f}x | "
-                f"{p['acceptance']['tau']:.2f} |"
+                f"{spec['tokens_per_s']:.1f} | {spec['verify_over_decode']:.2f} | "
+                f"{spec['verify']['bound']} | {p['speedup']:.2f}x | {p['acceptance']['tau']:.2f} |"
                 if spec
-                else "— | — | — | — |"
+                else "— | — | — | — | — |"
             )
         )
     if predictions:

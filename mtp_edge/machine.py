@@ -1,15 +1,192 @@
-"""What this machine's CPU computes at best: int8 and fp32 matmul throughput, the peak that
-mtp-devices records for the host and that mtp-train's report sets its writing and labelling
-rates against."""
+"""What this machine's CPU computes at best: the int8 path its cores have (a dot-product
+instruction or not) and the int8 and fp32 matmul throughput XNNPACK reaches on it, the figures
+mtp-devices records for the host, mtp-predict scales the catalog's peaks by, and mtp-train's
+report sets its writing and labelling rates against."""
 
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
 import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Int8Path:
+    """How a CPU multiplies 8-bit integers, and what XNNPACK's 8-bit GEMM does with it."""
+
+    name: str  # avx512-vnni | avx-vnni | avx512 | avx2 | sse4 | sme | i8mm | neon-dot | neon | ...
+    dot_product: bool  # a multiply-accumulate of int8 pairs into int32 in one instruction
+    instruction: str
+    # Rows of the tile of XNNPACK's per-channel 8-bit GEMM on this path (its gemm config's mr):
+    # a call of up to this many rows reads the weights once; one more row starts a second pass.
+    xnnpack_rows: int | None
+
+
+INT8_PATHS = {
+    path.name: path
+    for path in (
+        Int8Path("avx512-vnni", True, "VPDPBUSD on 512-bit vectors (AVX512-VNNI)", 5),
+        Int8Path("avx-vnni", True, "VPDPBUSD on 256-bit vectors (AVX-VNNI)", 5),
+        Int8Path("avx512", False, "VPMADDWD on 512-bit vectors, no int8 dot product", 8),
+        Int8Path(
+            "avx2",
+            False,
+            "VPMADDWD on 256-bit vectors after widening the weights to 16 bits, no int8 dot "
+            "product",
+            4,
+        ),
+        Int8Path("sse4", False, "PMADDWD on 128-bit vectors, no int8 dot product", 4),
+        Int8Path("sme", True, "SME outer products; XNNPACK's 8-bit GEMM runs SMMLA (i8mm)", 4),
+        Int8Path("i8mm", True, "SMMLA 2x8x2 int8 matrix multiply-accumulate (FEAT_I8MM)", 4),
+        Int8Path("neon-dot", True, "SDOT 4-way int8 dot product (FEAT_DotProd)", 4),
+        Int8Path("neon", False, "SMLAL widening multiply-adds, no int8 dot product", None),
+        Int8Path("unknown", False, "not recognised from the CPU's flags", None),
+    )
+}
+
+
+def int8_path(cpuinfo: str | None = None) -> Int8Path:
+    """The int8 path of this CPU (or of a /proc/cpuinfo text): the best of VNNI, AVX-512,
+    AVX2 and SSE4 from an x86 `flags` line; SME, i8mm, dot product and NEON from an ARM
+    `Features` line. Without /proc/cpuinfo (macOS), sysctl's hw.optional.arm.FEAT_* keys."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return _darwin_int8_path()
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip().lower() in ("flags", "features"):
+            flags |= set(value.lower().split())
+    for name, needs in (
+        ("avx512-vnni", ("avx512_vnni",)),
+        ("avx-vnni", ("avx_vnni",)),
+        ("avx512", ("avx512f", "avx512bw")),
+        ("avx2", ("avx2",)),
+        ("sse4", ("sse4_1",)),
+        ("sme", ("sme", "i8mm")),
+        ("i8mm", ("i8mm",)),
+        ("neon-dot", ("asimddp",)),
+        ("neon", ("asimd",)),
+    ):
+        if all(flag in flags for flag in needs):
+            return INT8_PATHS[name]
+    return INT8_PATHS["unknown"]
+
+
+def _darwin_int8_path() -> Int8Path:
+    def has(feature: str) -> bool:
+        try:
+            out = subprocess.run(
+                ["sysctl", "-n", f"hw.optional.arm.{feature}"],
+                capture_output=True,
+                text=True,
+                timeout=5,
+            )
+        except (OSError, subprocess.SubprocessError):
+            return False
+        return out.stdout.strip() == "1"
+
+    if platform.machine().lower() not in ("arm64", "aarch64"):
+        return INT8_PATHS["unknown"]
+    for name, feature in (("sme", "FEAT_SME"), ("i8mm", "FEAT_I8MM"), ("neon-dot", "FEAT_DotProd")):
+        if has(feature):
+            return INT8_PATHS[name]
+    return INT8_PATHS["neon"]
+
+
+@dataclass(frozen=True)
+class MatmulRates:
+    int8_gops: float
+    fp32_gflops: float
+    how: str  # which kernels were timed, for the figures' sources
+
+
+# The probe: one linear layer of this size, its weights in the cores' caches, called on this many
+# rows (several passes of any path's tile), so arithmetic and not memory sets its time.
+PROBE_IN, PROBE_OUT, PROBE_ROWS = 1024, 1024, 32
+
+
+def measure_matmul_rates(runs: int = 7) -> MatmulRates:
+    """int8 and fp32 matmul throughput as the bundles compute it: XNNPACK's 8-bit dynamically
+    quantized GEMM (8da8w, per-channel weights) and its float GEMM, each one linear layer in an
+    ExecuTorch program, timed with ExecuTorch's thread pool (the cores decoding uses). Without
+    ExecuTorch, torch's matmuls (whose int8 path on x86 is a reference loop, far below the
+    hardware's rate)."""
+    try:
+        int8 = _xnnpack_gops("8da8w", runs)
+        fp32 = _xnnpack_gops("fp32", runs)
+    except ImportError:
+        int8, fp32 = _torch_matmul_gops(runs=runs)
+        return MatmulRates(int8, fp32, "torch._int_mm and torch.mm, 1024^3 (no ExecuTorch)")
+    how = (
+        f"XNNPACK linear {PROBE_IN}x{PROBE_OUT} in an ExecuTorch program (int8: 8da8w per "
+        f"channel; fp32: float weights), {PROBE_ROWS} rows, weights in cache"
+    )
+    return MatmulRates(int8, fp32, how)
 
 
 def measure_matmul_gops(n: int = 1024, runs: int = 5) -> tuple[float, float]:
-    """int8 and fp32 matmul throughput (Gop/s) with torch's current thread count: the peak the
-    CPU's dot-product units reach on a large, cache-friendly problem."""
+    """(int8 Gop/s, fp32 GFLOP/s): `measure_matmul_rates` without the description."""
+    rates = measure_matmul_rates(runs=runs)
+    return rates.int8_gops, rates.fp32_gflops
+
+
+def _probe_program(scheme: str) -> Path:
+    """The probe's .pte, lowered once per ExecuTorch version and kept in the user's cache."""
+    import executorch
+    import torch
+    from torch import nn
+
+    version = getattr(executorch, "__version__", "unknown")
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    path = Path(base) / "mtp-edge" / "probes" / version / f"linear_{scheme}_{PROBE_IN}.pte"
+    if path.exists():
+        return path
+    from mtp_edge.exporter.executorch import lower
+    from mtp_edge.quantize.schemes import QuantScheme, quantize_modules
+
+    torch.manual_seed(0)
+    layer = nn.Sequential(nn.Linear(PROBE_IN, PROBE_OUT, bias=False)).eval()
+    if scheme != "fp32":
+        quantize_modules(layer, QuantScheme(linear=scheme, group_size=0))
+    example = (torch.randn(1, 2, PROBE_IN),)
+    dynamic = ({1: torch.export.Dim("T", min=1, max=PROBE_ROWS)},)
+    with torch.no_grad():
+        exported = torch.export.export(layer, example, dynamic_shapes=dynamic, strict=True)
+        buffer = lower(exported).buffer
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    partial.write_bytes(buffer)
+    partial.replace(path)
+    return path
+
+
+def _xnnpack_gops(scheme: str, runs: int) -> float:
+    import torch
+    from executorch.runtime import Runtime
+
+    from mtp_edge.runtime.executorch_session import hand_cores_to_executorch
+
+    hand_cores_to_executorch()
+    method = Runtime.get().load_program(_probe_program(scheme)).load_method("forward")
+    x = torch.randn(1, PROBE_ROWS, PROBE_IN)
+    for _ in range(3):
+        method.execute([x])
+    best = float("inf")
+    for _ in range(runs):
+        t = time.perf_counter()
+        for _ in range(10):
+            method.execute([x])
+        best = min(best, (time.perf_counter() - t) / 10)
+    return 2 * PROBE_IN * PROBE_OUT * PROBE_ROWS / best / 1e9
+
+
+def _torch_matmul_gops(n: int = 1024, runs: int = 5) -> tuple[float, float]:
     import torch
 
     best = {}

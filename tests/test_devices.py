@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from tiny import hf_reference, save_hf_dir
 
 from mtp_edge.cli import bench, devices, export, predict, profile
 from mtp_edge.devices import cost as cost_module
@@ -35,8 +34,8 @@ def error_line(result) -> str:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_hf_dir(hf_reference("llama", seed=5), tmp_path_factory.mktemp("model"))
+def model_dir(tiny_dir_seed5):
+    return tiny_dir_seed5  # conftest.py's, shared
 
 
 def export_tiny(model_dir, out: Path, *extra: str) -> Path:
@@ -47,10 +46,10 @@ def export_tiny(model_dir, out: Path, *extra: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def bundle(model_dir, tmp_path_factory):
-    """A tiny 8da4w bundle with the n-gram drafter (no heads ship for a random model)."""
-    root = tmp_path_factory.mktemp("bundles")
-    return export_tiny(model_dir, root / "tiny-8da4w", "--quant", "8da4w", "--group-size", "32")
+def bundle(ngram_bundle_8da4w):
+    """A tiny 8da4w bundle of model_dir with the n-gram drafter (no heads ship for a random
+    model): conftest.py's, shared."""
+    return ngram_bundle_8da4w
 
 
 @pytest.fixture(scope="module")
@@ -524,3 +523,109 @@ def test_merge_of_one_part_is_that_part():
 def test_manifest_still_loads_after_profile(bundle):
     Manifest.load(bundle)  # the bundle is read, never changed, by the commands above
     assert host_device() is host_device()  # measured once per process
+
+
+# --- the CPU's int8 path ---------------------------------------------------------------------
+
+# /proc/cpuinfo lines of real machines (shortened to the flags that decide)
+CPUINFO_AVX2_EPYC = (
+    "model name\t: AMD EPYC\n"
+    "flags\t\t: fpu sse sse2 ssse3 fma sse4_1 sse4_2 avx f16c avx2 bmi2 sha_ni vaes\n"
+)
+CPUINFO_ICELAKE = "flags\t\t: sse4_1 avx avx2 avx512f avx512bw avx512vl avx512_vnni avx512_bf16\n"
+CPUINFO_ALDER_LAKE = "flags\t\t: sse4_1 avx avx2 fma avx_vnni\n"
+CPUINFO_SKYLAKE_X = "flags\t\t: sse4_1 avx avx2 avx512f avx512bw avx512vl\n"
+CPUINFO_PI5 = "processor\t: 0\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 asimddp lrcpc\n"
+CPUINFO_X4 = "Features\t: fp asimd asimddp sve sve2 i8mm bf16 asimdhp\n"
+CPUINFO_SME = "Features\t: fp asimd asimddp i8mm bf16 sme sme2\n"
+CPUINFO_A53 = "Features\t: fp asimd evtstrm crc32 cpuid\n"
+
+
+@pytest.mark.parametrize(
+    "text, name, dot, rows",
+    [
+        (CPUINFO_AVX2_EPYC, "avx2", False, 4),
+        (CPUINFO_ICELAKE, "avx512-vnni", True, 5),
+        (CPUINFO_ALDER_LAKE, "avx-vnni", True, 5),
+        (CPUINFO_SKYLAKE_X, "avx512", False, 8),
+        (CPUINFO_PI5, "neon-dot", True, 4),
+        (CPUINFO_X4, "i8mm", True, 4),
+        (CPUINFO_SME, "sme", True, 4),
+        (CPUINFO_A53, "neon", False, None),
+        ("model name\t: something\n", "unknown", False, None),
+    ],
+)
+def test_int8_path_from_cpuinfo(text, name, dot, rows):
+    from mtp_edge.machine import int8_path
+
+    path = int8_path(text)
+    assert (path.name, path.dot_product, path.xnnpack_rows) == (name, dot, rows)
+
+
+def test_host_reports_its_int8_path_and_rates():
+    from mtp_edge.machine import INT8_PATHS, int8_path
+
+    host = host_device()
+    assert host.int8_path == int8_path().name and host.int8_path in INT8_PATHS
+    assert host.cpu_int8_gops > 0.1 and host.cpu_fp32_gflops > 0.1
+    assert "cpu_int8_path" in host.sources
+
+
+def test_catalog_says_which_int8_path_each_device_has():
+    from mtp_edge.machine import INT8_PATHS
+
+    for d in catalog():
+        assert d.int8_path in INT8_PATHS and d.sources["cpu_int8_path"].strip(), d.name
+        # every catalogued phone has a dot product (SDOT or SMMLA); so do the x86 laptops (VNNI)
+        assert INT8_PATHS[d.int8_path].dot_product, d.name
+    by_name = {d.name: d.int8_path for d in catalog()}
+    assert by_name["raspberry-pi-5"] == "neon-dot" and by_name["galaxy-s24-ultra"] == "i8mm"
+
+
+def test_devices_table_says_when_there_is_no_dot_product():
+    from dataclasses import replace
+
+    from mtp_edge.devices.catalog import devices_table
+
+    table = devices_table([replace(device(30, 100), int8_path="avx2")])
+    assert "avx2 (no dot product)" in table
+    assert "| i8mm |" in devices_table([replace(device(30, 100), int8_path="i8mm")])
+
+
+def default_like_cost() -> cost_module.BundleCost:
+    """SmolLM2-135M's shape at 8da8w: 30 layers, 9 query / 3 KV heads of 64, ~138 MB streamed."""
+    shape = cost_module.ProgramShape(
+        file_bytes=166_000_000,
+        embedding_bytes=28_500_000,
+        embedding_rows=49_152,
+        hidden=576,
+        layers=30,
+        kv_heads=3,
+        head_dim=64,
+        q_heads=9,
+        cache_len=2048,
+    )
+    return cost_module.BundleCost("default-like", shape, 8.0, 8.0, 49_152, 576, "ngram", None, 4)
+
+
+def test_verify_cost_follows_the_int8_rate():
+    """Same bandwidth and overhead, the int8 rate of an AVX2-only host against a 4x faster one
+    (VNNI's VPDPBUSD does four int8 multiply-adds where AVX2's VPMADDWD path does one after
+    widening): a 5-token verification costs ~1.7 decoding steps on the first, ~1.2 on the
+    second, and the verification is compute-bound only on the first."""
+    cost = default_like_cost()
+    acceptance = {"tau": 1.8, "drafted_per_step": 4.0, "context": 150, "source": "test"}
+
+    def at(int8_gops: float) -> dict:
+        figures = {"compute_gops": int8_gops, "bandwidth_gbs": 30.0, "target_overhead_ms": 1.5}
+        c = roofline.Calibration(**{**CALIBRATION.__dict__, **figures})
+        return roofline.predict(cost, device(30, int8_gops), c, acceptance)
+
+    avx2, vnni = at(215.0), at(860.0)
+    assert avx2["speculative"]["verify_over_decode"] == pytest.approx(1.7, abs=0.08)
+    assert vnni["speculative"]["verify_over_decode"] == pytest.approx(1.2, abs=0.05)
+    assert avx2["speculative"]["verify"]["bound"] == "compute"
+    assert vnni["speculative"]["verify"]["bound"] == "memory"
+    assert vnni["speedup"] > avx2["speedup"] * 1.3
+    ratios = [at(r)["speculative"]["verify_over_decode"] for r in (100, 200, 400, 800, 1600)]
+    assert ratios == sorted(ratios, reverse=True)
