@@ -89,8 +89,12 @@ def bundle_drafter(bundle: Bundle, min_confidence: float = 0.0):
             )
     if m.drafter.kind == "mtp":
         step, cache_len = backend(m.backend).open_mtp_step(bundle, lambda: target_session(bundle))
-        vocab = json.loads((bundle.path / m.models["drafter_vocab"].file).read_text())
+        entry = m.models["drafter_vocab"]
+        vocab = json.loads((bundle.path / entry.file).read_text())
         ids = torch.tensor(vocab["draft_ids"])
+        if m.drafter.draft_vocab_size is not None:
+            facts = {"drafter.draft_vocab_size": len(ids)}
+            check_manifest(bundle.path, m, facts, entry.file)
         limit = None if cache_len is None else (lambda: cache_len)
         return MtpDrafter(
             step, ids, m.vocab_size, min_confidence, limit, feeds_context=m.drafter.own_cache

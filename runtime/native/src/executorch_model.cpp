@@ -297,10 +297,36 @@ void set_xnnpack_weight_cache(bool enabled) { weight_cache_setting.store(enabled
 
 bool xnnpack_weight_cache() { return weight_cache_enabled(); }
 
+// The manifest's numbers against the constants mtp-export stored in the program
+// (exporter/executorch.py, metadata_methods), as runtime/executorch_session.py checks them: an
+// edited manifest is one line, not a read past the cache or an id past the embedding table.
+static void check_constant(Module& module, const std::string& pte, const char* method,
+                           const char* key, int64_t said) {
+  auto names = module.method_names();
+  if (!names.ok() || !names->count(method))
+    throw UserError(pte + " carries no " + method +
+                    " constant: it was not written by mtp-export; re-export the bundle");
+  auto values = module.execute(method);
+  if (!values.ok() || values->empty() || !(*values)[0].isInt())
+    throw UserError("cannot read the " + std::string(method) + " constant of " + pte +
+                    ": re-export the bundle");
+  const int64_t value = (*values)[0].toInt();
+  if (value == said) return;
+  const size_t slash = pte.find_last_of('/');
+  const std::string dir = slash == std::string::npos ? "." : pte.substr(0, slash);
+  const std::string file = slash == std::string::npos ? pte : pte.substr(slash + 1);
+  throw UserError("bundle " + dir + ": manifest.json says " + key + " is " + std::to_string(said) +
+                  " but " + file + " was exported with " + std::to_string(value) +
+                  " (the manifest was edited): restore its manifest.json or re-export the bundle");
+}
+
 std::unique_ptr<Model> open_executorch_model(const std::string& pte, int64_t max_seq_len,
                                              int64_t max_chunk, int64_t vocab_size,
                                              bool row_exact_forward) {
   auto model = std::make_unique<ExecuTorchModel>(pte);
+  check_constant(*model->module(), pte, "get_max_context_len", "max_seq_len", max_seq_len);
+  check_constant(*model->module(), pte, "get_max_seq_len", "max_chunk", max_chunk);
+  check_constant(*model->module(), pte, "get_vocab_size", "vocab_size", vocab_size);
   model->row_exact_forward = row_exact_forward;
   model->max_seq_len = max_seq_len;
   model->max_chunk = max_chunk;
