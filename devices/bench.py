@@ -6,8 +6,45 @@ from collections.abc import Callable
 
 from mtp_edge.devices.harness import Prompt, Suite, bench_report, progress_line
 from mtp_edge.devices.isolated import IsolatedSetup
+from mtp_edge.errors import Terminated
 from mtp_edge.logs import progress_bar
 from mtp_edge.runtime.assemble import LoadOptions, assemble
+
+
+class Stopped(Exception):
+    """The measurement was stopped (Ctrl-C, SIGTERM) after some prompts: `reports` are what was
+    measured, each marked partial; `cause` is the interrupt to re-raise once they are written."""
+
+    def __init__(self, reports: list[dict], cause: BaseException):
+        super().__init__("stopped")
+        self.reports, self.cause = reports, cause
+
+
+def mark_partial(report: dict, done: int, total: int, cause: BaseException) -> dict:
+    report["partial"] = {
+        "prompts_done": done,
+        "prompts": total,
+        "stopped_by": "SIGINT" if isinstance(cause, KeyboardInterrupt) else _signal_name(cause),
+    }
+    return report
+
+
+def partial_markdown(report: dict) -> str:
+    """The Markdown report of an interrupted run, saying so first."""
+    from mtp_edge.devices.harness import to_markdown
+
+    p = report["partial"]
+    note = (
+        f"**Partial**: stopped by {p['stopped_by']} after {p['prompts_done']} of "
+        f"{p['prompts']} prompts; the figures cover those prompts only.\n\n"
+    )
+    return note + to_markdown(report)
+
+
+def _signal_name(cause: BaseException) -> str:
+    import signal
+
+    return signal.Signals(cause.signum).name if isinstance(cause, Terminated) else "interrupt"
 
 
 def bench(
@@ -20,28 +57,51 @@ def bench(
 ) -> list[dict]:
     """Each setup's report. One setup runs here; several run in a worker process each
     (devices/isolated.py: runtimes in one process slow each other down), prompt by prompt in
-    turn so that machine drift hits all alike."""
+    turn so that machine drift hits all alike. Interrupted after at least one prompt, it raises
+    `Stopped` with the reports of the prompts done (no peer baselines: they take minutes)."""
     if len(setups) == 1:
         gen = assemble(setups[0])
         suite = Suite(gen.config.k, repeat)
-        with progress_bar(len(prompts), "prompts", unit="prompt") as bar:
-            for i, p in enumerate(prompts):
-                row = suite.run_prompt(
-                    gen.session, gen.encode, gen.drafter, p, gen.config, max_new_tokens
-                )
-                progress(f"[{i + 1}/{len(prompts)}] {progress_line(row)}")
-                bar.update(1)
+        try:
+            with progress_bar(len(prompts), "prompts", unit="prompt") as bar:
+                for i, p in enumerate(prompts):
+                    row = suite.run_prompt(
+                        gen.session, gen.encode, gen.drafter, p, gen.config, max_new_tokens
+                    )
+                    progress(f"[{i + 1}/{len(prompts)}] {progress_line(row)}")
+                    bar.update(1)
+        except (KeyboardInterrupt, Terminated) as cause:
+            done = len(suite.rows)
+            if done == 0:
+                raise
+            report = bench_report(
+                gen, suite, command, prompts[:done], max_new_tokens, progress, peer=False
+            )
+            raise Stopped([mark_partial(report, done, len(prompts), cause)], cause) from None
         return [bench_report(gen, suite, command, prompts, max_new_tokens, progress)]
     runs = []
     try:
         for options in setups:
             runs.append(IsolatedSetup(options, repeat, max_new_tokens))
-        with progress_bar(len(prompts) * len(runs), "prompts", unit="run") as bar:
-            for i, p in enumerate(prompts):
-                for run in runs:
-                    row = run.run_prompt(p)
-                    progress(f"[{i + 1}/{len(prompts)}] {run.label}: {progress_line(row)}")
-                    bar.update(1)
+        try:
+            with progress_bar(len(prompts) * len(runs), "prompts", unit="run") as bar:
+                for i, p in enumerate(prompts):
+                    for run in runs:
+                        row = run.run_prompt(p)
+                        progress(f"[{i + 1}/{len(prompts)}] {run.label}: {progress_line(row)}")
+                        bar.update(1)
+        except (KeyboardInterrupt, Terminated) as cause:
+            if len(runs) < len(setups):
+                raise
+            for run in runs:
+                run.finish_pending()  # a prompt it was measuring when the interrupt came
+            if any(run.done == 0 for run in runs):
+                raise
+            reports = []
+            for run in runs:
+                report = run.report(command, prompts[: run.done], peer=False)
+                reports.append(mark_partial(report, run.done, len(prompts), cause))
+            raise Stopped(reports, cause) from None
         return [run.report(command, prompts) for run in runs]
     finally:
         for run in runs:

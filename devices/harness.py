@@ -363,9 +363,12 @@ def _threads(backend: str) -> int:
     return torch.get_num_threads()
 
 
-def bench_report(gen, suite: Suite, command: str, prompts, max_new_tokens, progress) -> dict:
+def bench_report(
+    gen, suite: Suite, command: str, prompts, max_new_tokens, progress, peer: bool = True
+) -> dict:
     """One setup's mtp-bench report (`gen`: runtime/assemble.py's Generator); for an ExecuTorch
-    bundle with ExecuTorch's TextLLMRunner decoding the same .pte as the peer baseline."""
+    bundle with ExecuTorch's TextLLMRunner decoding the same .pte as the peer baseline (unless
+    `peer` is False: a report of an interrupted run)."""
 
     report = {
         "bundle": gen.bundle,
@@ -379,7 +382,7 @@ def bench_report(gen, suite: Suite, command: str, prompts, max_new_tokens, progr
         "command": command,
         **suite.body(),
     }
-    if gen.bundle is not None and gen.session.name == "executorch":
+    if peer and gen.bundle is not None and gen.session.name == "executorch":
         from mtp_edge.devices.peer import textllmrunner_baseline
 
         progress("[peer] ExecuTorch TextLLMRunner, plain decoding of the same target .pte")

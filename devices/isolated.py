@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import multiprocessing
+import signal
 import traceback
 
 from mtp_edge.devices.harness import Prompt
@@ -65,14 +66,30 @@ class IsolatedSetup:
         )
         self.process.start()
         child.close()
+        self.done = 0  # prompts measured
+        self.pending = False  # a prompt sent whose row has not been received
         self.label = self._receive()["label"]
 
     def run_prompt(self, prompt: Prompt) -> dict:
         self.conn.send_bytes(json.dumps({"prompt": dataclasses.asdict(prompt)}).encode())
-        return self._receive()
+        self.pending = True
+        row = self._receive()
+        self.pending, self.done = False, self.done + 1
+        return row
 
-    def report(self, command: str, prompts: list[Prompt]) -> dict:
-        message = {"report": command, "prompts": [dataclasses.asdict(p) for p in prompts]}
+    def finish_pending(self) -> None:
+        """Wait for the row of a prompt sent before an interrupt (the worker ignores Ctrl-C and
+        finishes it), so that the next message read is the report's."""
+        if self.pending:
+            self._receive()
+            self.pending, self.done = False, self.done + 1
+
+    def report(self, command: str, prompts: list[Prompt], peer: bool = True) -> dict:
+        message = {
+            "report": command,
+            "prompts": [dataclasses.asdict(p) for p in prompts],
+            "peer": peer,
+        }
         self.conn.send_bytes(json.dumps(message).encode())
         report = self._receive()
         self.close()
@@ -108,6 +125,9 @@ def _serve(conn, opts_json: str, repeat: int, max_new_tokens: int | None) -> Non
     from mtp_edge.runtime.assemble import assemble
 
     quiet_library_noise()
+    # Ctrl-C reaches the whole process group: the parent decides (it asks for the report of
+    # the prompts done, or kills the worker).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def send(message: dict) -> None:
         conn.send_bytes(json.dumps(message).encode())
@@ -128,11 +148,17 @@ def _serve(conn, opts_json: str, repeat: int, max_new_tokens: int | None) -> Non
             else:
                 prompts = [Prompt(**p) for p in message["prompts"]]
                 report = bench_report(
-                    gen, suite, message["report"], prompts, max_new_tokens, _to_stderr
+                    gen,
+                    suite,
+                    message["report"],
+                    prompts,
+                    max_new_tokens,
+                    _to_stderr,
+                    peer=message.get("peer", True),
                 )
                 send(report)
                 return
-    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group: the parent reports it
+    except KeyboardInterrupt:  # only if raised before SIGINT was ignored
         return
     except UserError as e:
         send({"user_error": str(e)})

@@ -83,6 +83,7 @@ def bench(
     """Plain vs speculative greedy decoding on the same backend, over a prompt suite."""
     import dataclasses
 
+    from mtp_edge.devices.bench import Stopped, partial_markdown
     from mtp_edge.devices.bench import bench as measure
     from mtp_edge.devices.harness import load_prompts, to_markdown
     from mtp_edge.devices.isolated import compare_spec
@@ -108,7 +109,15 @@ def bench(
         from mtp_edge.devices.peer import find_llama_bench
 
         find_llama_bench(llama_cpp)  # a wrong directory fails now, not after the measurement
-    reports = measure(setups, prompts, repeat, max_new_tokens, command, say)
+    try:
+        reports = measure(setups, prompts, repeat, max_new_tokens, command, say)
+    except Stopped as stop:  # Ctrl-C or SIGTERM after some prompts: keep what was measured
+        runs = stop.reports
+        write_json(json_out, runs[0] if len(runs) == 1 else {"command": command, "runs": runs})
+        write_atomic(markdown_out, "\n".join(partial_markdown(r) for r in stop.reports))
+        done = stop.reports[0]["partial"]
+        say(f"[partial] {done['prompts_done']} of {done['prompts']} prompts measured and written")
+        raise stop.cause from None
     if first.bundle is not None or gguf is not None:
         from mtp_edge.devices.peer import llama_cpp_peer
 
