@@ -209,6 +209,7 @@ def export_bundle(
     check_writable(out)  # fail before the slow part, not after
     if options.platform == "android":
         forecast_memory(options, config, max_seq_len, progress)
+    forecast_disk(options, config, out)
     quality: dict = {}
     heldout: list[int] = []
     if options.quality_tokens:
@@ -321,6 +322,17 @@ class Loaded:
     job: ExportJob
     quality: dict  # the fp32 reference perplexity and how it was taken
     quantized: bool  # the target was quantized as it was read (the platform's load_hook)
+
+
+def forecast_disk(options: ExportOptions, config, out: Path) -> None:
+    """Refuse, before the slow part, an export whose target program alone will not fit on the
+    filesystem of `out` (the bundle is written whole beside it, then renamed)."""
+    from mtp_edge.memory import disk_forecast, program_gb
+
+    program = program_gb(config, options.quant, options.group_size, options.embedding_quant)
+    shortfall = disk_forecast(out, program)
+    if shortfall is not None:
+        raise UserError(shortfall)
 
 
 def forecast_memory(

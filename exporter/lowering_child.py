@@ -8,6 +8,7 @@ second is the parent's process id: the child leaves as soon as that process is g
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -86,6 +87,13 @@ def main(argv: list[str]) -> int:
         send(result=_lower(job, lambda line: send(say=line)))
     except UserError as error:
         send(error=str(error))
+        return 2
+    except OSError as error:
+        if error.errno != errno.ENOSPC:
+            raise
+        from mtp_edge.memory import disk_full
+
+        send(error=disk_full(error.filename or job["directory"]))
         return 2
     except KeyboardInterrupt:
         return 130

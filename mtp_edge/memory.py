@@ -185,3 +185,49 @@ def available_gb() -> float | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+# Disk: the bundle is written into a temporary directory beside --out and renamed into place, so
+# the filesystem of --out must hold the whole bundle at once; its target program is most of it.
+_DISK_MARGIN = 1.05  # the manifest, tokenizer and drafter files beside the target program
+
+
+def free_disk_bytes(path: Path) -> int | None:
+    """Free bytes on the filesystem that holds `path` (or its nearest existing parent), None if
+    it cannot be read."""
+    import shutil
+
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def disk_forecast(out: Path, program: float) -> str | None:
+    """Why an export of a `program`-GB target into `out` cannot fit on its filesystem, or None
+    when it may (the forecast errs low: only a clear shortfall is refused)."""
+    free = free_disk_bytes(out)
+    need = program * 1e9 * _DISK_MARGIN
+    if free is None or free >= need:
+        return None
+    return (
+        f"{Path(out).absolute().parent} has {_size(free)} free and the bundle needs about "
+        f"{_size(need)}: free space there, or export to another disk with --out DIR"
+    )
+
+
+def disk_full(where: Path | str) -> str:
+    """The one line for a disk that filled up while writing under `where`."""
+    return (
+        f"no space left on the device while writing {where}: nothing was kept; free space "
+        "there, or export to another disk with --out DIR"
+    )
+
+
+def _size(n: float) -> str:
+    if n >= 1e9:
+        return f"{n / 1e9:.1f} GB"
+    return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.0f} kB"

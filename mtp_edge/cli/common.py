@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import signal
 import sys
@@ -80,6 +81,13 @@ class OneLineErrors(click.Command):
         except Fault as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(1)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            from mtp_edge.memory import disk_full
+
+            click.echo(f"error: {disk_full(e.filename or 'the output')}", err=True)
+            sys.exit(2)
         except (KeyboardInterrupt, click.exceptions.Abort):
             click.echo("error: interrupted", err=True)
             sys.exit(130)
