@@ -421,6 +421,35 @@ std::string Manifest::path(const std::string& model) const {
   return dir + "/" + it->second.file;
 }
 
+// The manifest's vocabulary and bos/eos ids against the hashed tokenizer_meta.json, as
+// runtime/bundle.py checks them: an edited manifest is one line, not an id past the embedding.
+static void check_against_tokenizer(const Manifest& m, const nlohmann::json& meta) {
+  auto refuse = [&](const char* key, const std::string& said, const std::string& truth) {
+    throw UserError("bundle " + m.dir + ": manifest.json says " + key + " is " + said + " but " +
+                    "tokenizer_meta.json was exported with " + truth +
+                    " (the manifest was edited): restore its manifest.json or re-export the "
+                    "bundle");
+  };
+  if (meta.contains("vocab_size") && meta["vocab_size"].is_number_integer() &&
+      meta["vocab_size"].get<int64_t>() != m.vocab_size)
+    refuse("vocab_size", std::to_string(m.vocab_size), meta["vocab_size"].dump());
+  if (meta.contains("bos_id") && (meta["bos_id"].is_null() || meta["bos_id"].is_number_integer())) {
+    std::optional<int64_t> bos;
+    if (!meta["bos_id"].is_null()) bos = meta["bos_id"].get<int64_t>();
+    if (bos != m.bos_id)
+      refuse("bos_id", m.bos_id ? std::to_string(*m.bos_id) : "null", meta["bos_id"].dump());
+  }
+  if (meta.contains("eos_ids") && meta["eos_ids"].is_array()) {
+    std::vector<int64_t> said;  // the manifest's, repeats dropped as the tokenizer drops them
+    for (int64_t id : m.eos_ids)
+      if (std::find(said.begin(), said.end(), id) == said.end()) said.push_back(id);
+    std::vector<int64_t> truth;
+    for (const auto& id : meta["eos_ids"])
+      if (id.is_number_integer()) truth.push_back(id.get<int64_t>());
+    if (said != truth) refuse("eos_ids", nlohmann::json(m.eos_ids).dump(), meta["eos_ids"].dump());
+  }
+}
+
 Manifest Manifest::load(const std::string& dir, bool verify) {
   if (!is_dir(dir)) throw UserError("bundle " + dir + " does not exist: export one with mtp-export");
   const std::string path = dir + "/manifest.json";
@@ -475,6 +504,7 @@ Manifest Manifest::load(const std::string& dir, bool verify) {
     if (!data.is_object() || (data.contains("add_bos") && !data["add_bos"].is_boolean()))
       throw UserError(meta + ": 'add_bos' must be true or false: re-export the bundle");
     m.add_bos = data.value("add_bos", false) && m.bos_id.has_value();
+    check_against_tokenizer(m, data);
   }
   return m;
 }
