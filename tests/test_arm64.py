@@ -21,7 +21,7 @@ import pytest
 import test_devices
 import test_native
 from click.testing import CliRunner
-from test_executorch import CHUNK, MAX_SEQ_LEN, PROMPT, SCHEMES, VOCAB, exported
+from test_executorch import CHUNK, MAX_SEQ_LEN, PROMPT, SCHEMES, VOCAB, exported, programs_in
 from test_native import python_runs, run_native, suite_ids
 
 from mtp_edge.cli import profile
@@ -217,10 +217,13 @@ def logits_of(command: list[str], spec: dict, out: Path) -> list[np.ndarray]:
 @pytest.mark.parametrize(
     "name,kernel", [(name, "mtp") for name in SCHEMES] + [("8da4w-g32", "executorch")]
 )
-def test_arm64_verify_rows_are_bitwise_one_token_steps(device_dir, tmp_path, name, kernel):
+def test_arm64_verify_rows_are_bitwise_one_token_steps(
+    device_dir, tmp_path, tmp_path_factory, name, kernel
+):
     """test_executorch's row test, on ARM64 under qemu through the native core: every row of a
     multi-token call equals bit for bit the one-token call at its position. The ARM64 logits are
     also close to the x86 build's (not equal: other kernels, other rounding)."""
+    programs_in(tmp_path_factory)
     tokens = [(11 * i + 3) % VOCAB for i in range(12)]
     spec = {
         "program": str(exported(name, kernel)[0]),

@@ -53,14 +53,21 @@ def head_for(model, attention: str = "target_cache"):
     return init_from_target(head, model, torch.arange(VOCAB - 32, VOCAB))
 
 
+_PACKAGES: list = []  # the directory `package` writes into: this module's tmp_path_factory's
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _packages(tmp_path_factory):
+    if not _PACKAGES:
+        _PACKAGES.append(tmp_path_factory.mktemp("coreml-packages"))
+
+
 @functools.cache
 def package(scheme: str, attention: str = "target_cache"):
     """(path, methods) of the tiny model + MTP head converted with `scheme`, once per run."""
-    import tempfile
-    from pathlib import Path
-
     model = target()
-    path = Path(tempfile.mkdtemp(prefix="mtp-coreml-")) / "model.mlpackage"
+    path = _PACKAGES[0] / f"{scheme}-{attention}" / "model.mlpackage"
+    path.parent.mkdir()
     methods, settings = export_package(
         model, head_for(model, attention), path, quant=scheme, draft_quant=scheme, group_size=32,
         max_seq_len=MAX_SEQ_LEN, max_chunk=CHUNK, k=K,

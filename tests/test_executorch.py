@@ -47,15 +47,28 @@ def model(tied: bool = False):
     )
 
 
+_PROGRAMS: list = []  # the directory `exported` writes into (programs_in)
+
+
+def programs_in(factory: pytest.TempPathFactory) -> None:
+    """Give `exported` a directory of this run's pytest temporary base (functools.cache cannot
+    take fixtures): every module that calls it sets it first; pytest removes it with the rest."""
+    if not _PROGRAMS:
+        _PROGRAMS.append(factory.mktemp("et-programs"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _programs(tmp_path_factory):
+    programs_in(tmp_path_factory)
+
+
 @functools.cache
 def exported(name: str, kernel: str = "mtp"):
     """(path, method metadata) of the tiny model exported with scheme `name` and attention
     kernel `kernel`, once per run."""
-    import tempfile
-    from pathlib import Path
-
+    assert _PROGRAMS, "call programs_in(tmp_path_factory) before exported()"
     linear, group, embedding, tied = SCHEMES[name]
-    path = Path(tempfile.mkdtemp(prefix="mtp-et-")) / f"{name}-{kernel}.pte"
+    path = _PROGRAMS[0] / f"{name}-{kernel}.pte"
     methods = export_program(
         model(tied),
         path,

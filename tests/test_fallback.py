@@ -291,11 +291,15 @@ def test_greedy_output_is_the_same_with_and_without_the_fallback(
             assert s.fallback_steps > 0
 
 
-def test_executorch_greedy_output_is_the_same_with_and_without_the_fallback(monkeypatch):
+def test_executorch_greedy_output_is_the_same_with_and_without_the_fallback(
+    monkeypatch, tmp_path_factory
+):
     """On an exported program (quantized: verify and single steps round the same way only where
     the kernel is row-exact, which is what lossless there rests on)."""
     from test_executorch import PROMPT as ET_PROMPT
-    from test_executorch import session
+    from test_executorch import programs_in, session
+
+    programs_in(tmp_path_factory)
 
     program = session("8da8w-cw")
     results = {}
