@@ -333,9 +333,29 @@ def to_markdown(report: dict) -> str:
         else:
             text = llama.get("error") or llama.get("note", "")
         lines += ["", "Peer baseline, llama.cpp on the same GGUF (plain): " + text]
+    note = _int8_note(report)
+    if note:
+        lines += ["", note]
     if report.get("command"):
         lines += ["", f"Command: `{report['command']}`"]
     return "\n".join(lines) + "\n"
+
+
+def _int8_note(report: dict) -> str | None:
+    """When this CPU's int8 path made the verifications dear (mtp_edge/machine.py): ExecuTorch
+    bundles, whose linear layers run XNNPACK's 8-bit GEMMs on this machine's CPU."""
+    from mtp_edge.machine import int8_bottleneck_note
+
+    ratio = report["summary"].get("verify_over_decode")
+    if not ratio or report.get("backend") != "executorch" or not report.get("bundle"):
+        return None
+    from mtp_edge.manifest import Manifest
+
+    try:
+        quant = Manifest.load(report["bundle"], verify=False).models["target"].quant
+    except Exception:  # a report re-read without its bundle: no note
+        return None
+    return int8_bottleneck_note(ratio) if str(quant.get("scheme")).startswith("8da") else None
 
 
 def _fallback_words(report: dict) -> str:

@@ -201,3 +201,22 @@ def _torch_matmul_gops(n: int = 1024, runs: int = 5) -> tuple[float, float]:
             t_best = min(t_best, time.perf_counter() - t)
         best[name] = 2 * n**3 / t_best / 1e9
     return best["int8"], best["fp32"]
+
+
+# verify(k+1) / decode above which a verification visibly costs more than the weight read it
+# shares with a step (the verification goal of benchmarks/README.md)
+VERIFY_GOAL = 1.3
+
+
+def int8_bottleneck_note(verify_over_decode: float, path: Int8Path | None = None) -> str | None:
+    """One line for a bench report when this CPU's int8 arithmetic, not memory, sets what a
+    verification costs: no int8 dot product, and verify/decode above the goal."""
+    path = path or int8_path()
+    if path.dot_product or path.name == "unknown" or verify_over_decode <= VERIFY_GOAL:
+        return None
+    return (
+        f"Note: this CPU's int8 path is the bottleneck: {path.name} has no int8 dot product "
+        f"({path.instruction}), so a verification cost {verify_over_decode:.2f} decoding steps "
+        "where the weight read it shares with a step would keep it near 1.1 (benchmarks/"
+        "README.md, \"CPUs without an int8 dot product\")."
+    )

@@ -629,3 +629,13 @@ def test_verify_cost_follows_the_int8_rate():
     assert vnni["speedup"] > avx2["speedup"] * 1.3
     ratios = [at(r)["speculative"]["verify_over_decode"] for r in (100, 200, 400, 800, 1600)]
     assert ratios == sorted(ratios, reverse=True)
+
+
+def test_bench_note_blames_the_int8_path_only_without_a_dot_product():
+    from mtp_edge.machine import int8_bottleneck_note, int8_path
+
+    avx2, vnni = int8_path(CPUINFO_AVX2_EPYC), int8_path(CPUINFO_ICELAKE)
+    note = int8_bottleneck_note(1.74, avx2)
+    assert note and "avx2 has no int8 dot product" in note and "1.74" in note
+    assert int8_bottleneck_note(1.74, vnni) is None  # memory or attention, not int8 arithmetic
+    assert int8_bottleneck_note(1.1, avx2) is None  # verification already cheap
