@@ -18,7 +18,7 @@ import torch
 
 from mtp_edge.checkpoints import load_model, open_checkpoint
 from mtp_edge.exporter.executorch import load_hook
-from mtp_edge.exporter.export import eager_forward
+from mtp_edge.exporter.loading import eager_forward
 from mtp_edge.exporter.platform import ExportOptions
 from mtp_edge.quantize.quality import StreamedPerplexity, perplexity
 from mtp_edge.texts import heldout_text

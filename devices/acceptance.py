@@ -53,10 +53,9 @@ def measure_bundle_acceptance(directory, target, draft, heldout: list[int], prog
     drafter decode held-out text greedily, and when the exported bundle does (same prompts,
     same k). `target` is the LoadedModel exported, `draft` what its drafter was made from (the
     MTP head or the draft LoadedModel), `heldout` the held-out text's tokens."""
+    from mtp_edge.runtime.assemble import build_drafter
     from mtp_edge.runtime.backends import backend
-    from mtp_edge.runtime.bundle import bundle_drafter, open_bundle, target_session
-    from mtp_edge.runtime.drafters import DraftModelDrafter, NgramDrafter
-    from mtp_edge.runtime.mtp_drafter import mtp_drafter
+    from mtp_edge.runtime.bundle import open_bundle, target_session
     from mtp_edge.runtime.session import EagerSession
 
     bundle = open_bundle(directory)
@@ -72,7 +71,8 @@ def measure_bundle_acceptance(directory, target, draft, heldout: list[int], prog
     progress(f"[quality] {kind} drafter acceptance")
     prompts = [heldout[i * 256 : i * 256 + length] for i in range(ACCEPTANCE_PROMPTS)]
     seq_len = length + new_tokens + k + 1
-    after = bundle_drafter(bundle) or NgramDrafter()
+    # The drafter alone, as exported: no prompt lookup before it, no confidence floor.
+    after = build_drafter(kind, None, bundle, m.max_seq_len)
     report = {
         "prompts": f"{ACCEPTANCE_PROMPTS} held-out snippets of {length} tokens, "
         f"{new_tokens} greedy tokens each, k={k}",
@@ -87,12 +87,7 @@ def measure_bundle_acceptance(directory, target, draft, heldout: list[int], prog
         # torchao's eager kernels would take minutes per prompt.
         report["fp32"] = "not measured: the float target was never held (quantized while loading)"
         return {"drafter_acceptance": report}
-    if kind == "mtp":
-        before = mtp_drafter(draft.to(target.model.dtype), target.model)
-    elif kind == "draft-lm":
-        before = DraftModelDrafter(EagerSession(draft.model, seq_len))
-    else:
-        before = NgramDrafter()
+    before = build_drafter(kind, target, None, seq_len, loaded=draft)
     eager = EagerSession(target.model, seq_len)
     fp32 = measure_acceptance(eager, before, prompts, k, new_tokens, "acceptance, fp32")
     return {"drafter_acceptance": {"prompts": report["prompts"], "fp32": fp32, **report}}

@@ -10,6 +10,7 @@ from pathlib import Path
 from mtp_edge.errors import UserError
 from mtp_edge.manifest import Manifest
 from mtp_edge.memory import weight_bits
+from mtp_edge.platforms import PLATFORMS, by_backend
 
 F32 = 4  # the KV cache, logits and hidden states are float32 in our programs
 
@@ -141,8 +142,12 @@ class BundleCost:
 def bundle_cost(bundle_dir: str | Path) -> BundleCost:
     path = Path(bundle_dir)
     m = Manifest.load(path, verify=False)
-    if m.backend != "executorch":
-        raise UserError(f"mtp-predict reads ExecuTorch bundles; {path} is '{m.backend}'")
+    row = by_backend(m.backend)
+    if row is None or not row.predictable:
+        readable = [p.backend for p in PLATFORMS.values() if p.predictable]
+        raise UserError(
+            f"mtp-predict reads bundles for {', '.join(readable)}; {path} is '{m.backend}'"
+        )
     target_file = m.models["target"]
     kind = m.drafter.kind
     target = program_shape(path / target_file.file, m.vocab_size)

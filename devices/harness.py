@@ -17,6 +17,8 @@ from importlib import resources
 from pathlib import Path
 
 from mtp_edge.errors import UserError
+from mtp_edge.platforms import by_backend
+from mtp_edge.runtime.backends import decoding_threads
 from mtp_edge.runtime.drafters import Drafter
 from mtp_edge.runtime.loop import (
     GenerationConfig,
@@ -371,18 +373,6 @@ def _fallback_words(report: dict) -> str:
     )
 
 
-def _threads(backend: str) -> int:
-    """The threads the backend decodes with: ExecuTorch's pool, which takes torch's count and
-    leaves torch one (runtime/executorch_session.py); torch's own count otherwise."""
-    import torch
-
-    if backend == "executorch":
-        from mtp_edge.runtime.executorch_session import executorch_threads
-
-        return executorch_threads() or torch.get_num_threads()
-    return torch.get_num_threads()
-
-
 def bench_report(
     gen, suite: Suite, command: str, prompts, max_new_tokens, progress, peer: bool = True
 ) -> dict:
@@ -398,11 +388,12 @@ def bench_report(
         "k": gen.config.k,
         "draft_confidence": gen.draft_confidence,
         "fallback": gen.config.fallback is not False,  # on unless turned off: it runs greedy
-        "threads": _threads(gen.session.name),
+        "threads": decoding_threads(gen.session.name),
         "command": command,
         **suite.body(),
     }
-    if peer and gen.bundle is not None and gen.session.name == "executorch":
+    row = by_backend(gen.session.name)
+    if peer and gen.bundle is not None and row is not None and row.textllmrunner_peer:
         from mtp_edge.devices.peer import textllmrunner_baseline
 
         progress("[peer] ExecuTorch TextLLMRunner, plain decoding of the same target .pte")

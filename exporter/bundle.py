@@ -34,9 +34,9 @@ def write_bundle(
 
     `finish(tmp_dir, manifest)` runs on the complete bundle before it is published (e.g. to
     measure it through the runtime) and may add to the manifest, which is then saved again.
+    The caller checked `out` with check_writable before its slow part.
     """
     out = Path(out)
-    check_writable(out)
     with atomic_directory(out) as tmp:
         manifest = build(tmp)
         for entry in manifest.models.values():

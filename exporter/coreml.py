@@ -46,7 +46,6 @@ from mtp_edge.exporter.platform import draft_vocabulary, head_settings, refuse_s
 from mtp_edge.manifest import ModelFile
 from mtp_edge.model import Attention, RMSNorm, Transformer, rotate_half
 from mtp_edge.mtp import MTPHead, apply_rope
-from mtp_edge.quantize.schemes import check_target_scheme
 
 if TYPE_CHECKING:
     from mtp_edge.exporter.platform import ExportJob
@@ -424,8 +423,6 @@ def export_package(
     import coremltools as ct
 
     say = progress or (lambda _message: None)
-    check_target_scheme("coreml", quant, group_size)
-    check_target_scheme("coreml", draft_quant, group_size)
     if k + 1 > max_chunk or not 2 <= max_chunk <= max_seq_len:
         raise UserError(
             f"Core ML needs k+1 <= chunk <= --max-seq-len: got k {k}, chunk {max_chunk}, "
@@ -475,10 +472,8 @@ def export_package(
 
 
 def check(job: ExportJob) -> None:
-    """The weight schemes Core ML takes; no separate draft model and no self-attending heads."""
-    o = job.options
-    check_target_scheme("coreml", o.quant, o.group_size)
-    check_target_scheme("coreml", o.draft_quant, o.group_size)
+    """No separate draft model and no self-attending heads (its weight schemes are the platform
+    table's, checked by resolve_options)."""
     if job.drafter_kind == "draft-lm":
         raise UserError(
             "--target coreml carries no separate draft model yet: use --drafter mtp or ngram"

@@ -1,7 +1,8 @@
 """The child process of an export (exporter/isolated.py has the parent's side and the why):
-read the job as JSON on stdin, load, quantize and lower into the bundle's directory, and report
-progress and the result as JSON lines on the pipe whose descriptor is the first argument; the
-second is the parent's process id: the child leaves as soon as that process is gone.
+read the job as JSON on stdin (the options as the parent resolved them), load, quantize and lower
+into the bundle's directory (exporter/loading.py, which the parent's side imports too), and
+report progress and the result as JSON lines on the pipe whose descriptor is the first argument;
+the second is the parent's process id: the child leaves as soon as that process is gone.
 
     python -m mtp_edge.exporter.lowering_child FD PARENT_PID
 """
@@ -25,7 +26,8 @@ from mtp_edge.exporter.platform import ExportOptions
 def _lower(job: dict, say: Callable[[str], None]) -> dict:
     """The child's work (`job` as export_in_child writes it); the result's JSON."""
     from mtp_edge.checkpoints import open_checkpoint
-    from mtp_edge.exporter.export import drafter_spec, load_for_export, platform_module
+    from mtp_edge.exporter.loading import drafter_spec, load_for_export
+    from mtp_edge.exporter.platform import platform_module
     from mtp_edge.memory import StageClock, return_freed_memory
 
     options = ExportOptions(**job["options"])

@@ -42,7 +42,6 @@ from mtp_edge.exporter.platform import draft_vocabulary, head_settings, refuse_s
 from mtp_edge.manifest import ModelFile
 from mtp_edge.model import MLP, Attention, Transformer, rope_frequencies, rotate_half
 from mtp_edge.mtp import MTPHead, apply_rope
-from mtp_edge.quantize.schemes import check_target_scheme
 
 if TYPE_CHECKING:
     from mtp_edge.exporter.platform import ExportJob
@@ -212,7 +211,6 @@ def export_program(
 ) -> dict:
     """Export `model` to `path` (ONNX, quantized with `quant`) and return its manifest methods."""
     say = progress or (lambda _message: None)
-    check_target_scheme("onnx", quant, group_size)
     if not 2 <= max_chunk <= max_seq_len:
         raise UserError(
             f"the chunk size must be between 2 and --max-seq-len {max_seq_len}, got {max_chunk}"
@@ -390,7 +388,6 @@ def export_mtp_program(
     A head that reads the target's cache needs `target` (its rotary tables) and `target_forward`
     (the exported target's manifest method: the name and shape of its last-layer cache)."""
     say = progress or (lambda _message: None)
-    check_target_scheme("onnx", quant, group_size)
     d, vd = head.config.hidden_size, head.config.draft_vocab_size
     head_copy, embedding = copy.deepcopy(head).float(), copy.deepcopy(embedding).float()
     inputs = [
@@ -457,10 +454,8 @@ def export_mtp_program(
 
 
 def check(job: ExportJob) -> None:
-    """The weight schemes onnxruntime takes; no self-attending heads yet."""
-    o = job.options
-    check_target_scheme("onnx", o.quant, o.group_size)
-    check_target_scheme("onnx", o.draft_quant, o.group_size)
+    """No self-attending heads yet (its weight schemes are the platform table's, checked by
+    resolve_options)."""
     refuse_self_heads(job)
 
 

@@ -1,27 +1,32 @@
-"""What export_bundle (export.py) hands a platform module, and the pieces they share.
+"""What an export is asked (ExportOptions, and `resolve_options`, which decides and checks it
+once), what export_bundle hands a platform module, and the pieces those modules share.
 
 A platform module (exporter/executorch.py, onnx.py, coreml.py: one per `mtp-export --target`,
-found through export.PLATFORM_MODULES) provides two functions and is called through nothing
-else:
+named by its row of the platform table, mtp_edge/platforms.py) provides two functions:
 
-- `check(job: ExportJob) -> None`: the refusals that need no export (the platform's weight
-  schemes, drafters it cannot carry), run before the slow part;
+- `check(job: ExportJob) -> None`: the refusals that need no export (drafters it cannot carry),
+  run before the slow part;
 - `export(job: ExportJob, directory: Path) -> (models, settings)`: write the platform's files
   into `directory`; `models` maps each file's role ("target", and "drafter" / "drafter_vocab"
   when the drafter has them) to its ModelFile (sha256 left empty: the bundle writer hashes), and
-  `settings` holds the DrafterSpec fields only this platform knows (how its drafter runs).
+  `settings` holds the DrafterSpec fields only this platform knows (how its drafter runs);
+
+and, where its row declares `load_hook`, `load_hook(options, skeleton, draft=False)`: a hook
+that quantizes each part of a model as the loader reads it (exporter/loading.py).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
-from mtp_edge.errors import UserError
+from mtp_edge.errors import UserError, require
 from mtp_edge.manifest import ModelFile
+from mtp_edge.platforms import platform
 
 if TYPE_CHECKING:
     from mtp_edge.checkpoints import LoadedModel
@@ -30,15 +35,16 @@ if TYPE_CHECKING:
 
 @dataclass
 class ExportOptions:
-    platform: str = "android"  # android | onnx | coreml (`--target` on the command line)
+    platform: str = "android"  # a row of mtp_edge/platforms.py (`--target` on the command line)
     model: str = "default"
     drafter: str = "auto"  # auto | none | ngram | mtp | path to a draft model
     heads: str | None = None  # MTP heads file (default: the heads shipped for the model)
     k: int = 4
-    quant: str = "8da8w"  # quantize.schemes.DEFAULT_SCHEME["android"]
-    group_size: int = 0
+    # None: decided by resolve_options (the platform's default scheme; its group size)
+    quant: str | None = None
+    group_size: int | None = None
     embedding_quant: str = "8w"
-    draft_quant: str = "8da8w"
+    draft_quant: str | None = None  # None: as `quant`
     max_seq_len: int = 2048
     max_chunk: int = 128  # most tokens per call: prefill chunk, and the verify width limit
     quality_tokens: int = 1024  # held-out tokens for the perplexity check (0 = skip)
@@ -79,12 +85,64 @@ class ExportJob:
         return self.draft if self.drafter_kind == "draft-lm" else None
 
 
-class Platform(Protocol):
-    """A platform module, as export_bundle calls it (module doc)."""
+class PlatformModule(Protocol):
+    """A platform's exporter module, as export_bundle calls it (module doc)."""
 
     def check(self, job: ExportJob) -> None: ...
 
     def export(self, job: ExportJob, directory: Path) -> tuple[dict[str, ModelFile], dict]: ...
+
+
+def platform_module(name: str) -> PlatformModule:
+    """The exporter module of platform `name` (imported on first use: each brings its own
+    toolchain, ExecuTorch, onnxruntime or coremltools)."""
+    return cast(PlatformModule, importlib.import_module(platform(name).exporter))
+
+
+def load_hook(name: str):
+    """Platform `name`'s quantize-on-load hook maker, where its row declares one; else None."""
+    return platform_module(name).load_hook if platform(name).load_hook else None  # type: ignore[attr-defined]
+
+
+def resolve_options(
+    options: ExportOptions, progress: Callable[[str], None] = print
+) -> ExportOptions:
+    """`options` with every choice left open decided (the platform's default scheme, the
+    scheme's group size, the drafter's scheme), after checking each: the one place an export's
+    options are checked, so that the API and mtp-export agree. Raises UserError, before
+    anything loads. `progress` hears why the default scheme is the default."""
+    from mtp_edge.quantize.schemes import check_platform_scheme, default_group_size
+
+    row = platform(options.platform)
+    modules, extra = row.export_needs
+    for module in modules:
+        require(module, extra, f"mtp-export --target {row.name}")
+    if not 1 <= options.k <= 15:
+        raise UserError(f"--k must be in 1..15, got {options.k}")
+    check_lookup(options.lookup)
+    if not 0 <= options.draft_confidence < 1:
+        raise UserError(f"--draft-confidence must be in [0, 1), got {options.draft_confidence}")
+    quant = options.quant
+    if quant is None:
+        progress(f"[quantize] default {row.why_default}")
+        quant = row.default_scheme
+    group_size = options.group_size
+    if group_size is None:
+        group_size = default_group_size(quant, row.name)
+    check_platform_scheme(row.name, quant, group_size)
+    if options.draft_quant is not None:
+        check_platform_scheme(row.name, options.draft_quant, group_size)
+    draft_quant = options.draft_quant or quant
+    return replace(options, quant=quant, group_size=group_size, draft_quant=draft_quant)
+
+
+def check_lookup(text: str) -> None:
+    """--lookup takes none or MIN-MAX n-gram sizes with 1 <= MIN <= MAX."""
+    if text == "none":
+        return
+    low, _, high = text.partition("-")
+    if not (low.isdigit() and high.isdigit() and 1 <= int(low) <= int(high)):
+        raise UserError(f"--lookup takes none or MIN-MAX n-gram sizes such as 2-3, got {text!r}")
 
 
 def refuse_self_heads(job: ExportJob) -> None:

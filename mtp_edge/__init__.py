@@ -7,7 +7,7 @@
 The API's names (mtp_edge/api.py) load on first use, so that `import mtp_edge` alone stays cheap.
 """
 
-__version__ = "0.1.0"
+from mtp_edge.version import __version__
 
 _API_NAMES = ("Chunk", "Completion", "ContextFull", "LoadOptions", "Model", "load")
 __all__ = ["__version__", *_API_NAMES]

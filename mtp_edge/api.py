@@ -11,8 +11,11 @@ stream, chat) prefills only what follows the longest prefix the new prompt share
 the next turn of a conversation costs in proportion to the new turn, not to the conversation.
 Output is what a fresh model would give (the cache holds exactly those tokens' K/V).
 
-One call at a time: a Model is not thread-safe (a server serializes its calls). Starting a call
-ends a stream of the same model that is still open.
+One call at a time: calls from several threads wait for each other, a stream for as long as it
+is open (until its last chunk, or until it is closed or dropped). Starting a call ends a stream
+the same thread left open. `close()`, or leaving a `with mtp_edge.load(...) as llm:` block,
+frees the model. Every argument is checked before any work, with the commands' ranges
+(mtp_edge/limits.py).
 
 Lower level: `assemble(LoadOptions(...))` returns a ready `Generator` (runtime/assemble.py) and
 `generate` / `decode` (runtime/loop.py) run the loop on it; `export(ExportOptions(...))` writes a
@@ -23,6 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,8 +35,10 @@ from pathlib import Path
 from mtp_edge.devices.acceptance import measure_bundle_acceptance
 from mtp_edge.errors import UserError
 from mtp_edge.exporter.export import ExportOptions, export_bundle
-from mtp_edge.manifest import PLATFORMS, Manifest
-from mtp_edge.runtime.assemble import Generator, LoadOptions, assemble
+from mtp_edge.limits import check, check_stop
+from mtp_edge.manifest import Manifest
+from mtp_edge.platforms import platform
+from mtp_edge.runtime.assemble import Generator, LoadOptions, assemble, parse_ngram_sizes
 from mtp_edge.runtime.backends import backend
 from mtp_edge.runtime.loop import (
     GenerationConfig,
@@ -106,23 +113,115 @@ def load(model: str | Path = "default", *, bundle: str | Path | None = None, **o
     """A model ready to generate: `model` (HF directory, .gguf file or "default", on the eager
     backend) or an exported `bundle` (with its own drafter unless `drafter=` says otherwise).
     Keyword options are LoadOptions' fields: drafter, k, heads, adaptive_k, fallback, ngram_sizes,
-    draft_confidence, max_seq_len, chat, threads, parse_special."""
+    draft_confidence, max_seq_len, chat, threads, parse_special. Each is checked before anything
+    loads (a UserError saying what is wrong)."""
+    return Model(assemble(load_options(model, bundle, options)))
+
+
+_PATH = (str, Path)
+# The load options that are not numbers (those are in mtp_edge/limits.py): their types, and
+# whether None (the bundle's choice, or the default) is allowed.
+_LOAD_TYPES = {
+    "drafter": (str, True),
+    "heads": (_PATH, True),
+    "adaptive_k": (bool, False),
+    "fallback": (bool, True),
+    "ngram_sizes": (str, True),
+    "chat": (bool, False),
+    "parse_special": (bool, False),
+}
+_LOAD_NONE = {"k", "draft_confidence"}  # numbers that may be None (the bundle's, or default)
+
+
+def load_options(model, bundle, options: dict) -> LoadOptions:
+    """`load()`'s arguments as LoadOptions, every one checked (nothing is loaded yet)."""
     allowed = {f.name for f in dataclasses.fields(LoadOptions)} - {"model", "bundle"}
     unknown = sorted(set(options) - allowed)
     if unknown:
         raise TypeError(f"load() got unknown options {unknown}; it takes {sorted(allowed)}")
+    if not isinstance(model, _PATH) or not str(model):
+        raise UserError(f'model must be a path or "default", got {model!r}')
+    if bundle is not None and (not isinstance(bundle, _PATH) or not str(bundle)):
+        raise UserError(f"bundle must be a path (a bundle directory), got {bundle!r}")
+    checked = {}
+    for name, value in options.items():
+        if name in _LOAD_TYPES:
+            kind, optional = _LOAD_TYPES[name]
+            if not (isinstance(value, kind) or (optional and value is None)):
+                names = kind.__name__ if isinstance(kind, type) else "a path"
+                names += " or None" if optional else ""
+                raise UserError(f"{name} must be {names}, got {value!r}")
+            checked[name] = str(value) if name == "heads" and value is not None else value
+        elif value is None and name in _LOAD_NONE:
+            checked[name] = None
+        else:
+            checked[name] = check(name, value)
+    if checked.get("ngram_sizes") is not None:
+        try:
+            parse_ngram_sizes(checked["ngram_sizes"])
+        except UserError:
+            raise UserError(
+                f"ngram_sizes takes 'MIN-MAX' such as '1-3', got {checked['ngram_sizes']!r}"
+            ) from None
     path = None if bundle is None else str(bundle)
-    return Model(assemble(LoadOptions(model=str(model), bundle=path, **options)))
+    return LoadOptions(model=str(model), bundle=path, **checked)
+
+
+def check_sampling(
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop: str | Sequence[str] = (),
+) -> dict:
+    """The sampling keywords of generate/stream/chat, checked and converted (the ranges are the
+    commands'), as keyword arguments."""
+    return dict(
+        max_new_tokens=check("max_new_tokens", max_new_tokens),
+        temperature=check("temperature", temperature),
+        top_k=check("top_k", top_k),
+        top_p=check("top_p", top_p),
+        seed=check("seed", seed),
+        stop=check_stop(stop),
+    )
 
 
 class Model:
     """A loaded target with its drafter, and the tokens its KV cache holds. It serves one call
-    at a time (not thread-safe: serialize calls, as mtp-serve does)."""
+    at a time: calls from other threads wait for the running one, a stream until it is finished,
+    closed or dropped. A context manager: `with mtp_edge.load(...) as llm:` closes it."""
 
     def __init__(self, generator: Generator):
-        self.generator = generator
+        self._generator: Generator | None = generator
         self._cache: list[int] = []  # the tokens whose K/V the target's cache holds, in order
-        self._open: Iterator[Chunk] | None = None  # a stream not yet finished
+        self._open: weakref.ref[Stream] | None = None  # a stream not yet finished
+        self._lock = threading.RLock()  # held by a call, or by a stream computing a chunk
+        self._stream_ends = threading.Condition(self._lock)
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """End an open stream and free the model (its weights, sessions and cache); a call
+        afterwards is an error. Closing twice is fine."""
+        with self._lock:
+            self._take_turn()
+            self._generator = None
+            self._cache = []
+
+    @property
+    def closed(self) -> bool:
+        return self._generator is None
+
+    @property
+    def generator(self) -> Generator:
+        if self._generator is None:
+            raise UserError("this model is closed: load it again (mtp_edge.load)")
+        return self._generator
 
     @property
     def name(self) -> str:
@@ -147,32 +246,45 @@ class Model:
 
     def reset(self) -> None:
         """Forget the cached conversation: the next call prefills its whole prompt."""
-        self._close_open_stream()
-        self._cache = []
+        with self._lock:
+            self._take_turn()
+            self._cache = []
 
     def generate(self, prompt: str | Sequence[int], **sampling) -> Completion:
         """Generate from `prompt` (text, in the chat template unless loaded with chat=False,
         or token ids). Sampling: max_new_tokens=128, temperature=0.0 (greedy), top_k=0,
         top_p=1.0, seed=0, stop=() (strings that end the text, left out of it)."""
-        return self._complete(self._chunks(self._prompt_ids(prompt), sampling))
+        settings = check_sampling(**sampling)
+        with self._lock:
+            return self._complete(self._chunks(self._prompt_ids(prompt), settings))
 
     def stream(self, prompt: str | Sequence[int], **sampling) -> Iterator[Chunk]:
         """`generate`, as chunks of text as soon as they are final; stop it by closing the
         iterator (or leaving the loop over it)."""
-        return self._chunks(self._prompt_ids(prompt), sampling)
+        settings = check_sampling(**sampling)
+        with self._lock:
+            return self._chunks(self._prompt_ids(prompt), settings)
 
     def chat(self, messages: list[dict], **sampling) -> Completion:
         """The assistant's answer to `messages` ({"role": system|user|assistant, "content"}),
         rendered with the model's chat template; the conversation's cached start is reused."""
-        return self._complete(self._chunks(self._message_ids(messages), sampling))
+        settings = check_sampling(**sampling)
+        with self._lock:
+            return self._complete(self._chunks(self._message_ids(messages), settings))
 
     def stream_chat(self, messages: list[dict], **sampling) -> Iterator[Chunk]:
         """`chat`, as a stream of chunks."""
-        return self._chunks(self._message_ids(messages), sampling)
+        settings = check_sampling(**sampling)
+        with self._lock:
+            return self._chunks(self._message_ids(messages), settings)
 
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             return self.generator.encode(prompt)
+        if isinstance(prompt, bytes | bytearray | memoryview):
+            raise UserError(
+                "the prompt is bytes: give text (prompt.decode('utf-8')) or a list of token ids"
+            )
         vocab = self.generator.session.vocab_size
         try:
             ids = [operator.index(i) for i in prompt]  # ints, numpy's and torch's included
@@ -186,19 +298,9 @@ class Model:
         return self.tokenizer.encode_messages(messages, self.generator.parse_special)
 
     def _config(
-        self,
-        max_new_tokens: int = 128,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int = 0,
-        stop: str | Sequence[str] = (),
+        self, max_new_tokens, temperature, top_k, top_p, seed, stop: tuple[str, ...]
     ) -> GenerationConfig:
-        stop = (stop,) if isinstance(stop, str) else tuple(stop)
-        if not all(isinstance(s, str) and s for s in stop):
-            raise UserError(
-                "a stop string must be non-empty text (an empty one would match at once)"
-            )
+        """The generator's config with the call's settings (checked by check_sampling)."""
         return dataclasses.replace(
             self.generator.config,
             max_new_tokens=max_new_tokens,
@@ -218,9 +320,10 @@ class Model:
                 f"{self.max_seq_len}: start a new conversation (reset) or shorten it, or load "
                 "the model with a longer context (max_seq_len; a bundle's is fixed at export)"
             )
-        self._close_open_stream()
-        self._open = self._stream(ids, config)
-        return self._open
+        self._take_turn()
+        stream = Stream(self._stream(ids, config), self._lock)
+        self._open = weakref.ref(stream)  # a stream its reader drops closes itself
+        return stream
 
     def _stream(self, ids: list[int], config: GenerationConfig) -> Iterator[Chunk]:
         gen = self.generator
@@ -244,12 +347,21 @@ class Model:
             raise
         finally:
             steps.close()  # lets the drafter take in the last verified step
-            self._open = None
+            with self._lock:
+                self._open = None
+                self._stream_ends.notify_all()
 
-    def _close_open_stream(self) -> None:
-        if self._open is not None:
-            self._open.close()
-            self._open = None
+    def _take_turn(self) -> None:
+        """Called holding the lock, before a call starts: end this thread's open stream (a new
+        call ends it), or wait until another thread's has ended (or been closed or dropped)."""
+        while self._open is not None:
+            stream = self._open()
+            if stream is None:  # dropped, and already closed by its finalizer
+                self._open = None
+            elif stream.thread == threading.get_ident():
+                stream.close()
+            else:
+                self._stream_ends.wait()
 
     @staticmethod
     def _complete(chunks: Iterator[Chunk]) -> Completion:
@@ -265,6 +377,36 @@ class Model:
             chunk.cached_tokens,
             chunk.stats,
         )
+
+
+class Stream(Iterator[Chunk]):
+    """A model's stream of chunks: computing a chunk, or closing, holds the model's lock, so that
+    another thread's call waits for the chunk instead of breaking into it."""
+
+    def __init__(self, chunks: Iterator[Chunk], lock: threading.RLock):
+        self._chunks, self._lock = chunks, lock
+        self.thread = threading.get_ident()  # a new call from this thread ends the stream
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> Chunk:
+        with self._lock:
+            chunk = next(self._chunks)
+            if chunk.finish_reason is not None:  # the last: the model is free for other calls
+                self._chunks.close()
+            return chunk
+
+    def close(self) -> None:
+        """Stop generating (the model keeps what the steps so far wrote in its cache)."""
+        with self._lock:
+            self._chunks.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # at interpreter exit the lock may be gone
+            pass
 
 
 class StreamText:
@@ -323,7 +465,7 @@ def export(
     def open_program(path: Path, max_seq_len: int):
         """The exported target's forward -> logits, for the quality report (None: cannot run
         here)."""
-        session = backend(PLATFORMS[options.platform]).open_program(
+        session = backend(platform(options.platform).backend).open_program(
             path, max_seq_len, options.max_chunk
         )
         if session is None:

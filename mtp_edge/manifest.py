@@ -18,13 +18,12 @@ import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
-from mtp_edge import __version__
 from mtp_edge.errors import UserError
+from mtp_edge.version import __version__
 
-FORMAT_VERSION = 1
+# 2: the platform's key is "platform" (1 called it "target", the word for the verified model).
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
-# `mtp-export --target NAME` (the platform) -> the backend that runs its bundles.
-PLATFORMS = {"android": "executorch", "coreml": "coreml", "onnx": "onnxruntime"}
 DRAFTER_KINDS = ("none", "ngram", "mtp", "draft-lm")
 # The tokenizer's files, entries of `models` like the programs (role -> file name), so that every
 # file the runtime reads is hashed; the tokenizer loads them under these names.
@@ -80,8 +79,8 @@ class DrafterSpec:
 
 @dataclass
 class Manifest:
-    target: str  # the platform: android | coreml | onnx
-    backend: str  # executorch | coreml | onnxruntime
+    platform: str  # `mtp-export --target NAME`: a row of mtp_edge/platforms.py
+    backend: str  # the backend that runs it (the row's backend)
     model_name: str
     max_seq_len: int  # positions the static cache holds
     max_chunk: int  # most tokens one target call takes (prefill chunk)

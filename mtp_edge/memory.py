@@ -175,6 +175,16 @@ def export_peak_gb(program: float, cache: float) -> float:
     )
 
 
+def export_forecast(
+    config, quant: str, group_size: int, embedding_quant: str, max_seq_len: int
+) -> tuple[float, float, float]:
+    """(peak, target program, KV cache) in GB for an export that lowers to XNNPACK in a child
+    process (the android platform's forecast, mtp_edge/platforms.py)."""
+    program = program_gb(config, quant, group_size, embedding_quant)
+    cache = cache_gb(config, max_seq_len)
+    return export_peak_gb(program, cache), program, cache
+
+
 def available_gb() -> float | None:
     """Memory the system can give without swapping (Linux's MemAvailable), or None; in the
     unit of the export log's peaks (thousands of MB of 2^20 bytes)."""

@@ -368,3 +368,15 @@ def shipped_heads(model_name: str) -> Path | None:
     """The heads that ship with mtp-edge for a model (trained by mtp-train), if any."""
     path = HEADS_DIR / f"{model_name}.safetensors"
     return path if path.is_file() else None
+
+
+def heads_file(model_name: str, heads: str | Path | None) -> str | Path | None:
+    """The MTP heads to draft with: the ones given, else those shipped for the model, else
+    None. What `--drafter auto` and `--drafter mtp` decide by, at export and at run time."""
+    return heads or shipped_heads(model_name)
+
+
+def auto_drafter(model_name: str, heads: str | Path | None) -> str:
+    """`--drafter auto`: the best drafter available, MTP heads where given or shipped for the
+    model, else n-gram lookup."""
+    return "mtp" if heads_file(model_name, heads) else "ngram"

@@ -21,6 +21,7 @@ from torch import nn
 
 from mtp_edge.errors import UserError
 from mtp_edge.model import Transformer
+from mtp_edge.platforms import PLATFORMS
 
 LINEAR_SCHEMES = ("8da4w", "8da8w", "fp32")
 EMBEDDING_SCHEMES = ("8w", "4w", "none")
@@ -33,46 +34,24 @@ _REFUSED = {
 }
 
 
-# What --quant each export target takes, and its default. ONNX: int4 / int8 = onnxruntime's
-# MatMulNBits (blockwise weights, fp32 activations), or fp32. Core ML: int4 per block, int8 per
-# channel, or fp16 weights; Core ML computes in fp16 whatever the weights.
-TARGET_SCHEMES = {
-    "android": LINEAR_SCHEMES,
-    "onnx": ("int4", "int8", "fp32"),
-    "coreml": ("int4", "int8", "fp16"),
-}
-# android: 8da8w, not 8da4w: on SmolLM2-135M 4-bit weights cost 1.59x perplexity (g32) and
-# 3.4x (per channel) against 1.01x, and cut MTP acceptance so much that speculation stopped
-# paying; 8da8w decodes slower (4.5 vs 3.4 ms a step) but speculates faster (benchmarks/).
-DEFAULT_SCHEME = {"android": "8da8w", "onnx": "int4", "coreml": "int4"}
-# Why the default, printed by mtp-export when --quant is not given (benchmarks/README.md,
-# "Weight scheme by model size"): the held-out perplexity against float32.
-DEFAULT_REASON = {
-    "android": "8da8w per channel: within +3% perplexity of fp32 at every size measured "
-    "(135M x1.00, 0.5B x1.00), where 4-bit weights lost 5-9% in groups (0.5B; 1.5B: 6.7%) and "
-    "37% per channel (0.5B), and its verification costs 1.16x a decode from memory against "
-    "1.5x for 4-bit groups; --quant 8da4w halves the program",
-}
+def default_group_size(linear: str, platform: str = "android") -> int:
+    """What a scheme uses when the user gives no group size: 32 for 4-bit weights and for a
+    platform's blockwise schemes (mtp_edge/platforms.py), else 0 = one scale per output
+    channel."""
+    return 32 if linear in ("8da4w", "int4") or linear in PLATFORMS[platform].blockwise else 0
 
 
-def default_group_size(linear: str, target: str = "android") -> int:
-    """What a scheme uses when the user gives no group size: 32 for 4-bit weights (and for
-    ONNX's blockwise int8), else 0 = one scale per output channel."""
-    return 32 if linear in ("8da4w", "int4") or (target, linear) == ("onnx", "int8") else 0
-
-
-def check_target_scheme(target: str, name: str, group: int) -> None:
-    """Raise UserError for a --quant / --group-size that `target` (onnx, coreml) cannot take."""
-    valid = TARGET_SCHEMES[target]
-    if name not in valid:
+def check_platform_scheme(platform: str, name: str, group: int) -> None:
+    """Raise UserError for a --quant / --group-size that `platform` cannot take."""
+    row = PLATFORMS[platform]
+    if name not in row.schemes:
         raise UserError(
-            f"--quant {name} is not available for --target {target}: choose one of "
-            f"{', '.join(valid)}"
+            f"--quant {name} is not available for --target {platform}: choose one of "
+            f"{', '.join(row.schemes)}"
         )
-    blockwise = name == "int4" or (target, name) == ("onnx", "int8")
-    if blockwise and (group < 16 or group & (group - 1)):
+    if name in row.blockwise and (group < 16 or group & (group - 1)):
         raise UserError(
-            f"--group-size {group}: {name} for {target} takes a block size that is a power of "
+            f"--group-size {group}: {name} for {platform} takes a block size that is a power of "
             "two >= 16 (default 32)"
         )
 

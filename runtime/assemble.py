@@ -178,17 +178,27 @@ def build_drafter(
     ngram_sizes: str = DEFAULT_NGRAM_SIZES,
     confidence: float = 0.0,
     heads: str | None = None,
+    loaded=None,
 ) -> Drafter | None:
     """The drafter named by `spec`: none | ngram | mtp | a draft model path | X+ngram.
 
     `target` is the LoadedModel on the eager backend (None with a bundle), `bundle` the opened
-    bundle (None with a model), whose own drafter `spec` must then name.
+    bundle (None with a model), whose own drafter `spec` must then name. `loaded`: what a model
+    drafter is made from when it is already in memory (mtp: the MTPHead; a draft model: its
+    LoadedModel), instead of reading `heads` or the path (the export's quality report).
     """
     if spec == "none":
         return None
     if spec.endswith("+ngram"):  # e.g. mtp+ngram: lookup where the context repeats, else mtp
         model = build_drafter(
-            spec.removesuffix("+ngram"), target, bundle, max_seq_len, ngram_sizes, confidence, heads
+            spec.removesuffix("+ngram"),
+            target,
+            bundle,
+            max_seq_len,
+            ngram_sizes,
+            confidence,
+            heads,
+            loaded,
         )
         if model is None:
             raise UserError(f"--drafter {spec}: name a model drafter before +ngram, e.g. mtp+ngram")
@@ -208,16 +218,20 @@ def build_drafter(
             )
         return bundle_drafter(bundle, confidence)
     if spec == "mtp":
-        from mtp_edge.mtp import load_heads, shipped_heads
+        from mtp_edge.mtp import heads_file, load_heads
         from mtp_edge.runtime.mtp_drafter import mtp_drafter
 
-        heads = heads or shipped_heads(target.name)
-        if heads is None:
-            raise UserError(
-                f"no MTP heads ship for {target.name}: pass --heads (train them with mtp-train)"
-            )
-        head = load_heads(heads, target.model, target.name).to(target.model.dtype)
-        return mtp_drafter(head, target.model, confidence)
+        if loaded is None:
+            heads = heads_file(target.name, heads)
+            if heads is None:
+                raise UserError(
+                    f"no MTP heads ship for {target.name}: pass --heads (train them with "
+                    "mtp-train)"
+                )
+            loaded = load_heads(heads, target.model, target.name)
+        return mtp_drafter(loaded.to(target.model.dtype), target.model, confidence)
+    if loaded is not None:  # a draft model already loaded (and its vocabulary checked)
+        return DraftModelDrafter(EagerSession(loaded.model, max_seq_len), min_confidence=confidence)
     from mtp_edge.checkpoints import load_model, model_vocabulary
 
     # Compare vocabularies from the draft's tokenizer and config alone: its weights can take

@@ -10,8 +10,9 @@
   head that runs on the target's cache;
 - `open_draft_model(bundle) -> Session`: the bundle's separate draft model.
 
-Modules are imported on first use: each pulls in its runtime (ExecuTorch, onnxruntime,
-coremltools), which the others do not need.
+Which module is which backend's, and what it needs beyond the required dependencies, is the
+platform table's (mtp_edge/platforms.py). Modules are imported on first use: each pulls in its
+runtime (ExecuTorch, onnxruntime, coremltools), which the others do not need.
 """
 
 from __future__ import annotations
@@ -20,28 +21,33 @@ import importlib
 import types
 
 from mtp_edge.errors import UserError, require
-
-MODULES = {
-    "executorch": "mtp_edge.runtime.executorch_session",
-    "onnxruntime": "mtp_edge.runtime.onnx_session",
-    "coreml": "mtp_edge.runtime.coreml_session",
-}
-# The pip extra whose package a backend needs (ExecuTorch is a required dependency; Core ML
-# runs on Apple platforms only, where its module says so before it imports coremltools).
-EXTRAS = {"onnxruntime": ("onnxruntime", "onnx")}
+from mtp_edge.platforms import PLATFORMS, by_backend
 
 
 def backend(name: str) -> types.ModuleType:
     """The module of the backend called `name` (the manifest's `backend`)."""
-    if name not in MODULES:
+    row = by_backend(name)
+    if row is None:
+        known = ", ".join(p.backend for p in PLATFORMS.values())
         raise UserError(
             f"bundle backend '{name}' is not supported by this runtime (it runs "
-            f"{', '.join(MODULES)}): re-export the bundle"
+            f"{known}): re-export the bundle"
         )
-    if name in EXTRAS:
-        module, extra = EXTRAS[name]
+    modules, extra = row.run_needs
+    for module in modules:
         require(module, extra, f"a bundle for {name}")
-    return importlib.import_module(MODULES[name])
+    return importlib.import_module(row.session)
+
+
+def decoding_threads(name: str) -> int:
+    """The threads backend `name` decodes with: its own count where its row declares one
+    (ExecuTorch's pool), else torch's."""
+    import torch
+
+    row = by_backend(name)
+    if row is not None and row.threads is not None:
+        return getattr(backend(name), row.threads)() or torch.get_num_threads()
+    return torch.get_num_threads()
 
 
 def refuse_self_heads(manifest, name: str) -> None:

@@ -60,8 +60,8 @@ def assert_one_line_exit_2(result, *fragments):
 
 
 @pytest.fixture(scope="module")
-def ok_dir(tmp_path_factory):
-    return save_hf_dir(hf_reference("llama", seed=3), tmp_path_factory.mktemp("ok-llama"))
+def ok_dir(tiny_dir):
+    return tiny_dir  # conftest.py's, shared
 
 
 @pytest.fixture(scope="module")
@@ -194,13 +194,13 @@ def test_export_refuses_a_nan_fp32_perplexity(monkeypatch, ok_dir, tmp_path):
     """A target whose fp32 perplexity is NaN is refused before anything is quantized."""
     from types import SimpleNamespace
 
-    from mtp_edge.exporter import export
+    from mtp_edge.exporter import export, loading
     from mtp_edge.exporter.platform import ExportOptions
 
     exported = []
     platform = SimpleNamespace(check=lambda job: None, export=lambda job, d: exported.append(d))
     monkeypatch.setattr(export, "platform_module", lambda name: platform)
-    monkeypatch.setattr(export, "perplexity", lambda *a, **k: float("nan"))
+    monkeypatch.setattr(loading, "perplexity", lambda *a, **k: float("nan"))
     options = ExportOptions(model=str(ok_dir), platform="onnx", drafter="ngram", quality_tokens=32)
     with pytest.raises(UserError) as error:
         export.export_bundle(options, tmp_path / "bundle", lambda *a: None, progress=lambda s: 0)
@@ -346,14 +346,14 @@ def test_run_compares_the_draft_vocabulary_first(ok_dir, other_vocab_dir, monkey
 
 
 def test_export_compares_the_draft_vocabulary_first(ok_dir, other_vocab_dir, monkeypatch):
-    from mtp_edge.exporter import export
+    from mtp_edge.exporter import loading
     from mtp_edge.exporter.platform import ExportOptions
 
     target = load_model(str(ok_dir))
-    monkeypatch.setattr(export, "load_model", _no_draft_load(monkeypatch, str(ok_dir)))
+    monkeypatch.setattr(loading, "load_model", _no_draft_load(monkeypatch, str(ok_dir)))
     options = ExportOptions(model=str(ok_dir), platform="onnx", drafter=str(other_vocab_dir))
     with pytest.raises(UserError) as error:
-        export.load_drafter(options, target)
+        loading.load_drafter(options, target)
     assert "vocabulary" in one_line(error)
 
 

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from tiny import hf_reference, save_hf_dir
 
 from mtp_edge.cli import bench, devices, export, run, train
 from mtp_edge.logs import estimated_stage, is_noise, progress_bar, set_verbosity
@@ -37,11 +36,6 @@ def load(value: str):
 
 
 CLICK_COMMANDS = sorted(n for n, v in commands().items() if v.startswith("mtp_edge.cli"))
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return save_hf_dir(hf_reference("llama", seed=3), tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="module")
@@ -199,23 +193,25 @@ def test_choices_are_checked_and_listed(command, args, fragment):
 
 
 def test_choices_match_the_schemes():
-    from mtp_edge.cli.export import EMBEDDING_SCHEMES, QUANT_SCHEMES
+    from mtp_edge.cli.export import EMBEDDING_SCHEMES
+    from mtp_edge.platforms import PLATFORMS
     from mtp_edge.quantize import schemes
 
-    every = {s for valid in schemes.TARGET_SCHEMES.values() for s in valid}
-    assert set(QUANT_SCHEMES) == every and EMBEDDING_SCHEMES == schemes.EMBEDDING_SCHEMES
+    every = {s for row in PLATFORMS.values() for s in row.schemes}
+    choices = {p.name: p.type.choices for p in export.params if p.name == "quant"}
+    assert set(choices["quant"]) == every and EMBEDDING_SCHEMES == schemes.EMBEDDING_SCHEMES
 
 
 @pytest.mark.parametrize(
     "target, quant, valid", [("android", "int4", "8da4w, 8da8w, fp32"), ("onnx", "8da8w", None)]
 )
 def test_a_scheme_of_another_target_names_the_valid_ones(tiny_dir, tmp_path, target, quant, valid):
-    from mtp_edge.quantize.schemes import TARGET_SCHEMES
+    from mtp_edge.platforms import PLATFORMS
 
     args = ["--target", target, "-m", str(tiny_dir), "-o", str(tmp_path / "b"), "--quant", quant]
     line = one_error_line(CliRunner().invoke(export, args))
     assert f"--quant {quant} is not available for --target {target}" in line
-    assert (valid or ", ".join(TARGET_SCHEMES[target])) in line
+    assert (valid or ", ".join(PLATFORMS[target].schemes)) in line
     assert not (tmp_path / "b").exists()
 
 

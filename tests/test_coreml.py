@@ -263,8 +263,8 @@ def test_dispatch_pads_to_the_narrowest_function_and_respects_the_cache_end():
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_hf_dir(hf_reference("llama", seed=3), tmp_path_factory.mktemp("model"))
+def model_dir(tiny_dir):
+    return tiny_dir  # conftest.py's, shared
 
 
 @linux_only
@@ -275,7 +275,7 @@ def test_bundle_and_the_linux_refusal(model_dir, tmp_path):
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["quality"]["perplexity_fp32"] > 0  # exported: Mac only
     manifest = Manifest.load(out)  # the package directory's hash checks out
-    assert (manifest.target, manifest.backend) == ("coreml", "coreml")
+    assert (manifest.platform, manifest.backend) == ("coreml", "coreml")
     assert manifest.models["target"].file == "model.mlpackage"
     assert set(manifest.models["target"].methods) == {"prefill", "verify", "decode"}
     assert manifest.drafter == DrafterSpec(

@@ -19,8 +19,8 @@ PROMPT = "the cat the cat the cat"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_hf_dir(hf_reference("llama", seed=3), tmp_path_factory.mktemp("model"))
+def model_dir(tiny_dir):
+    return tiny_dir  # conftest.py's, shared
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def error_line(result) -> str:
 
 def test_bundle_layout(bundle):
     manifest = Manifest.load(bundle)
-    assert manifest.target == "android" and manifest.backend == "executorch"
+    assert manifest.platform == "android" and manifest.backend == "executorch"
     assert manifest.models["target"].file == "target.pte"
     assert manifest.models["target"].quant["scheme"] == "8da4w"
     assert manifest.drafter == DrafterSpec(kind="ngram", k=4)
@@ -314,29 +314,12 @@ def test_exported_fp32_logits_match_eager(model_dir, tmp_path):
 
 
 @pytest.fixture(scope="module", params=["target_cache", "none", "self"])
-def mtp_bundle(model_dir, tmp_path_factory, request):
+def mtp_bundle(mtp_bundle_of, request):
     """A bundle with an MTP drafter (random heads: lossless does not need good drafts), of
     each kind: a head that reads the target's cache (a method of target.pte), one without
-    attention and one with a cache of its own (each its own drafter.pte)."""
-    root = tmp_path_factory.mktemp("mtp")
-    save_random_heads(model_dir, root / "heads.safetensors", request.param)
-    args = [
-        "--model",
-        str(model_dir),
-        "--drafter",
-        "mtp",
-        "--heads",
-        str(root / "heads.safetensors"),
-        "--out",
-        str(root / "bundle"),
-        "--max-seq-len",
-        "96",
-        "--quality-tokens",
-        "0",
-    ]
-    result = CliRunner().invoke(export, args)
-    assert result.exit_code == 0, result.output
-    return root / "bundle"
+    attention and one with a cache of its own (each its own drafter.pte). conftest.py's, shared
+    with other modules: exported with the default drafting policy, its heads file beside it."""
+    return mtp_bundle_of(request.param)
 
 
 def test_mtp_bundle_is_lossless_greedy_and_sampled(mtp_bundle):

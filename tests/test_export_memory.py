@@ -86,16 +86,17 @@ def test_export_warns_before_it_starts_when_memory_is_short(monkeypatch):
         arch="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
         num_layers=28, num_heads=12, num_kv_heads=2, head_dim=128, tie_word_embeddings=True,
     )  # fmt: skip
+    OPTIONS = ExportOptions(quant="8da8w", group_size=0)  # noqa: N806 (android's default)
     said: list[str] = []
     monkeypatch.setattr(memory, "available_gb", lambda: 20.0)
-    forecast_memory(ExportOptions(), config, 2048, said.append)
+    forecast_memory(OPTIONS, config, 2048, said.append)
     assert len(said) == 1 and "1.78 GB target program, a 0.12 GB cache" in said[0], said
     peak = float(said[0].split("~")[1].split(" GB")[0])
     assert 5.0 < peak < 7.0, said
     said.clear()
     monkeypatch.setattr(memory, "available_gb", lambda: 4.0)
     warned: list[str] = []
-    forecast_memory(ExportOptions(), config, 2048, said.append, warned.append)
+    forecast_memory(OPTIONS, config, 2048, said.append, warned.append)
     assert len(said) == 1 and len(warned) == 1, (said, warned)
     assert warned[0].startswith("[memory] warning:"), warned
     assert "--quant 8da4w" in warned[0]

@@ -35,8 +35,8 @@ TEXT = "the cat the cat the cat"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_hf_dir(hf_reference("llama", seed=3), tmp_path_factory.mktemp("model"))
+def model_dir(tiny_dir):
+    return tiny_dir  # conftest.py's, shared
 
 
 def cli_export(out, model_dir, *extra):
@@ -94,7 +94,7 @@ def run_json(bundle, *extra):
 
 def test_bundle_layout(mtp_bundle, draft_lm_bundle):
     manifest = Manifest.load(mtp_bundle)
-    assert (manifest.target, manifest.backend) == ("onnx", "onnxruntime")
+    assert (manifest.platform, manifest.backend) == ("onnx", "onnxruntime")
     assert manifest.models["target"].file == "target.onnx"
     assert manifest.models["drafter"].file == "drafter.onnx"
     forward = manifest.models["target"].methods["forward"]

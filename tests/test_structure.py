@@ -6,6 +6,10 @@ two modules together. The rooms (see the README's map):
 - quantize: ground; exporter: ground and quantize (never runtime);
 - runtime: ground (never exporter); devices and train: ground and runtime;
 - the CLI and the API: anything; nothing imports the CLI.
+The package root (mtp_edge/__init__.py) counts as the API, whose names it offers: the ground
+must not reach it (the version lives in mtp_edge/version.py). A process started with `-m`
+counts as an import of its module, so that an export's child process (exporter/lowering_child)
+is seen on the parent's side of the graph.
 """
 
 from __future__ import annotations
@@ -57,7 +61,9 @@ def room(module: str) -> str:
 
 
 def imports(file: Path, module: str, known: set[str]) -> set[str]:
-    """The mtp_edge modules `file` imports anywhere (module level or inside functions)."""
+    """The mtp_edge modules `file` imports anywhere (module level or inside functions), the
+    package root `mtp_edge` included, and the modules it starts as processes (`-m NAME` in an
+    argument list: the child's imports run because of the parent)."""
     tree = ast.parse(file.read_text())
     package = module if file.name == "__init__.py" else module.rpartition(".")[0]
     found = set()
@@ -70,13 +76,27 @@ def imports(file: Path, module: str, known: set[str]) -> set[str]:
             if node.level:
                 base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
                 base = f"{base}.{node.module}" if node.module else base
-            names = [f"{base}.{a.name}" for a in node.names] + [base]
+            # `from pkg import module` imports the module; `from pkg import name`, the package
+            names = [f"{base}.{a.name}" for a in node.names]
+            names = [name if name in known else base for name in names]
+        elif isinstance(node, ast.List | ast.Tuple):
+            names = started_modules(node)
         for name in names:
-            while name and name not in known:  # `from pkg import function` -> pkg
+            while name and name not in known:  # `from pkg.module import function` -> pkg.module
                 name = name.rpartition(".")[0]
-            if name and name != module and name != "mtp_edge":
+            if name and name != module:
                 found.add(name)
     return found
+
+
+def started_modules(node: ast.List | ast.Tuple) -> list[str]:
+    """The module an argument list runs with `-m` (`[sys.executable, "-m", "mtp_edge.x", ...]`)."""
+    texts = [e.value if isinstance(e, ast.Constant) else None for e in node.elts]
+    return [
+        name
+        for flag, name in zip(texts, texts[1:], strict=False)
+        if flag == "-m" and isinstance(name, str) and name.startswith("mtp_edge")
+    ]
 
 
 def graph() -> dict[str, set[str]]:
@@ -128,3 +148,45 @@ def test_the_checker_sees_lazy_imports_and_cycles(tmp_path):
     a.write_text("def f():\n    from mtp_edge.runtime import loop\n")
     assert imports(a, "mtp_edge.exporter.a", {"mtp_edge.runtime.loop"}) == {"mtp_edge.runtime.loop"}
     assert room("mtp_edge.exporter.a") == "exporter" and "runtime" not in ALLOWED["exporter"]
+
+
+def reachable(edges: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in edges.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def test_the_package_root_is_in_the_graph_and_the_ground_does_not_reach_it():
+    edges = graph()
+    assert "mtp_edge" in edges and "mtp_edge.api" in edges["mtp_edge"]
+    assert edges["mtp_edge"] - {"mtp_edge.api"} <= {"mtp_edge.version"}
+    wrong = [m for m in edges if room(m) == "ground" and "mtp_edge" in reachable(edges, m)]
+    assert not wrong, wrong
+
+
+def test_the_export_child_does_not_reenter_the_parent():
+    """The parent (exporter.export, through exporter.isolated) starts the child
+    (exporter.lowering_child); both import the loading module, and the child reaches neither
+    the parent's modules nor the API or the CLI."""
+    edges = graph()
+    child = "mtp_edge.exporter.lowering_child"
+    assert child in edges["mtp_edge.exporter.isolated"]  # seen through `-m`
+    assert "mtp_edge.exporter.loading" in edges[child]
+    assert "mtp_edge.exporter.loading" in edges["mtp_edge.exporter.export"]
+    parent_side = {"mtp_edge.exporter.export", "mtp_edge.exporter.isolated", "mtp_edge.api"}
+    assert not reachable(edges, child) & parent_side
+    assert not any(room(m) == "cli" for m in reachable(edges, child))
+
+
+def test_the_checker_sees_the_root_and_started_processes(tmp_path):
+    a = tmp_path / "a.py"
+    a.write_text(
+        "from mtp_edge import __version__, logs\n"
+        "ARGS = [sys.executable, '-m', 'mtp_edge.exporter.child', '1']\n"
+    )
+    known = {"mtp_edge", "mtp_edge.logs", "mtp_edge.exporter.child"}
+    assert imports(a, "mtp_edge.exporter.a", known) == known

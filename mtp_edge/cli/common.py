@@ -10,8 +10,10 @@ import sys
 
 import click
 
-from mtp_edge import __version__, logs
+from mtp_edge import logs
 from mtp_edge.errors import Fault, Terminated, UserError
+from mtp_edge.limits import LIMITS
+from mtp_edge.version import __version__
 
 
 def _print_version(ctx: click.Context, param, value: bool) -> None:
@@ -101,6 +103,26 @@ def _terminate(signum, frame) -> None:
     raise Terminated(signum)
 
 
+class InRange(click.ParamType):
+    """A number in one of mtp_edge/limits.py's ranges, the Python API's and the server's too:
+    refused as the flag is read, before anything loads (NaN and inf included)."""
+
+    def __init__(self, setting: str):
+        self.limit = LIMITS[setting]
+        self.name = "integer" if self.limit.kind is int else "float"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str):
+            try:
+                value = self.limit.kind(value.strip())
+            except ValueError:
+                self.fail(f"must be {self.limit.describe()}, got {value!r}", param, ctx)
+        problem = self.limit.problem(value)
+        if problem is not None:
+            self.fail(problem, param, ctx)
+        return self.limit.convert(value)
+
+
 def _non_empty(flag: str, values: tuple[str, ...]) -> tuple[str, ...]:
     if any(v == "" for v in values):
         raise click.BadParameter("takes a non-empty text (an empty one would match at once)")
@@ -158,7 +180,7 @@ def drafter_options(f):
         click.option(
             "--k",
             default=None,
-            type=click.IntRange(1, 15),
+            type=InRange("k"),
             help="Most tokens drafted per step, 1..15 (default: 4, or the bundle's).",
         ),
         click.option(
@@ -187,17 +209,17 @@ def drafter_options(f):
         click.option(
             "--draft-confidence",
             default=None,
-            type=float,
-            help="Model drafters: stop drafting when the best probability falls below (default "
-            "0, or the bundle's).",
+            type=InRange("draft_confidence"),
+            help="Model drafters: stop drafting when the best probability falls below, in [0, 1) "
+            "(default 0, or the bundle's).",
         ),
         click.option(
             "-c",
             "--max-seq-len",
             default=2048,
             show_default=True,
-            type=click.IntRange(1),
-            help="Static KV cache length (a bundle's is fixed at export).",
+            type=InRange("max_seq_len"),
+            help="Static KV cache length, >= 2 (a bundle's is fixed at export).",
         ),
         click.option("--no-chat-template", is_flag=True, help="Feed prompts as raw text."),
         click.option(
@@ -209,7 +231,7 @@ def drafter_options(f):
             "-t",
             "--threads",
             default=0,
-            type=click.IntRange(0),
+            type=InRange("threads"),
             help="CPU threads (0 = all cores).",
         ),
     ]
@@ -223,27 +245,33 @@ def sampling_options(f):
     names as llama.cpp's: -n, -s; --temp as MLX-LM's)."""
     options = [
         click.option(
-            "-n", "--max-new-tokens", default=128, show_default=True, type=click.IntRange(1)
+            "-n",
+            "--max-new-tokens",
+            default=128,
+            show_default=True,
+            type=InRange("max_new_tokens"),
         ),
         click.option(
             "--temperature",
             "--temp",
             default=0.0,
             show_default=True,
-            type=click.FloatRange(0),
+            type=InRange("temperature"),
             help="0 = greedy.",
         ),
         click.option(
-            "--top-k", default=0, show_default=True, type=click.IntRange(0), help="0 = off."
+            "--top-k", default=0, show_default=True, type=InRange("top_k"), help="0 = off."
         ),
         click.option(
             "--top-p",
             default=1.0,
             show_default=True,
-            type=click.FloatRange(0, 1, min_open=True),
-            help="1 = off.",
+            type=InRange("top_p"),
+            help="In (0, 1]; 1 = off.",
         ),
-        click.option("-s", "--seed", default=0, show_default=True),
+        click.option(
+            "-s", "--seed", default=0, show_default=True, type=InRange("seed"), help="0..2^64-1."
+        ),
         click.option(
             "--stop",
             "stop_strings",

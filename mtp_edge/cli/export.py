@@ -3,32 +3,47 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import click
 
 from mtp_edge.cli.common import OneLineErrors, say
-from mtp_edge.errors import require
+from mtp_edge.platforms import PLATFORMS, every_scheme
 
-# Every --quant scheme of every target (quantize.schemes.TARGET_SCHEMES, which imports torch:
-# too slow for --help); which of them a target takes is checked once the target is known.
-QUANT_SCHEMES = ("8da8w", "8da4w", "int4", "int8", "fp16", "fp32")
-EMBEDDING_SCHEMES = ("8w", "4w", "none")  # quantize.schemes.EMBEDDING_SCHEMES
-# The modules each target's exporter needs beyond the required dependencies, and their extra.
-TARGET_EXTRAS = {
-    "onnx": (("onnx", "onnxruntime", "onnxscript"), "onnx"),
-    "coreml": (("coremltools",), "coreml"),
-}
+EMBEDDING_SCHEMES = ("8w", "4w", "none")  # quantize.schemes.EMBEDDING_SCHEMES (imports torch)
+
+
+class TableChoice(click.Choice):
+    """A choice among what the platform table holds when the command runs (its rows, or every
+    scheme of every row), so that a row added to the table is a choice here too."""
+
+    def __init__(self, read) -> None:
+        self.read = read
+        super().__init__(())
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return tuple(self.read())
+
+    @choices.setter
+    def choices(self, _value) -> None:
+        pass
+
+
+def _schemes_help() -> str:
+    return "Target weights. " + "; ".join(
+        f"{p.name}: {' | '.join(p.schemes)} (default {p.default_scheme})"
+        for p in PLATFORMS.values()
+    )
 
 
 @click.command(cls=OneLineErrors)
 @click.option(
     "--target",
     "platform",
-    type=click.Choice(["android", "onnx", "coreml"]),
+    type=TableChoice(lambda: PLATFORMS),
     default="android",
     show_default=True,
-    help="android (ExecuTorch .pte, XNNPACK) | onnx (ONNX Runtime) | coreml (.mlpackage).",
+    help=" | ".join(f"{p.name} ({p.summary})" for p in PLATFORMS.values()) + ".",
 )
 @click.option(
     "-m",
@@ -45,15 +60,12 @@ TARGET_EXTRAS = {
     "path to a draft model with the target's vocabulary.",
 )
 @click.option("--heads", default=None, help="MTP heads for --drafter mtp (default: shipped).")
-@click.option(
-    "--k", default=4, show_default=True, type=click.IntRange(1, 15), help="Tokens drafted per step."
-)
+@click.option("--k", default=4, show_default=True, help="Tokens drafted per step (1-15).")
 @click.option(
     "--quant",
-    type=click.Choice(QUANT_SCHEMES),
+    type=TableChoice(every_scheme),
     default=None,
-    help="Target weights. android: 8da8w | 8da4w | fp32 (default 8da8w); onnx: int4 | int8 | "
-    "fp32 (default int4); coreml: int4 | int8 | fp16 (default int4).",
+    help=_schemes_help() + ".",
 )
 @click.option(
     "--group-size",
@@ -70,7 +82,7 @@ TARGET_EXTRAS = {
 )
 @click.option(
     "--draft-quant",
-    type=click.Choice(QUANT_SCHEMES),
+    type=TableChoice(every_scheme),
     default=None,
     help="Drafter weights (default: as --quant).",
 )
@@ -105,7 +117,7 @@ TARGET_EXTRAS = {
     help="Static KV cache length.",
 )
 @click.option(
-    "-o", "--out", default=None, help="Bundle directory (default: bundles/<model>-<target>)."
+    "-o", "--out", default=None, help="Bundle directory (default: bundles/<model>-<platform>)."
 )
 @click.option(
     "--quality-tokens",
@@ -113,36 +125,12 @@ TARGET_EXTRAS = {
     show_default=True,
     help="Held-out tokens for the perplexity check (0 = skip).",
 )
-def export(quant, group_size, draft_quant, **options):
+def export(out, **options):
     """Quantize a target (and its drafter) and export them as one bundle."""
-    platform, out = options["platform"], options.pop("out")
-    modules, extra = TARGET_EXTRAS.get(platform, ((), ""))
-    for module in modules:
-        require(module, extra, f"mtp-export --target {platform}")
-
     from mtp_edge.api import ExportOptions
     from mtp_edge.api import export as export_bundle
-    from mtp_edge.quantize.schemes import (
-        DEFAULT_REASON,
-        DEFAULT_SCHEME,
-        check_target_scheme,
-        default_group_size,
-    )
 
-    if out is not None:  # the default (bundles/<model>-<target>) is checked once it is known
-        from mtp_edge.exporter.bundle import check_writable
-
-        check_writable(Path(out))
-    if quant is None and platform in DEFAULT_REASON:
-        say(f"[quantize] default {DEFAULT_REASON[platform]}")
-    quant = quant or DEFAULT_SCHEME[platform]
-    if group_size is None:
-        group_size = default_group_size(quant, platform)
-    check_target_scheme(platform, quant, group_size)
-    if draft_quant is not None:
-        check_target_scheme(platform, draft_quant, group_size)
-    options = ExportOptions(
-        quant=quant, group_size=group_size, draft_quant=draft_quant or quant, **options
-    )
-    bundle, manifest = export_bundle(options, out, progress=say)
+    # Every option is decided and checked below the command (exporter/platform.py's
+    # resolve_options), so that the API and this command agree.
+    bundle, manifest = export_bundle(ExportOptions(**options), out, progress=say)
     click.echo(json.dumps({"bundle": str(bundle), "quality": manifest.quality}))

@@ -112,7 +112,7 @@ void check_keys(const nlohmann::json& data, const std::vector<Key>& keys, const 
 }
 
 const std::vector<Key> kManifestKeys = {
-    {"target", Kind::Text, true},          {"backend", Kind::Text, true},
+    {"platform", Kind::Text, true},        {"backend", Kind::Text, true},
     {"model_name", Kind::Text, true},      {"max_seq_len", Kind::Integer, true},
     {"max_chunk", Kind::Integer, true},    {"vocab_size", Kind::Integer, true},
     {"bos_id", Kind::IntegerOrNull, true}, {"eos_ids", Kind::Integers, true},
@@ -466,7 +466,7 @@ Manifest Manifest::load(const std::string& dir, bool verify) {
     check_keys(data, kManifestKeys, path, "");
     if (!data["models"].contains("target"))
       throw UserError(path + ": 'models' must map 'target' (and more) to files: re-export");
-    m.target = data["target"].get<std::string>();
+    m.platform = data["platform"].get<std::string>();
     m.backend = data["backend"].get<std::string>();
     m.model_name = data["model_name"].get<std::string>();
     m.max_seq_len = data["max_seq_len"].get<int64_t>();

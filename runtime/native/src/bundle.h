@@ -11,7 +11,7 @@
 
 namespace mtp {
 
-constexpr int kFormatVersion = 1;
+constexpr int kFormatVersion = 2;  // 2: the platform's key is "platform"
 
 struct ModelFile {
   std::string file;  // relative to the bundle directory
@@ -49,7 +49,7 @@ struct DrafterSpec {
 
 struct Manifest {
   std::string dir;
-  std::string target, backend, model_name;
+  std::string platform, backend, model_name;
   int64_t max_seq_len = 0;
   int64_t max_chunk = 0;
   int64_t vocab_size = 0;

@@ -1,0 +1,144 @@
+"""The platforms a bundle is made for, in one table: everything that differs between them.
+
+`mtp-export --target NAME` picks a row. The exporter imports the row's `exporter` module, the
+runtime the row's `session` module (both by name, on first use: each pulls in its own
+toolchain); the CLI takes its choices, the quantizer its schemes and defaults, the manifest its
+`platform` and `backend`, the benchmark harness and mtp-predict their hooks from here. Nothing
+else compares a platform's or a backend's name. A new platform is a row here and its two
+modules (exporter/NAME.py: `check` and `export`, exporter/platform.py; runtime/NAME_session.py:
+runtime/backends.py).
+
+Ground layer: this module imports no torch (the CLI reads it for --help).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from mtp_edge.errors import UserError
+from mtp_edge.memory import export_forecast
+
+
+@dataclass(frozen=True)
+class Platform:
+    name: str  # `mtp-export --target NAME`; the manifest's "platform"
+    summary: str  # what it writes, for --help
+    backend: str  # the runtime backend that runs its bundles: the manifest's "backend"
+    exporter: str  # the module with its check(job) and export(job, dir) (exporter/platform.py)
+    session: str  # the runtime module with its sessions (runtime/backends.py)
+    schemes: tuple[str, ...]  # what --quant / --draft-quant take
+    default_scheme: str  # --quant when not given ...
+    why_default: str  # ... and why, said when --quant is not given
+    # Schemes whose --group-size is a block size (a power of two >= 16; default 32). Without a
+    # --group-size the others get 32 if they are 4-bit (quantize.schemes.default_group_size).
+    blockwise: tuple[str, ...] = ()
+    # What the export imports beyond the required dependencies, and the pip extra bringing it.
+    export_needs: tuple[tuple[str, ...], str] = ((), "")
+    # What the backend imports beyond the required dependencies, and the pip extra bringing it.
+    run_needs: tuple[tuple[str, ...], str] = ((), "")
+    # Hooks, each off unless declared:
+    # - the exporter module has `load_hook(options, skeleton, draft=False)`, which quantizes each
+    #   part of a model as it is read; such a platform loads and lowers in a child process
+    #   (exporter/isolated.py), so that what lowering leaves allocated dies with it;
+    load_hook: bool = False
+    # - the export's peak memory, said before the slow part (mtp_edge/memory.py):
+    #   (config, quant, group_size, embedding_quant, max_seq_len) -> (peak, program, cache) GB;
+    memory_forecast: Callable | None = None
+    # - the session module's function giving the threads it decodes with (mtp-bench's report;
+    #   None: torch's count);
+    threads: str | None = None
+    # - mtp-bench also decodes the target program with ExecuTorch's TextLLMRunner (devices/peer);
+    textllmrunner_peer: bool = False
+    # - mtp-predict reads the shapes of its programs (devices/cost.py).
+    predictable: bool = False
+
+
+PLATFORMS: dict[str, Platform] = {}
+
+
+def register(platform: Platform) -> Platform:
+    """Add a row (the rows below; a test adds one of its own)."""
+    if platform.default_scheme not in platform.schemes:
+        raise ValueError(f"{platform.name}: default {platform.default_scheme} not in its schemes")
+    PLATFORMS[platform.name] = platform
+    return platform
+
+
+register(
+    Platform(
+        name="android",
+        summary="ExecuTorch .pte, XNNPACK",
+        backend="executorch",
+        exporter="mtp_edge.exporter.executorch",
+        session="mtp_edge.runtime.executorch_session",
+        # Every scheme XNNPACK lowers correctly (quantize/schemes.py says why not int8/int4).
+        schemes=("8da4w", "8da8w", "fp32"),
+        # Measured (benchmarks/README.md, "Weight scheme by model size"): the held-out
+        # perplexity against float32. On SmolLM2-135M 4-bit weights cost 1.59x perplexity (g32)
+        # and 3.4x (per channel) against 1.01x, and cut MTP acceptance so much that speculation
+        # stopped paying; 8da8w decodes slower (4.5 vs 3.4 ms a step) but speculates faster.
+        default_scheme="8da8w",
+        why_default="8da8w per channel: within +3% perplexity of fp32 at every size measured "
+        "(135M x1.00, 0.5B x1.00), where 4-bit weights lost 5-9% in groups (0.5B; 1.5B: 6.7%) "
+        "and 37% per channel (0.5B), and its verification costs 1.16x a decode from memory "
+        "against 1.5x for 4-bit groups; --quant 8da4w halves the program",
+        load_hook=True,
+        memory_forecast=export_forecast,
+        threads="executorch_threads",
+        textllmrunner_peer=True,
+        predictable=True,
+    )
+)
+register(
+    Platform(
+        name="onnx",
+        summary="ONNX Runtime",
+        backend="onnxruntime",
+        exporter="mtp_edge.exporter.onnx",
+        session="mtp_edge.runtime.onnx_session",
+        # int4 / int8: onnxruntime's MatMulNBits (blockwise weights, fp32 activations).
+        schemes=("int4", "int8", "fp32"),
+        default_scheme="int4",
+        why_default="int4 MatMulNBits in blocks of 32: int8 weights decoded no faster on "
+        "onnxruntime's kernels (benchmarks/README.md), and int4 reads half the bytes",
+        blockwise=("int4", "int8"),
+        export_needs=(("onnx", "onnxruntime", "onnxscript"), "onnx"),
+        run_needs=(("onnxruntime",), "onnx"),
+    )
+)
+register(
+    Platform(
+        name="coreml",
+        summary=".mlpackage",
+        backend="coreml",
+        exporter="mtp_edge.exporter.coreml",
+        # Apple platforms only: the module says so on Linux before it imports coremltools.
+        session="mtp_edge.runtime.coreml_session",
+        # int4 per block, int8 per channel, or fp16 weights; Core ML computes in fp16 whatever
+        # the weights.
+        schemes=("int4", "int8", "fp16"),
+        default_scheme="int4",
+        why_default="int4 in blocks of 32: the smallest program (84 MB against 147 MB int8 "
+        "and 289 MB fp16 for SmolLM2-135M, benchmarks/README.md)",
+        blockwise=("int4",),
+        export_needs=(("coremltools",), "coreml"),
+    )
+)
+
+
+def platform(name: str) -> Platform:
+    """The row of `mtp-export --target NAME`; one line naming the choices when there is none."""
+    if name not in PLATFORMS:
+        raise UserError(f"unknown target '{name}': choose one of {', '.join(PLATFORMS)}")
+    return PLATFORMS[name]
+
+
+def by_backend(backend: str) -> Platform | None:
+    """The row whose bundles `backend` (a manifest's "backend") runs; None for an unknown one."""
+    return next((p for p in PLATFORMS.values() if p.backend == backend), None)
+
+
+def every_scheme() -> tuple[str, ...]:
+    """Every --quant of every platform, in the table's order."""
+    return tuple(dict.fromkeys(s for p in PLATFORMS.values() for s in p.schemes))
