@@ -24,8 +24,8 @@ from mtp_edge.runtime.assemble import LoadOptions
 
 
 def compare_spec(spec: str) -> dict:
-    """`DIR[,k=N][,drafter=NAME][,confidence=P][,fallback=on|off]` -> the LoadOptions fields
-    it overrides."""
+    """`DIR[,k=N][,drafter=NAME][,draft_confidence=P][,fallback=on|off]` -> the LoadOptions
+    fields it overrides (confidence=P: an older name of draft_confidence=P)."""
     path, *settings = spec.split(",")
     out: dict = {"bundle": path}
     for setting in settings:
@@ -34,13 +34,13 @@ def compare_spec(spec: str) -> dict:
             out["k"] = int(value)
         elif key == "drafter" and value:
             out["drafter"] = value
-        elif key == "confidence" and _is_probability(value):
+        elif key in ("draft_confidence", "confidence") and _is_probability(value):
             out["draft_confidence"] = float(value)
         elif key == "fallback" and value in ("on", "off"):
             out["fallback"] = value == "on"
         else:
             raise UserError(
-                f"--compare {spec}: expected DIR[,k=N][,drafter=NAME][,confidence=P]"
+                f"--compare {spec}: expected DIR[,k=N][,drafter=NAME][,draft_confidence=P]"
                 "[,fallback=on|off], "
                 f"not {setting!r}"
             )

@@ -137,12 +137,14 @@ def resolve_options(
 
 
 def check_lookup(text: str) -> None:
-    """--lookup takes none or MIN-MAX n-gram sizes with 1 <= MIN <= MAX."""
+    """--ngram-sizes (mtp-export's) takes none or MIN-MAX n-gram sizes, 1 <= MIN <= MAX."""
     if text == "none":
         return
     low, _, high = text.partition("-")
     if not (low.isdigit() and high.isdigit() and 1 <= int(low) <= int(high)):
-        raise UserError(f"--lookup takes none or MIN-MAX n-gram sizes such as 2-3, got {text!r}")
+        raise UserError(
+            f"--ngram-sizes takes none or MIN-MAX n-gram sizes such as 2-3, got {text!r}"
+        )
 
 
 def refuse_self_heads(job: ExportJob) -> None:

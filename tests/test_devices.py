@@ -275,7 +275,7 @@ def test_compare_k_values_of_one_bundle(bundle, prompts, tmp_path):
     assert result.exit_code == 0, result.output
     assert [r["k"] for r in json.loads(out.read_text())["runs"]] == [4, 2]
     bad = CliRunner().invoke(bench, ["--bundle", str(bundle), "--compare", f"{bundle},q=1"])
-    assert "expected DIR[,k=N][,drafter=NAME][,confidence=P]" in error_line(bad)
+    assert "expected DIR[,k=N][,drafter=NAME][,draft_confidence=P]" in error_line(bad)
     bad = CliRunner().invoke(
         bench, ["--bundle", str(bundle), "--compare", f"{bundle},confidence=2"]
     )

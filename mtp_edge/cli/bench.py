@@ -52,8 +52,8 @@ from mtp_edge.files import check_output, write_atomic
     "--compare",
     multiple=True,
     help="Another bundle to measure side by side with --bundle (repeatable; prompts "
-    "interleaved). DIR[,k=N][,drafter=NAME][,confidence=P][,fallback=on|off] also compares "
-    "k values, drafters, --draft-confidence floors or the fallback of one bundle.",
+    "interleaved). DIR[,k=N][,drafter=NAME][,draft_confidence=P][,fallback=on|off] also "
+    "compares k values, drafters, --draft-confidence floors or the fallback of one bundle.",
 )
 @click.option(
     "--llama-cpp",

@@ -87,11 +87,13 @@ def _schemes_help() -> str:
     help="Drafter weights (default: as --quant).",
 )
 @click.option(
-    "--lookup",
+    "--ngram-sizes",
+    "--lookup",  # its older name
+    "lookup",
     default="2-3",
     show_default=True,
     help="Runtime default for a model drafter: prompt lookup first where the context's last "
-    "MIN-MAX tokens occurred before (none: the model alone).",
+    "MIN-MAX tokens occurred before, as mtp-run --ngram-sizes (none: the model alone).",
 )
 @click.option(
     "--draft-confidence",
