@@ -129,7 +129,7 @@ def draft_lm_bundle_256(tmp_path_factory, chat_tiny_dir) -> Path:
         draft = save_chat_dir(root / "draft", seed=3)
         args = ["--model", str(chat_tiny_dir), "--out", str(root / "bundle")]
         args += ["--max-seq-len", "256", "--quality-tokens", "0", "--drafter", str(draft)]
-        export_cli(*args, "--lookup", "none", "--draft-confidence", "0")
+        export_cli(*args, "--ngram-sizes", "none", "--draft-confidence", "0")
 
     return built_once(tmp_path_factory, "draft-lm", build) / "bundle"
 

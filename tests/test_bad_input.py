@@ -22,7 +22,6 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tiny import hf_reference, save_hf_dir
 
 from mtp_edge.cli import OneLineErrors, bench, export, predict, run, train
 from mtp_edge.errors import Fault, UserError
@@ -32,8 +31,8 @@ MAX_SEQ_LEN = 64
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_hf_dir(hf_reference("llama", seed=5), tmp_path_factory.mktemp("model"))
+def model_dir(tiny_dir_seed5):
+    return tiny_dir_seed5  # conftest.py's, shared
 
 
 @pytest.fixture(scope="module")

@@ -13,11 +13,6 @@ from tiny import hf_reference, save_hf_dir
 from mtp_edge.cli import bench, run
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return save_hf_dir(hf_reference("llama", seed=3), tmp_path_factory.mktemp("tiny-llama"))
-
-
 def invoke(command, args):
     result = CliRunner().invoke(command, args)
     return result

@@ -26,10 +26,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
-from tiny import hf_reference, save_hf_dir, save_random_heads, setup_options
+from tiny import setup_options, without_drafting_policy
 
-from mtp_edge.cli import export
 from mtp_edge.devices.harness import NEAR_TIE, load_prompts
 from mtp_edge.runtime import native
 from mtp_edge.runtime.bundle import bundle_drafter, open_bundle, target_session
@@ -39,12 +37,11 @@ from mtp_edge.runtime.mtp_drafter import MtpDrafter
 
 MAX_NEW_TOKENS = 24
 PROMPT_TOKENS = 160  # the tail of each built-in prompt in the tiny tokenizer (context is 256)
-TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"  # noqa: E501
 
 
 @pytest.fixture(scope="module")
-def runner():
-    return native.build(jobs=1)
+def runner(native_runner):
+    return native_runner
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -56,90 +53,40 @@ def verified_stamps(tmp_path_factory):
         yield
 
 
-def tiny_dir(root, seed: int, **overrides):
-    model_dir = save_hf_dir(hf_reference("llama", seed=seed, **overrides), root)
-    config = {"bos_token": "<|im_start|>", "add_bos_token": True, "chat_template": TEMPLATE}
-    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
-    return model_dir
-
-
-def export_bundle(tmp_path_factory, *extra) -> str:
-    """A tiny bundle without a drafting policy (the bundle's drafter runs alone, ungated)
-    unless `extra` sets one: test_bundle_drafting_policy_matches_python tests the policy."""
-    root = tmp_path_factory.mktemp("native")
-    model_dir = tiny_dir(root / "model", seed=3)
-    out = root / "bundle"
-    args = ["--model", str(model_dir), "--out", str(out), "--max-seq-len", "256"]
-    args += ["--quality-tokens", "0", "--lookup", "none", "--draft-confidence", "0", *extra]
-    result = CliRunner().invoke(export, args)
-    assert result.exit_code == 0, result.output
-    add_tokenizer_entries(out)
-    return str(out)
-
-
-def add_tokenizer_entries(bundle: Path) -> None:
-    """The tokenizer's files as entries of the manifest's models, with their sha256, as
-    mtp-export writes them now (the readers refuse a bundle without them); nothing to do on a
-    bundle that has them."""
-    path = bundle / "manifest.json"
-    manifest = json.loads(path.read_text())
-    files = {"tokenizer": "tokenizer.json", "tokenizer_meta": "tokenizer_meta.json"}
-    missing = {role: file for role, file in files.items() if role not in manifest["models"]}
-    for role, file in missing.items():
-        digest = sha256_of(bundle / file)
-        manifest["models"][role] = {"file": file, "sha256": digest, "quant": {}, "methods": {}}
-    if missing:
-        path.write_text(json.dumps(manifest, indent=2) + "\n")
-
-
-def export_mtp_bundle(tmp_path_factory, attention: str, *extra) -> str:
-    root = tmp_path_factory.mktemp("heads")
-    model_dir = tiny_dir(root / "model", seed=3)
-    save_random_heads(model_dir, root / "heads.safetensors", attention)
-    if attention != "none":
-        amplify_cache_attention(root / "heads.safetensors")
-    return export_bundle(
-        tmp_path_factory, "--drafter", "mtp", "--heads", str(root / "heads.safetensors"), *extra
-    )
-
-
-def amplify_cache_attention(path, factor: float = 4.0) -> None:
-    """Scale the random head's attention output so that its drafts depend on what it reads in
-    the cache: with the plain random head, a draft method reading a cache of its own (zeros)
-    drafts the same tokens, and the tests could not tell (checked by breaking the sharing). A
-    self head's drafts then depend more on the rows fed into its own cache."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    with safe_open(str(path), framework="pt") as f:
-        metadata = f.metadata()
-        state = {name: f.get_tensor(name) for name in f.keys()}
-    state["blocks.0.cache_attn.o_proj.weight"] *= factor
-    save_file(state, str(path), metadata=metadata)
+def unpoliced(tmp_path_factory, bundle: Path) -> str:
+    """A copy of one of conftest.py's shared MTP bundles (a tiny llama with a chat template,
+    256 positions, 8da4w, random heads with their attention amplified) without a drafting
+    policy, as `--ngram-sizes none --draft-confidence 0` exports it: the bundle's drafter runs
+    alone, ungated, unless a test sets a policy (test_bundle_drafting_policy_matches_python)."""
+    copy = tmp_path_factory.mktemp("native") / "bundle"
+    shutil.copytree(bundle, copy)
+    without_drafting_policy(copy)
+    return str(copy)
 
 
 @pytest.fixture(scope="module")
-def mtp_bundle(tmp_path_factory):
+def mtp_bundle(mtp_bundle_of, tmp_path_factory):
     """An 8da4w target with random MTP heads (lossless needs no good drafts) that read the
     target's cache (the default kind): the target program's `draft` method, no drafter.pte."""
-    bundle = export_mtp_bundle(tmp_path_factory, "target_cache")
+    bundle = unpoliced(tmp_path_factory, mtp_bundle_of("target_cache"))
     m = open_bundle(bundle).manifest
     assert m.drafter.method == "draft" and m.drafter.reads_target_cache
     assert "drafter" not in m.models and "draft" in m.models["target"].methods
+    assert m.drafter.lookup is None and m.drafter.draft_confidence == 0
     return bundle
 
 
 @pytest.fixture(scope="module")
-def mlp_mtp_bundle(tmp_path_factory):
+def mlp_mtp_bundle(mtp_bundle_of, tmp_path_factory):
     """The same with MLP heads (attention "none"): a drafter.pte program of their own."""
-    bundle = export_mtp_bundle(tmp_path_factory, "none")
+    bundle = unpoliced(tmp_path_factory, mtp_bundle_of("none"))
     m = open_bundle(bundle).manifest
     assert m.drafter.method is None and "drafter" in m.models
     return bundle
 
 
 @pytest.fixture(scope="module")
-def self_mtp_bundle(tmp_path_factory):
+def self_mtp_bundle(mtp_bundle_of, tmp_path_factory):
     """The same with self-attending (EAGLE-style) heads: a drafter.pte with a KV cache of its
     own, fed the rows the target verified in chunks of at most max_chunk (128 < the 160-token
     prompts), then one drafted token per step. The drafter in fp32 (the target stays 8da4w):
@@ -147,19 +94,19 @@ def self_mtp_bundle(tmp_path_factory):
     8-bit activations the runtimes' rounding flips some of them, so that draft-by-draft
     comparison would have to excuse differences as large as those of a broken rule (a step
     whose rows the head never took in); in fp32 the runtimes draft alike exactly."""
-    bundle = export_mtp_bundle(tmp_path_factory, "self", "--draft-quant", "fp32")
+    bundle = unpoliced(tmp_path_factory, mtp_bundle_of("self"))
     m = open_bundle(bundle).manifest
     assert m.drafter.own_cache and m.drafter.max_chunk == 128 < PROMPT_TOKENS
     assert m.drafter.method is None and "drafter" in m.models
+    assert m.models["drafter"].quant["scheme"] == "fp32"
     return bundle
 
 
 @pytest.fixture(scope="module")
-def draft_lm_bundle(tmp_path_factory):
+def draft_lm_bundle(draft_lm_bundle_256):
     """An 8da4w target with a draft model of the same vocabulary: the target's own weights, so
-    that drafts are often right (a random draft model never is)."""
-    draft = tiny_dir(tmp_path_factory.mktemp("draft"), seed=3)
-    return export_bundle(tmp_path_factory, "--drafter", str(draft))
+    that drafts are often right (a random draft model never is). conftest.py's, shared."""
+    return str(draft_lm_bundle_256)
 
 
 def suite_ids(bundle_dir: str) -> list[tuple[str, str, list[int]]]:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import gguf
 import pytest
+from tiny import NATIVE_BUILD_LOCK, file_lock
 from tokenizers import Regex, decoders, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
@@ -47,10 +48,12 @@ def mtp_tokenize() -> Path:
     """Build only mtp-tokenize in runtime/native/build, configured (once) as
     mtp_edge.runtime.native.build configures it."""
     print("building mtp-tokenize with cmake (-j1)...", file=sys.stderr)
-    if not (BUILD / "CMakeCache.txt").is_file():
-        configure = ["cmake", "-S", str(NATIVE), "-B", str(BUILD), "-DCMAKE_BUILD_TYPE=Release"]
-        _run(configure + [f"-DMTP_PYTHON={sys.executable}"])
-    _run(["cmake", "--build", str(BUILD), "--target", "mtp-tokenize", "-j1"])
+    with file_lock(NATIVE_BUILD_LOCK):  # other test processes may build there too
+        if not (BUILD / "CMakeCache.txt").is_file():
+            configure = ["cmake", "-S", str(NATIVE), "-B", str(BUILD)]
+            configure += ["-DCMAKE_BUILD_TYPE=Release", f"-DMTP_PYTHON={sys.executable}"]
+            _run(configure)
+        _run(["cmake", "--build", str(BUILD), "--target", "mtp-tokenize", "-j1"])
     return BUILD / "mtp-tokenize"
 
 

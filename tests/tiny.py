@@ -210,8 +210,8 @@ def amplify_cache_attention(path, factor: float = 4.0) -> None:
 
 
 def without_drafting_policy(bundle: Path) -> None:
-    """Make `bundle`'s manifest say what `mtp-export --lookup none --draft-confidence 0` writes:
-    no drafting policy (the exporter writes nothing else differently for these options)."""
+    """Make `bundle`'s manifest say what `mtp-export --ngram-sizes none --draft-confidence 0`
+    writes: no drafting policy (the exporter writes nothing else differently for them)."""
     path = Path(bundle) / "manifest.json"
     manifest = json.loads(path.read_text())
     manifest["drafter"].pop("lookup", None)
