@@ -23,6 +23,7 @@ seconds).
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import re
@@ -226,7 +227,6 @@ class Build:
             self.timings = json.loads(self.timings_file.read_text())
         except (OSError, ValueError):
             self.timings = {}
-        self.started = time.monotonic()
 
     def _left(self, index: int) -> float:
         return sum(self.timings.get(s, FIRST_GUESS.get(s, 1.0)) for s in self.steps[index:])
@@ -316,10 +316,20 @@ STEPS = [
 
 
 def build(out: Path, tools: Tools) -> Path:
-    """The signed, verified APK; returns its path."""
+    """The signed, verified APK; returns its path. One build at a time per directory."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / ".lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another build in {out}", flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        return _build(out, tools)
+
+
+def _build(out: Path, tools: Tools) -> Path:
     config = app_config()
     src = sources()
-    out.mkdir(parents=True, exist_ok=True)
     b = Build(out, STEPS)
     res_zip, manifest, linked = out / "res.zip", out / "AndroidManifest.xml", out / "linked.apk"
     gen, r_classes, classes = out / "gen", out / "r-classes", out / "classes"

@@ -1,23 +1,36 @@
-"""android_demo's JNI bridge, compiled and run on this machine, and the chat C API it calls.
+"""android_demo built and run on this machine: its APK without Gradle, its JNI bridge and
+Kotlin engine on the host JVM, and the chat C API under them.
 
-The app itself cannot be built here (no Android SDK, NDK or Google Maven), but its C++ half
-can: mtp_jni.cpp is compiled against the JDK's real jni.h and the core's C API, linked with the
-host build of the core, loaded into a real JVM (with -Xcheck:jni) and called, through the same
-JNI symbols the app's Kotlin `object Native` binds, on a real exported bundle. The chat C API
-(a conversation keeping its K/V between turns) is run by the core's test binary on bundles with
-an n-gram and an MTP drafter.
+- The APK: android_demo/build_apk.py (aapt2, kotlinc against android.jar API 23, dx, zipalign,
+  apksigner) builds it from the app's own sources; `apksigner verify` and `aapt dump badging`
+  accept it. It has no native libraries (no NDK here).
+- The app's non-UI Kotlin (Native.kt, the JNI bindings, and Engine.kt, the engine and chat
+  around them) is compiled with kotlinc, with drivers in tests/jni/, and run on the host JVM
+  (with -Xcheck:jni) against mtp_jni.cpp compiled with the JDK's real jni.h and linked with the
+  host build of the core, on a real exported bundle.
+- The chat C API (a conversation keeping its K/V between turns) is run by the core's test
+  binary on bundles with an n-gram and an MTP drafter.
+
+The Kotlin and APK tests skip, naming what to install, where the tools are missing
+(android_demo/install-build-tools.sh installs them all). Their builds are cached under
+~/.cache/mtp-edge, keyed by their inputs' contents, so a rerun costs seconds.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import json
+import os
+import re
 import shutil
 import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from tiny import hf_reference, save_hf_dir, save_random_heads
 
 from mtp_edge.cli import export
 from mtp_edge.manifest import Manifest
@@ -25,16 +38,26 @@ from mtp_edge.runtime import native
 from mtp_edge.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
-JNI_SOURCE = ROOT / "android_demo" / "app" / "src" / "main" / "cpp" / "mtp_jni.cpp"
-JAVA_SOURCES = [
-    Path(__file__).parent / "jni" / "JniCheck.java",
-    Path(__file__).parent / "jni" / "ChatCheck.java",
-    Path(__file__).parent / "jni" / "org" / "mtpedge" / "demo" / "Native.java",
-]
-TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+ANDROID_DEMO = ROOT / "android_demo"
+APP_SOURCES = ANDROID_DEMO / "app" / "src" / "main" / "java" / "org" / "mtpedge" / "demo"
+JNI_SOURCE = ANDROID_DEMO / "app" / "src" / "main" / "cpp" / "mtp_jni.cpp"
+# The app's Kotlin that is not UI: plain Kotlin and org.json, no android.* (checked below).
+NON_UI_KOTLIN = [APP_SOURCES / "Native.kt", APP_SOURCES / "Engine.kt"]
+DRIVERS = sorted((Path(__file__).parent / "jni").glob("*.kt"))
+CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mtp-edge"
+INSTALL_HINT = "or all of them: bash android_demo/install-build-tools.sh"
+
+
+def _load_build_apk():
+    name = "android_demo_build_apk"
+    spec = importlib.util.spec_from_file_location(name, ANDROID_DEMO / "build_apk.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+build_apk = _load_build_apk()
 
 
 def _run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
@@ -75,8 +98,55 @@ def test_jni_compiles_warning_free(jdk, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def jni_build(jdk, tmp_path_factory) -> tuple[Path, Path]:
-    """libmtp_demo_jni.so linked with the host core, and the compiled Java driver."""
+def tools():
+    return build_apk.find_tools()
+
+
+def _skip_if_missing(tools, names: tuple[str, ...]) -> None:
+    lacking = build_apk.missing(tools, names)
+    if lacking:
+        pytest.skip("; ".join(lacking) + f" ({INSTALL_HINT})")
+
+
+def test_non_ui_kotlin_is_plain_kotlin():
+    """What the host JVM runs uses no android.* class: the Gradle build and the tests compile
+    the same files."""
+    for source in NON_UI_KOTLIN:
+        text = source.read_text()
+        assert text.startswith("package org.mtpedge.demo\n"), source
+        imports = re.findall(r"^import\s+(\S+)", text, re.MULTILINE)
+        assert not [i for i in imports if i.startswith("android.")], source
+        assert not re.search(r"\bandroid\.\w", text.replace("android_demo", "")), source
+
+
+def _kotlin_classes(tools) -> Path:
+    """The app's non-UI Kotlin and the drivers compiled for the host JVM, once per content of
+    the sources and version of kotlinc (in the cache)."""
+    key = hashlib.sha256()
+    for path in [
+        *NON_UI_KOTLIN,
+        *DRIVERS,
+        tools.kotlinc.parent.parent / "build.txt",
+        tools.json_jar,
+    ]:
+        key.update(path.name.encode() + b"\0" + path.read_bytes())
+    classes = CACHE / "android-demo-kotlin" / key.hexdigest()[:16]
+    if not classes.is_dir():
+        partial = classes.with_name(f"{classes.name}.{os.getpid()}.partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        sources = [*NON_UI_KOTLIN, *DRIVERS]
+        command = [str(tools.kotlinc), "-cp", str(tools.json_jar), "-d", str(partial)]
+        _run(command + [str(s) for s in sources], timeout=900)
+        shutil.rmtree(classes, ignore_errors=True)
+        partial.rename(classes)
+    return classes
+
+
+@pytest.fixture(scope="module")
+def jni_build(jdk, tools, tmp_path_factory) -> tuple[Path, str]:
+    """libmtp_demo_jni.so linked with the host core, and the classpath of the app's non-UI
+    Kotlin compiled with the drivers."""
+    _skip_if_missing(tools, build_apk.HOST_TOOLS)
     core_dir = Path(native.build(jobs=1)).parent  # libmtp_edge.so sits beside mtp-runner
     out = tmp_path_factory.mktemp("jni")
     _run(
@@ -85,20 +155,71 @@ def jni_build(jdk, tmp_path_factory) -> tuple[Path, Path]:
         + [f"-L{core_dir}", "-lmtp_edge", f"-Wl,-rpath,{core_dir}"]
         + ["-o", str(out / "libmtp_demo_jni.so")]
     )
-    classes = out / "classes"
-    _run([str(jdk / "bin" / "javac"), "-d", str(classes), *map(str, JAVA_SOURCES)])
-    return out, classes
+    classpath = [_kotlin_classes(tools), tools.kotlin_stdlib, tools.json_jar]
+    return out, ":".join(map(str, classpath))
 
 
-def _export(root: Path, *drafter: str) -> Path:
+def test_apk_builds_and_verifies(tools):
+    """The APK from the app's own sources: signed, accepted by `apksigner verify` and `aapt dump
+    badging`, with both activities' classes, the resources and no native library."""
+    _skip_if_missing(tools, build_apk.APK_TOOLS)
+    out = CACHE / "android-demo-apk"
+    done = _run(
+        [sys.executable, str(ANDROID_DEMO / "build_apk.py"), "--out", str(out)], timeout=1200
+    )
+    apk = out / build_apk.APK_NAME
+    assert done.stdout.splitlines()[-1].startswith(f"{apk.name} has no native libraries")
+    assert "no native libraries" in (out / build_apk.NO_NATIVE_NOTE).read_text()
+
+    signed = _run([tools.apksigner, "verify", "--verbose", str(apk)]).stdout
+    assert signed.startswith("Verifies") and "Number of signers: 1" in signed
+    badging = _run([tools.aapt, "dump", "badging", str(apk)]).stdout
+    config = build_apk.app_config()
+    assert f"package: name='{config.application_id}' versionCode='{config.version_code}'" in badging
+    assert f"sdkVersion:'{config.min_sdk}'" in badging
+    assert f"targetSdkVersion:'{config.target_sdk}'" in badging
+    assert f"launchable-activity: name='{config.namespace}.MainActivity'" in badging
+    assert "application-label:'mtp-edge'" in badging
+
+    with zipfile.ZipFile(apk) as z:
+        names = set(z.namelist())
+        dex = z.read("classes.dex")
+    assert {"AndroidManifest.xml", "resources.arsc", "classes.dex"} <= names
+    assert {"res/layout/activity_main.xml", "res/layout/settings.xml"} <= names
+    assert not [n for n in names if n.startswith("lib/")]
+    for source in sorted(APP_SOURCES.glob("*.kt")):  # each source's class, and the stdlib's
+        assert f"Lorg/mtpedge/demo/{source.stem}".encode() in dex, source.name
+    assert b"Lorg/mtpedge/demo/R$layout;" in dex and b"Lkotlin/jvm/internal/Intrinsics;" in dex
+
+
+def test_apk_build_names_missing_tools(tmp_path):
+    """Without the tools on PATH: one line per missing tool naming its package, exit 2, nothing
+    written."""
+    out = tmp_path / "apk"
+    env = {**os.environ, "PATH": str(tmp_path / "empty")}
+    command = [sys.executable, str(ANDROID_DEMO / "build_apk.py"), "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.splitlines()
+    assert all(line.startswith("error: ") for line in lines), done.stderr
+    for package in (
+        "apt-get install aapt",
+        "apt-get install zipalign",
+        "apt-get install apksigner",
+        "npm install -g kotlin-compiler@",
+        "default-jdk-headless",
+    ):
+        assert sum(package in line for line in lines) >= 1, (package, done.stderr)
+    assert lines[-1] == "error: or install them all: sudo bash android_demo/install-build-tools.sh"
+    assert not out.exists()
+    file = tmp_path / "file"
+    file.write_text("")
+    done = subprocess.run(command[:-1] + [str(file)], capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.startswith("error: --out"), done.stderr
+
+
+def _export(model_dir: Path, out: Path, *drafter: str) -> Path:
     """A tiny random llama with a chat template exported for android."""
-    model_dir = save_hf_dir(hf_reference("llama", seed=3), root / "model")
-    config = {"bos_token": "<|im_start|>", "add_bos_token": True, "chat_template": TEMPLATE}
-    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
-    if "mtp" in drafter:  # random heads reading the target's cache: lossless needs no good drafts
-        save_random_heads(model_dir, root / "heads.safetensors", "target_cache")
-        drafter = (*drafter, "--heads", str(root / "heads.safetensors"))
-    out = root / "bundle"
     args = ["--model", str(model_dir), "--out", str(out), "--max-seq-len", "256"]
     args += ["--quality-tokens", "0", "--drafter", *drafter]
     result = CliRunner().invoke(export, args)
@@ -107,20 +228,21 @@ def _export(root: Path, *drafter: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory) -> Path:
+def bundle(chat_tiny_dir, tmp_path_factory) -> Path:
     """With the n-gram drafter."""
-    return _export(tmp_path_factory.mktemp("bundle"), "ngram")
+    return _export(chat_tiny_dir, tmp_path_factory.mktemp("bundle") / "bundle", "ngram")
 
 
 @pytest.fixture(scope="module")
-def mtp_bundle(tmp_path_factory) -> Path:
+def mtp_bundle(mtp_bundle_of) -> Path:
     """With MTP heads that write their K/V into the target's cache (what a kept cache must
-    survive)."""
-    return _export(tmp_path_factory.mktemp("mtp-bundle"), "mtp")
+    survive): conftest.py's, the same tiny llama and chat template, shared."""
+    return mtp_bundle_of("target_cache")
 
 
 def test_jni_bridge_on_a_bundle(jni_build, jdk, bundle, tmp_path):
-    library_dir, classes = jni_build
+    """The app's Engine (Engine.kt over Native.kt) and the benchmark activity's call."""
+    library_dir, classpath = jni_build
     prompts = [
         {"id": "a", "category": "chat", "prompt": "the cat sat on the mat. the cat", "k": 1},
         {"id": "b", "category": "code", "prompt": "hi, hi, hi, hi!", "max_new_tokens": 8},
@@ -129,7 +251,9 @@ def test_jni_bridge_on_a_bundle(jni_build, jdk, bundle, tmp_path):
     prompts_file.write_text("".join(json.dumps(p) + "\n" for p in prompts))
     java = [str(jdk / "bin" / "java"), "-Xcheck:jni", f"-Djava.library.path={library_dir}"]
     done = _run(
-        java + ["-cp", str(classes), "JniCheck", str(bundle), str(prompts_file), "the cat, é 🤗"],
+        java
+        + ["-cp", classpath, "org.mtpedge.demo.JniCheck"]
+        + [str(bundle), str(prompts_file), "the cat, é 🤗"],
         timeout=900,
     )
     assert "WARNING in native method" not in done.stdout + done.stderr, done.stderr
@@ -252,9 +376,10 @@ def test_chat_keeps_the_cache_between_turns(request, bundle_name):
 
 
 def test_jni_chat(jni_build, jdk, bundle):
-    library_dir, classes = jni_build
+    """The app's Chat and Settings (Engine.kt) holding conversations, as the chat screen does."""
+    library_dir, classpath = jni_build
     java = [str(jdk / "bin" / "java"), "-Xcheck:jni", f"-Djava.library.path={library_dir}"]
-    done = _run(java + ["-cp", str(classes), "ChatCheck", str(bundle)], timeout=900)
+    done = _run(java + ["-cp", classpath, "org.mtpedge.demo.ChatCheck", str(bundle)], timeout=900)
     assert "WARNING in native method" not in done.stdout + done.stderr, done.stderr
     lines = [json.loads(line) for line in done.stdout.splitlines()]
     assert len(lines) == 20, done.stdout
