@@ -48,7 +48,7 @@ elif [ ${#old[@]} -gt 0 ]; then
         grep -hs -E '^deb ' /etc/apt/sources.list /etc/apt/sources.list.d/*.list |
           sed -E 's/\[[^]]*\]//' | awk '{print $2}'
       } | grep -v -- '-security' | head -n 1
-    )
+    ) || true  # grep finds no file of one format or the other
     mirror=${mirror:-http://deb.debian.org/debian}
     cat >"$BULLSEYE_SOURCE" <<EOF
 # Debian 11 for android-sdk-platform-23 and dalvik-exchange only (android_demo/install-build-tools.sh)
@@ -65,7 +65,7 @@ Pin: release n=bullseye
 Pin-Priority: 1
 EOF
   fi
-  if ! apt-cache show android-sdk-platform-23 >/dev/null 2>&1; then
+  if [ -z "$(apt-cache madison android-sdk-platform-23 dalvik-exchange 2>/dev/null)" ]; then
     # Only the bullseye lists: the others stay as they are.
     apt-get update -q -o Dir::Etc::sourcelist="$BULLSEYE_SOURCE" -o Dir::Etc::sourceparts=- \
       -o APT::Get::List-Cleanup=0
