@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mtp_edge.devices.acceptance import measure_bundle_acceptance
-from mtp_edge.errors import UserError
+from mtp_edge.errors import ContextFull, UserError
 from mtp_edge.exporter.export import ExportOptions, export_bundle
 from mtp_edge.limits import check, check_stop
 from mtp_edge.manifest import Manifest
@@ -44,6 +44,7 @@ from mtp_edge.runtime.loop import (
     GenerationConfig,
     GenerationResult,
     GenerationStats,
+    check_prompt,
     decode,
     generate,
 )
@@ -67,10 +68,6 @@ __all__ = [
     "generate",
     "load",
 ]
-
-
-class ContextFull(UserError):
-    """The prompt or conversation does not fit the model's context (start a new conversation)."""
 
 
 @dataclass
@@ -312,14 +309,7 @@ class Model:
         """Check everything now (errors belong to the call, not to the first chunk), then
         return the stream."""
         config = self._config(**sampling)
-        if not ids:
-            raise UserError("the prompt is empty: give at least one token of text")
-        if len(ids) >= self.max_seq_len:
-            raise ContextFull(
-                f"the prompt or conversation has {len(ids)} tokens but the context holds "
-                f"{self.max_seq_len}: start a new conversation (reset) or shorten it, or load "
-                "the model with a longer context (max_seq_len; a bundle's is fixed at export)"
-            )
+        check_prompt(ids, self.max_seq_len)  # the loop's own check, now rather than at a step
         self._take_turn()
         stream = Stream(self._stream(ids, config), self._lock)
         self._open = weakref.ref(stream)  # a stream its reader drops closes itself

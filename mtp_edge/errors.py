@@ -5,6 +5,11 @@ class UserError(Exception):
     """Something the user can fix; the message says what is wrong and what to do."""
 
 
+class ContextFull(UserError):
+    """The prompt or conversation does not fit the model's context (runtime/loop.py's
+    check_prompt; start a new conversation, or shorten it)."""
+
+
 class Fault(Exception):
     """A fault of ours found at run time (e.g. speculative output diverging from plain output):
     printed as one line like a UserError, but exit code 1, and worth a bug report."""

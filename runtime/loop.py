@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mtp_edge.errors import UserError
+from mtp_edge.errors import ContextFull, UserError
 from mtp_edge.runtime.drafters import Draft, Drafter
 from mtp_edge.runtime.fallback import Fallback, session_costs
 from mtp_edge.runtime.sampling import Sampler, SamplingParams, accept_greedy, accept_sampling
@@ -134,6 +134,20 @@ class Step:
     stats: GenerationStats  # the run's stats so far (one object, updated in place)
 
 
+def check_prompt(prompt: list[int], max_seq_len: int) -> None:
+    """The one check of a prompt's tokens: at least one, and fewer than the context holds (the
+    first generated token needs a slot). `decode` runs it; a caller that wants the error at call
+    time rather than at the first step (the API's streams) runs it first."""
+    if not prompt:
+        raise UserError("the prompt is empty: give at least one token of text")
+    if len(prompt) >= max_seq_len:
+        raise ContextFull(
+            f"the prompt has {len(prompt)} tokens but the context holds {max_seq_len}: "
+            "shorten the prompt, or give a longer context (a model: --max-seq-len N; a bundle's "
+            "is fixed when it is made: export it again with mtp-export --max-seq-len N)"
+        )
+
+
 def decode(
     target: Session,
     prompt: list[int],
@@ -150,14 +164,7 @@ def decode(
     logits. Closing the iterator stops at once; every step says how much of the cache is valid.
     `detokenize` is needed for stop strings.
     """
-    if not prompt:
-        raise UserError("the prompt is empty: give at least one token of text")
-    if len(prompt) >= target.max_seq_len:
-        raise UserError(
-            f"the prompt has {len(prompt)} tokens but the context holds {target.max_seq_len}: "
-            "shorten the prompt, or give a longer context (a model: --max-seq-len N; a bundle's "
-            "is fixed when it is made: export it again with mtp-export --max-seq-len N)"
-        )
+    check_prompt(prompt, target.max_seq_len)
     if not 0 <= cached < len(prompt):
         raise ValueError(f"cached must be in 0..{len(prompt) - 1}, got {cached}")
     if config.stop_strings and detokenize is None:

@@ -260,7 +260,7 @@ def test_a_self_heads_cache_follows_the_reused_context(model_dir, tmp_path):
 def test_a_conversation_longer_than_the_context_says_so(model_dir):
     llm = mtp_edge.load(model_dir, drafter="none", max_seq_len=64)
     long = [{"role": "user", "content": "the cat " * 40}]
-    with pytest.raises(mtp_edge.ContextFull, match="context holds 64.*reset"):
+    with pytest.raises(mtp_edge.ContextFull, match="context holds 64"):
         llm.chat(long)
     result = llm.chat(TURN1, max_new_tokens=100)  # fits, then fills the context
     assert result.finish_reason == "context_full"

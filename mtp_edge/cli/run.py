@@ -90,12 +90,6 @@ def run(
     else:
         messages = [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
         ids = model.tokenizer.encode_messages(messages, model.generator.parse_special)
-    if len(ids) >= model.max_seq_len:
-        raise UserError(
-            f"the prompt has {len(ids)} tokens but the context holds {model.max_seq_len}: "
-            "shorten the prompt, or give a longer context (a model: --max-seq-len N; a bundle's "
-            "is fixed when it is made: export it again with mtp-export --max-seq-len N)"
-        )
     chunks = model.stream(ids, **sampling)
     text, token_ids = [], []
     for chunk in chunks:  # text never past what a stop string may still cut
