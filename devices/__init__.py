@@ -1,1 +1,3 @@
-"""Where bundles run and get measured: the host harness behind `mtp-bench` (adb devices later)."""
+"""Where bundles run and get measured: the harness behind `mtp-bench`, peers (TextLLMRunner,
+llama.cpp), reports, the device catalog, cost and prediction (`mtp-predict`), adb and
+`mtp-profile` on a phone, and the export's acceptance check."""
