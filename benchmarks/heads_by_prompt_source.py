@@ -35,7 +35,8 @@ from mtp_edge.mtp import load_heads
 from mtp_edge.runtime.bundle import open_bundle, target_session
 from mtp_edge.runtime.mtp_drafter import MtpDrafter, eager_step_fn
 from mtp_edge.train.corpus import kinded_prompts
-from mtp_edge.train.writer import int8_writer, self_written_requests
+from mtp_edge.train.int8 import int8_writer
+from mtp_edge.train.own_requests import self_written_requests
 
 # Seeds other than mtp-train's default (0), so that no prompt is one the heads trained on.
 TEMPLATE_SEED = 777

@@ -330,6 +330,7 @@ def test_int8_writer():
 def test_default_corpus_is_written_by_the_target_and_cached(tiny_dir, monkeypatch):
     from mtp_edge.texts import HELDOUT_TOPICS
     from mtp_edge.train import corpus, writer
+    from mtp_edge.train import generate as generation
 
     assert not set(HELDOUT_TOPICS) & set(corpus.doc_topics())
     loaded = load_model(str(tiny_dir / "model"))
@@ -352,7 +353,7 @@ def test_default_corpus_is_written_by_the_target_and_cached(tiny_dir, monkeypatc
     def no_generation(*args):
         raise AssertionError("the cached responses were generated again")
 
-    monkeypatch.setattr(writer, "generate_batch", no_generation)
+    monkeypatch.setattr(generation, "generate_batch", no_generation)
     again = writer.build_corpus(loaded, opts, "hash", 0, 1, print)
     assert [s.tokens for s in again] == [s.tokens for s in sequences]
 
@@ -361,6 +362,7 @@ def test_self_written_requests(tiny_dir, monkeypatch):
     """--self-prompt-tokens: the target samples requests from the start of a user turn of its
     chat template, whole turns only; the requests are cached and reused; their responses join
     the corpus after the template ones. Without a chat template: a one-line refusal."""
+    from mtp_edge.train import generate as generation
     from mtp_edge.train import writer
 
     loaded = load_model(str(tiny_dir / "model"))
@@ -375,7 +377,7 @@ def test_self_written_requests(tiny_dir, monkeypatch):
         "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
         "{% if add_generation_prompt %}<assistant> {% endif %}"
     )
-    real = writer.generate_batch
+    real = generation.generate_batch
 
     word = loaded.tokenizer.encode(" a")[-1]  # a token that starts a word
 
@@ -388,7 +390,7 @@ def test_self_written_requests(tiny_dir, monkeypatch):
             outs = [[word if i % 2 == 0 else t for i, t in enumerate(o)] for o in outs]
         return outs
 
-    monkeypatch.setattr(writer, "generate_batch", ending)
+    monkeypatch.setattr(generation, "generate_batch", ending)
     sequences = writer.build_corpus(loaded, opts, "hash", 0, 1, print)
     requests = [
         json.loads(line) for line in (root / "heads.requests.jsonl").read_text().splitlines()
@@ -404,7 +406,7 @@ def test_self_written_requests(tiny_dir, monkeypatch):
     def no_sampling(*args, **kwargs):
         raise AssertionError("the cached requests were written again")
 
-    monkeypatch.setattr(writer, "generate_batch", no_sampling)
+    monkeypatch.setattr(generation, "generate_batch", no_sampling)
     again = writer.build_corpus(loaded, opts, "hash", 0, 1, print)
     assert [s.tokens for s in again] == [s.tokens for s in sequences]
 
@@ -413,14 +415,15 @@ def test_self_written_requests_by_default(tiny_dir, monkeypatch):
     """Without --self-prompt-tokens, a model with a chat template answers requests it writes
     itself too (a quarter of --gen-tokens); one that writes no usable request gets the
     template prompts only, with a note instead of an error."""
-    from mtp_edge.train import writer
+    from mtp_edge.train import generate as generation
+    from mtp_edge.train import own_requests, writer
 
     loaded = load_model(str(tiny_dir / "model"))
     loaded.tokenizer.chat_template = (
         "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
         "{% if add_generation_prompt %}<assistant> {% endif %}"
     )
-    real = writer.generate_batch
+    real = generation.generate_batch
     word = loaded.tokenizer.encode(" a")[-1]
     rounds = []
 
@@ -441,7 +444,7 @@ def test_self_written_requests_by_default(tiny_dir, monkeypatch):
         root.mkdir()
         opts = options(tiny_dir, out=str(root / "heads.safetensors"), **settings)
         assert opts.self_prompt_tokens is None
-        monkeypatch.setattr(writer, "generate_batch", sampled(usable))
+        monkeypatch.setattr(generation, "generate_batch", sampled(usable))
         notes, rounds[:] = [], []
         sequences = writer.build_corpus(loaded, opts, "hash", 0, 1, notes.append)
         kinds = {}
@@ -453,7 +456,7 @@ def test_self_written_requests_by_default(tiny_dir, monkeypatch):
             assert 40 // 4 <= kinds["self-written"] < 40 // 4 + 2 * 8  # up to a batch more
         else:
             assert "self-written" not in kinds
-            assert len(rounds) == writer.AUTOMATIC_PATIENCE  # gave up, no error
+            assert len(rounds) == own_requests.AUTOMATIC_PATIENCE  # gave up, no error
             assert any("no usable request" in n for n in notes)
 
 

@@ -17,7 +17,7 @@ from mtp_edge.checkpoints import load_model
 from mtp_edge.cli import train
 from mtp_edge.errors import UserError
 from mtp_edge.mtp import MTPConfig, MTPHead, load_heads, target_lm_head
-from mtp_edge.train import TrainOptions, generate_batch, train_heads, writer
+from mtp_edge.train import TrainOptions, generate, generate_batch, train_heads
 from mtp_edge.train.budget import (
     EVALUATION_SHARE,
     MAX_WRITING_SHARE,
@@ -33,7 +33,7 @@ from mtp_edge.train.labels import (
     Labels,
     coverage_vocabulary_size,
 )
-from mtp_edge.train.loop import IGNORE, evaluate, rope_tables
+from mtp_edge.train.losses import IGNORE, evaluate, rope_tables
 from mtp_edge.train.options import artifact_paths
 from mtp_edge.train.report import final_report
 
@@ -114,7 +114,7 @@ def test_budget_writes_labels_trains_and_resumes(tiny_dir, monkeypatch):
     def no_writing(*args, **kwargs):
         raise AssertionError("a resumed run wrote text again")
 
-    monkeypatch.setattr(writer, "generate_batch", no_writing)
+    monkeypatch.setattr(generate, "generate_batch", no_writing)
     again = options(tiny_dir, "budget", **{**settings, "minutes": 1.5}, resume=True)
     lines = []
     resumed = train_heads(again, lines.append, clock=TickingClock(0.05))
@@ -302,7 +302,7 @@ def test_the_report(tiny_dir):
     kinds (not otherwise), the draft step's measured cost, stage times, tokens, the export
     command."""
     loaded = load_model(str(tiny_dir / "model"))
-    opts = options(tiny_dir, "report", steps=1)
+    opts = options(tiny_dir, "report", steps=1, writer="int8", labeller="int8")
     head = MTPHead(MTPConfig(32, 64, 2048, 1024, k=4))
     summary = dict(
         heldout_acceptance=[0.5, 0.25, 0.125, 0.0625],

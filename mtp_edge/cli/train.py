@@ -22,6 +22,24 @@ from mtp_edge.files import check_output
     help='Text files to train on, or .jsonl[.gz] files of {"prompt", "response"} chat pairs '
     "(repeatable; default: offline text + the target's own responses).",
 )
+@click.option(
+    "--prompts",
+    default=None,
+    help="Your requests, for heads that draft for them: a .txt file (one per line), a .jsonl "
+    'file ("prompt" or OpenAI-style "messages" per line), or a folder of them or of request '
+    "logs (mtp-serve --log). The target answers them and the heads train on the answers, "
+    "beside the default text; a held-out part gives the report's line \"tau on your "
+    'requests". Repeats are dropped.',
+)
+@click.option(
+    "--prompts-share",
+    default=0.75,
+    show_default=True,
+    type=float,
+    help="Share of the written response tokens (or, with --minutes, of the writing time) that "
+    "answers --prompts; the rest is the default text, which keeps the heads drafting for what "
+    "your requests never ask.",
+)
 @click.option("--k", default=4, show_default=True, help="Draft steps unrolled in training.")
 @click.option(
     "--minutes",
@@ -129,19 +147,20 @@ from mtp_edge.files import check_output
 )
 @click.option(
     "--writer",
-    type=click.Choice(["int8", "fp32", "bundle"]),
+    type=click.Choice(["auto", "int8", "fp32", "bundle"]),
     default=None,
     help="Who writes the training text: the target with int8 linears, batched (fastest on a "
-    "CPU), the target as loaded, batched, or --bundle's exported target one sequence at a time "
-    "(default: the bundle when given, else int8).",
+    "CPU that multiplies int8 in hardware), the target as loaded, batched, or --bundle's "
+    "exported target one sequence at a time; auto: int8 or fp32, whichever this machine runs "
+    "faster, measured in the first seconds (default: the bundle when given, else auto).",
 )
 @click.option(
     "--labeller",
-    type=click.Choice(["int8", "fp32", "bundle"]),
+    type=click.Choice(["auto", "int8", "fp32", "bundle"]),
     default=None,
     help="Who labels the text (hidden state and choice at every position): the target with "
-    "int8 linears, the target as loaded, or --bundle's exported target (default: the bundle "
-    "when given, else int8).",
+    "int8 linears, the target as loaded, or --bundle's exported target; auto as for --writer "
+    "(default: the bundle when given, else auto).",
 )
 @click.option(
     "--gen-batch",

@@ -29,32 +29,36 @@ Modules, each importing only those above it:
 - options: TrainOptions, and the files a run keeps next to --out (artifact_paths).
 - corpus: text without the target: the user's files (plain or prompt/response pairs), offline
   text, and the instruction prompts built from that material (stage 1's input).
-- writer: the target writing its own text (stage 1): batched generation (the int8 writer), the
-  requests it writes itself, an exported target's session, the cache of what it wrote.
+- prompts: the user's requests (--prompts: .txt, .jsonl, folders, request logs), checked.
+- budget: --minutes: the stages' deadlines, the rule that splits the time.
+- int8: the target with int8 linears (an int8 writer and labeller).
+- generate: batched generation on the eager target, one-at-a-time through an exported one.
+- own_requests: the requests the target writes itself.
+- writer: stage 1's text: the target's answers (templates, its own requests, the user's),
+  the cache of what it wrote.
 - labels: stages 2 and 3: Labels from the eager or exported target (cached), the draft
   vocabulary.
-- budget: --minutes: the stages' deadlines, the rule that splits the time.
+- engines: who writes and who labels (int8, fp32 or the exported target), measured on this
+  machine when not forced.
+- state: what the stages share (Run) and hand each other (Labelled, Trainer, Scores).
 - context: the attention of heads that attend, for all origins at once (TrainContext).
-- loop: stage 4: batches, losses, held-out evaluation, the learning-rate schedule,
-  checkpoints.
+- losses: stage 4's test: batches, losses, held-out evaluation.
+- resume: checkpoints and the checks a resumed run makes.
+- loop: the step loop and the learning-rate schedule.
 - rates: what the run measures (labelling and training-step rates; a draft step's cost).
 - report: the final report.
-- run: the run (train_heads): stages in order, DDP, resuming, the best held-out heads.
+- run: the run (train_heads): the stages in order, DDP, the best held-out heads.
 """
 
 from mtp_edge.train.corpus import Sequence, doc_topics
+from mtp_edge.train.engines import open_target_bundle
+from mtp_edge.train.generate import generate_batch, generate_with_session
+from mtp_edge.train.int8 import Int8Linear, int8_writer
 from mtp_edge.train.labels import Labels, draft_vocabulary, label_sequences, label_with_session
-from mtp_edge.train.loop import rope_tables, sequence_batch
+from mtp_edge.train.losses import rope_tables, sequence_batch
 from mtp_edge.train.options import TrainOptions
 from mtp_edge.train.run import train_heads
-from mtp_edge.train.writer import (
-    Int8Linear,
-    build_corpus,
-    generate_batch,
-    generate_with_session,
-    int8_writer,
-    open_target_bundle,
-)
+from mtp_edge.train.writer import build_corpus
 
 __all__ = [
     "Int8Linear",

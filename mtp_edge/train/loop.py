@@ -1,208 +1,34 @@
-"""The training-time test: batches, losses, held-out evaluation, the schedule, checkpoints."""
+"""The step loop: --steps steps, or under --minutes until training's deadline, with held-out
+evaluations and checkpoints along the way; and the learning-rate schedule it follows."""
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import dataclass
-from pathlib import Path
+import time
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
-from mtp_edge.errors import UserError
-from mtp_edge.files import write_with
 from mtp_edge.logs import progress_bar
-from mtp_edge.model import rope_frequencies
-from mtp_edge.mtp import (
-    MTPHead,
-)
-from mtp_edge.train.context import TrainContext
-from mtp_edge.train.labels import (
-    Labels,
+from mtp_edge.train.budget import minutes_left
+from mtp_edge.train.labels import Labels
+from mtp_edge.train.losses import (
+    Batch,
+    batches_of,
+    describe,
+    draft_losses,
+    evaluate,
+    feature_losses,
+    origin_batch,
+    sequence_batch,
+    weighted_loss,
 )
 from mtp_edge.train.options import TrainOptions
+from mtp_edge.train.resume import save_checkpoint
+from mtp_edge.train.state import Run, Scores, Trainer
 
-IGNORE = -100  # label of a position the loss skips (outside the draft vocabulary, or past the end)
-
-
-@dataclass
-class Batch:
-    h: torch.Tensor  # [B, L, D] the target's hidden state at each origin
-    embs: torch.Tensor  # [B, L, J, D] embedding of the token step j reads
-    reads: torch.Tensor  # [B, L, J] global position whose token step j reads and predicts after
-    valid: torch.Tensor  # [B, L, J] a step inside its sequence, from an allowed origin
-    context: TrainContext | None
-
-
-def sequence_batch(labels: Labels, seqs, embedding, k: int, rope, cache: bool) -> Batch:
-    """B whole sequences, padded to the longest: every position is a draft origin."""
-    bounds = labels.bounds[torch.as_tensor(seqs, device=labels.bounds.device)]
-    offset, n, first = bounds[:, 0:1], bounds[:, 1:2], bounds[:, 2:3]
-    length = int(n.max())
-    device = labels.tokens.device
-    t = torch.arange(length, device=device)[None]  # local origin
-    idx = offset + torch.minimum(t, n - 1)  # [B, L]
-    steps = torch.arange(1, k + 1, device=device)
-    local = t[..., None] + steps  # [B, L, J] position step j reads
-    valid = (t >= first)[..., None] & (local <= (n - 1)[..., None])
-    reads = offset[..., None] + torch.minimum(local, (n - 1)[..., None])
-    context = None
-    if cache:  # a head with attention: rotary tables, padding (and the target's K/V if kept)
-        cos, sin = rope
-        keys = None if labels.keys is None else labels.keys[idx]
-        values = None if labels.values is None else labels.values[idx]
-        context = TrainContext(keys, values, t < n, cos[: length + k], sin[: length + k])
-    h = labels.hidden[idx].to(embedding.dtype)
-    return Batch(h, F.embedding(labels.tokens[reads], embedding), reads, valid, context)
-
-
-def origin_batch(labels: Labels, origins: torch.Tensor, embedding, k: int) -> Batch:
-    """Draft origins from anywhere in the text, as one row [1, N]: for heads without attention,
-    which read only the hidden state and the tokens, so that no prompt position or padding is
-    computed (a sequence batch spends about half its work on those)."""
-    steps = torch.arange(1, k + 1, device=origins.device)
-    left = labels.remaining[origins, None]
-    valid = (steps <= left)[None]
-    reads = (origins[:, None] + torch.minimum(steps, left))[None]
-    h = labels.hidden[origins].to(embedding.dtype)[None]
-    return Batch(h, F.embedding(labels.tokens[reads], embedding), reads, valid, None)
-
-
-def labelled_batches(labels: Labels, embedding, k: int, rope, context: bool, budget: int):
-    """Every draft origin of `labels` once, in batches of about `budget` origins."""
-    if not context:
-        for chunk in labels.starts.split(budget):
-            yield origin_batch(labels, chunk, embedding, k)
-        return
-    for group in batches_of(labels, list(range(len(labels.bounds))), budget):
-        yield sequence_batch(labels, group, embedding, k, rope, context)
-
-
-def draft_losses(logits, batch: Batch, labels: Labels, to_draft, teacher_head, soft: bool):
-    """Summed loss [k] and counted steps [k] per draft step. Soft: KL divergence from the
-    target's distribution restricted to the draft vocabulary (what the target would say at the
-    position step j predicts); hard: against its argmax (steps outside the vocabulary skipped)."""
-    if soft:
-        with torch.no_grad():
-            teacher = F.linear(labels.hidden[batch.reads].to(teacher_head.dtype), teacher_head)
-            teacher = torch.softmax(teacher.float(), -1)
-        # KL(teacher || head): the cross-entropy less the teacher's own entropy, so 0 is perfect
-        ce = teacher * (teacher.clamp_min(1e-30).log() - torch.log_softmax(logits.float(), -1))
-        ce = ce.sum(-1)
-        keep = batch.valid
-    else:
-        targets = to_draft[labels.argmax[batch.reads]]
-        keep = batch.valid & (targets != IGNORE)
-        ce = F.cross_entropy(
-            logits.flatten(0, -2).float(),
-            targets.masked_fill(~keep, 0).flatten(),
-            reduction="none",
-        ).view_as(targets)
-    ce = ce.masked_fill(~keep, 0.0)
-    return ce.flatten(0, 1).sum(0), keep.flatten(0, 1).sum(0)
-
-
-def feature_losses(hidden, batch: Batch, labels: Labels):
-    """Summed hidden-state loss [k] per draft step: smooth L1 between step j's output and the
-    target's hidden state at the position whose token step j read (the state the target
-    predicts the same next token from), averaged over the hidden dimension."""
-    wanted = labels.hidden[batch.reads].to(hidden.dtype)
-    loss = F.smooth_l1_loss(hidden.float(), wanted.float(), reduction="none").mean(-1)
-    sums = loss.masked_fill(~batch.valid, 0.0).flatten(0, 1).sum(0)
-    return sums, batch.valid.flatten(0, 1).sum(0)
-
-
-def weighted_loss(sums, counts, weights) -> torch.Tensor:
-    return (weights * sums / counts.clamp(min=1)).sum() / weights.sum()
-
-
-def rope_tables(config, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    angles = torch.outer(torch.arange(length, dtype=torch.float64), rope_frequencies(config))
-    angles = torch.cat((angles, angles), dim=-1)
-    return angles.cos().float(), angles.sin().float()
-
-
-def batches_of(labels: Labels, seqs: list[int], budget: int) -> list[list[int]]:
-    """Consecutive groups of sequences with about `budget` origins each."""
-    groups, group, size = [], [], 0
-    for i in seqs:
-        group.append(i)
-        size += int(labels.bounds[i, 1])
-        if size >= budget:
-            groups.append(group)
-            group, size = [], 0
-    return groups + ([group] if group else [])
-
-
-@torch.no_grad()
-def evaluate(
-    head: MTPHead,
-    labels: Labels,
-    embedding: torch.Tensor,
-    k: int,
-    to_draft: torch.Tensor,
-    weights: torch.Tensor,
-    world: int,
-    rope,
-    teacher_head: torch.Tensor,
-    soft: bool,
-    budget: int,
-    show: bool = True,
-) -> dict:
-    """Held-out loss and acceptance per draft position, over every origin of the held-out
-    sequences.
-
-    Draft step j from a position counts as accepted when it and every earlier step equal the
-    target's argmax. On text the target wrote (greedy), the steps read exactly the tokens
-    drafting would feed, so this is the greedy acceptance drafting will see; on other text it is
-    a teacher-forced estimate.
-    """
-    sums, counts, feature, feature_counts, hits, scored = (
-        torch.zeros(k, dtype=torch.float64, device=embedding.device) for _ in range(6)
-    )
-    context = head.needs_context
-    count = (
-        len(batches_of(labels, list(range(len(labels.bounds))), budget))
-        if context
-        else len(labels.starts.split(budget))
-    )
-    bar = progress_bar(count, "evaluating", unit="batch", leave=False, disable=not show)
-    for batch in labelled_batches(labels, embedding, k, rope, context, budget):
-        bar.update(1)
-        logits, hidden = head(batch.h, batch.embs, batch.context, return_hidden=True)
-        s, c = draft_losses(logits, batch, labels, to_draft, teacher_head, soft)
-        f, fc = feature_losses(hidden, batch, labels)
-        feature += f
-        feature_counts += fc
-        sums += s
-        counts += c
-        right = (head.draft_ids[logits.argmax(-1)] == labels.argmax[batch.reads]) & batch.valid
-        first_valid = batch.valid[..., 0]
-        hits += (right.long().cumprod(-1).bool() & batch.valid)[first_valid].sum(0)
-        scored += batch.valid[first_valid].sum(0)
-    bar.close()
-    if world > 1:
-        for t in (sums, counts, feature, feature_counts, hits, scored):
-            dist.all_reduce(t)
-    acceptance = (hits / scored.clamp(min=1)).tolist()
-    return {
-        "origins": int(scored[0]),
-        "loss": float(weighted_loss(sums, counts, weights.to(sums.dtype))),
-        "feature_loss": round(float(weighted_loss(feature, feature_counts, weights.double())), 4),
-        "acceptance": [round(a, 4) for a in acceptance],
-        "tau": round(1 + sum(acceptance), 4),
-    }
-
-
-def describe(result: dict) -> str:
-    """One held-out result on one line."""
-    accepted = "/".join(f"{a:.2f}" for a in result["acceptance"])
-    return f"loss {result['loss']:.3f}  acceptance {accepted}  tau~{result['tau']:.2f}"
-
+# Under --minutes, held-out evaluations come this many times over the training time (and once
+# more at its end); each is also a checkpoint.
+EVALUATIONS_PER_RUN = 6
 
 # Under --minutes the schedule runs on the share of the training time spent, not on steps (how
 # many steps fit is only known at the end): the warm-up takes this share of it.
@@ -223,37 +49,144 @@ def learning_rate(step: int, options: TrainOptions, time_share: float | None = N
     return options.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, done))))
 
 
-def save_checkpoint(
-    path_st: Path, path_json: Path, head, optimizer, state: dict, best: dict | None = None
-) -> None:
-    """Head and AdamW state (and the best held-out head's weights, `best`) as tensors in
-    safetensors, scalars in JSON (no pickle)."""
-    tensors = {f"head.{n}": t.detach().cpu().contiguous() for n, t in head.state_dict().items()}
-    tensors.update({f"best.{n}": t.cpu().contiguous() for n, t in (best or {}).items()})
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    for i, p in enumerate(params):
-        for key, value in optimizer.state.get(p, {}).items():
-            tensors[f"optim.{i}.{key}"] = torch.as_tensor(value).cpu().contiguous()
-    write_with(path_st, lambda tmp: save_file(tensors, str(tmp)))
-    write_with(path_json, lambda tmp: tmp.write_text(json.dumps(state, indent=2) + "\n"))
+def held_out(
+    run: Run, t: Trainer, data: Labels | None = None, show: bool = True, then: str = "training"
+) -> dict:
+    """Held-out results of the head as it is (its time is the evaluation stage's)."""
+    run.timer.stage("evaluation")
+    options = run.options
+    result = evaluate(
+        t.head, t.heldout if data is None else data, t.embedding, options.k, t.to_draft,
+        t.weights, run.world, t.rope, t.teacher_head, t.soft, options.batch_size,
+        show=show and run.rank == 0,
+    )  # fmt: skip
+    run.timer.stage(then)
+    return result
 
 
-def load_checkpoint(path_st: Path, path_json: Path, head, optimizer) -> tuple[dict, dict]:
-    """The state saved by save_checkpoint, loaded into `head` and `optimizer`; returns the
-    scalars and the best held-out head's weights (empty when none was kept)."""
-    try:
-        state = json.loads(path_json.read_text())
-        with safe_open(str(path_st), framework="pt") as f:
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-    except (OSError, ValueError, SafetensorError) as e:
-        raise UserError(
-            f"cannot read the checkpoint {path_st}: {e}; rerun without --resume"
-        ) from None
-    head.load_state_dict({n[5:]: t for n, t in tensors.items() if n.startswith("head.")})
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    for name, tensor in tensors.items():
-        if name.startswith("optim."):
-            _, i, key = name.split(".", 2)
-            optimizer.state[params[int(i)]][key] = tensor.to(params[int(i)].device)
-    best = {n[5:]: t for n, t in tensors.items() if n.startswith("best.")}
-    return state, best
+def checkpoint(run: Run, t: Trainer, scores: Scores) -> None:
+    if run.rank == 0:
+        record = {"step": scores.step, "recipe": scores.recipe, "world_size": run.world}
+        record["history"], record["best"] = scores.history, scores.best_entry
+        paths = run.paths
+        save_checkpoint(
+            paths["checkpoint"], paths["checkpoint_json"], t.head, t.optimizer, record, scores.best
+        )
+        if run.budget is not None:  # the same state, with the time spent so far
+            run.keep_state(record)
+
+
+def training_batch(run: Run, t: Trainer, generator) -> Batch:
+    """--batch-size draft origins drawn at random from the whole text; for heads with
+    attention, random whole sequences holding about that many (they need the context)."""
+    size, k = run.options.batch_size, run.options.k
+    if not t.context:
+        draw = torch.randint(len(t.train.starts), (size,), generator=generator)
+        origins = t.train.starts[draw.to(run.options.device)]
+        return origin_batch(t.train, origins, t.embedding, k)
+    order = torch.randperm(len(t.train.bounds), generator=generator).tolist()
+    group = batches_of(t.train, order, size)[0]
+    return sequence_batch(t.train, group, t.embedding, k, t.rope, t.context)
+
+
+def one_step(run: Run, t: Trainer, step: int, time_share: float | None) -> tuple[float, float]:
+    """One optimizer step on a batch that depends only on (seed, rank, step), so that a resumed
+    run draws the same ones; returns the loss and the learning rate."""
+    options = run.options
+    generator = torch.Generator().manual_seed(options.seed * 1_000_003 + run.rank * 7919 + step)
+    batch = training_batch(run, t, generator)
+    rate = learning_rate(step, options, time_share)
+    for group in t.optimizer.param_groups:
+        group["lr"] = rate
+    logits, hidden = t.model(batch.h, batch.embs, batch.context, return_hidden=True)
+    sums, counts = draft_losses(logits, batch, t.train, t.to_draft, t.teacher_head, t.soft)
+    loss = weighted_loss(sums, counts, t.weights)
+    if options.feature_loss:
+        loss = loss + options.feature_loss * weighted_loss(
+            *feature_losses(hidden, batch, t.train), t.weights
+        )
+    t.optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(t.head.parameters(), 1.0)
+    t.optimizer.step()
+    return float(loss.detach()), rate
+
+
+class Pace:
+    """When the loop stops, evaluates and saves: after --steps, or under --minutes on training's
+    deadline, the schedule by the share of time spent (counting earlier runs' training) and
+    evaluations every so often."""
+
+    def __init__(self, run: Run):
+        budget, self.options, self.clock = run.budget, run.options, run.clock
+        self.deadline = budget.training_deadline() if budget is not None else None
+        self.before = budget.before.get("training", 0.0) if budget is not None else 0.0
+        self.began = self.last_eval = self.clock()
+        self.every_s = ((self.deadline or self.began) - self.began) / EVALUATIONS_PER_RUN
+
+    def time_share(self) -> float | None:
+        if self.deadline is None:
+            return None
+        spent = self.before + self.clock() - self.began
+        return spent / max(self.before + self.deadline - self.began, 1e-9)
+
+    def more(self, step: int) -> bool:
+        if self.deadline is None:
+            return step < self.options.steps
+        return self.clock() < self.deadline
+
+    def now(self, step: int, last: bool) -> tuple[bool, bool]:
+        """Whether to evaluate, whether to save after `step`."""
+        if self.deadline is None:
+            every = self.options.eval_every, self.options.checkpoint_every
+            return step % every[0] == 0 or last, step % every[1] == 0 or last
+        due = last or self.clock() - self.last_eval >= self.every_s
+        return due, due
+
+    def left(self) -> str:
+        return "" if self.deadline is None else "  " + minutes_left(self.deadline, self.clock)
+
+
+def train_steps(run: Run, t: Trainer, scores: Scores) -> None:
+    """The training stage: steps until Pace says stop, evaluating the held-out text and saving
+    checkpoints as it says; the best heads so far stay in `scores`."""
+    options, say = run.options, run.say
+    run.timer.stage("training")
+    if scores.step == 0:
+        scores.remember({"step": 0, **held_out(run, t)}, t.head)
+        say("step 0  held-out " + describe(scores.history[-1]))
+    pace = Pace(run)
+    running, last_log, first_step = [], time.perf_counter(), scores.step
+    bar = progress_bar(
+        options.steps, "training", unit="step", initial=scores.step, disable=run.rank != 0
+    )
+    going = pace.more(scores.step)
+    while going:
+        loss, rate = one_step(run, t, scores.step, pace.time_share())
+        running.append(loss)
+        scores.step += 1
+        step = scores.step
+        bar.set_postfix_str(f"loss {loss:.3f}" + pace.left(), refresh=False)
+        bar.update(1)
+
+        going = pace.more(step)  # read once: the clock moves on
+        evaluate_now, save_now = pace.now(step, last=not going)
+        if evaluate_now:
+            # No bar of its own under the training bar (in a log, a nested bar is noise).
+            result = held_out(run, t, show=False)
+            entry = {"step": step, "train_loss": sum(running) / len(running), **result}
+            scores.remember(entry, t.head)
+            pace.last_eval = run.clock()
+        if save_now:
+            checkpoint(run, t, scores)
+        timed_eval = evaluate_now and pace.deadline is not None
+        if step % options.log_every == 0 or not going or timed_eval:
+            steps_s = len(running) / (time.perf_counter() - last_log)
+            total = f"/{options.steps}" if options.steps else ""
+            line = f"step {step}{total}  loss {sum(running) / len(running):.3f}"
+            line += f"  held-out {describe(scores.history[-1])} (step {scores.history[-1]['step']})"
+            say(f"{line}  lr {rate:.1e}  {steps_s:.1f} steps/s")
+            running, last_log = [], time.perf_counter()
+    bar.close()
+    if scores.step == first_step:  # no step this run (no time left for one): keep the state
+        checkpoint(run, t, scores)

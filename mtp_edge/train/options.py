@@ -54,18 +54,29 @@ class TrainOptions:
     gen_max_new: int = 256  # longest response
     gen_batch: int = 64  # prompts (and self-written requests) decoded together
     write_only: bool = False  # write the text (cached next to --out), then stop
-    # Who writes the text: "int8" (the target with int8 linears, batched: the fastest on a
-    # CPU), "fp32" (the target as loaded, batched), "bundle" (the exported target of --bundle,
-    # one sequence at a time: exactly what will run, ~1.4x slower than int8). Default: the
-    # bundle when one is given, else int8. Measured agreement with the bundle's own greedy
-    # choices: benchmarks/README.md, "Writing the text".
+    # Who writes the text: "int8" (the target with int8 linears, batched: the fastest where the
+    # CPU multiplies int8 in hardware), "fp32" (the target as loaded, batched), "bundle" (the
+    # exported target of --bundle, one sequence at a time: exactly what will run, ~1.4x slower
+    # than int8), "auto" (int8 or fp32, whichever this machine runs faster: engines.py
+    # measures). Default: the bundle when one is given, else auto. Measured agreement with
+    # the bundle's own greedy choices: benchmarks/README.md, "Writing the text".
     writer: str = ""
     # Who labels the text (the hidden state and argmax at every position): "int8" (the int8
-    # target, ~3.7x faster than fp32 on a 2-core x86 CPU), "fp32" (the target as loaded),
-    # "bundle" (--bundle's exported target, ~10x faster than fp32 and what the heads will
-    # draft for). Default: the bundle when one is given, else int8. Measured against each
-    # other: benchmarks/README.md, "Who labels the text".
+    # target, ~3.7x faster than fp32 on a 2-core x86 CPU with VNNI, 10-50x slower on one with
+    # AVX2 only), "fp32" (the target as loaded), "bundle" (--bundle's exported target, ~10x
+    # faster than fp32 and what the heads will draft for), "auto" (as for the writer).
+    # Default: the bundle when one is given, else auto. Measured against each other:
+    # benchmarks/README.md, "Who labels the text".
     labeller: str = ""
+    # The user's requests (a .txt file, one per line; a .jsonl file of "prompt" strings or
+    # "messages" lists; or a folder of them or of request logs): the target answers them and
+    # the heads train on the answers, beside the default text (prompts.py).
+    prompts: str | None = None
+    # The share of the written response tokens that answer the user's requests (the rest: the
+    # default text's template and self-written requests). 0.75: the requests are what the
+    # heads will draft for, and the default quarter keeps them drafting for what a stream of
+    # a few hundred requests never asks (its test part is unlike it too).
+    prompts_share: float = 0.75
     raw_tokens: int = 50_000  # tokens of offline text (default corpus only)
     seq_len: int = 512  # longest text sequence
     heldout: float = 0.05  # fraction of sequences held out for evaluation
@@ -84,8 +95,9 @@ class TrainOptions:
 
     def __post_init__(self):
         self.data = tuple(self.data)
-        self.writer = self.writer or ("bundle" if self.bundle else "int8")
-        self.labeller = self.labeller or ("bundle" if self.bundle else "int8")
+        self.writer = self.writer or ("bundle" if self.bundle else "auto")
+        self.labeller = self.labeller or ("bundle" if self.bundle else "auto")
+        self.requests: list = []  # read from `prompts` when the run starts (prompts.py)
         if self.minutes is not None and self.steps is not None:
             raise UserError(
                 "--minutes sets how long training runs and --steps how many steps: give one"
@@ -118,16 +130,25 @@ class TrainOptions:
             (self.seq_len >= 2, f"--seq-len must be >= 2, got {self.seq_len}"),
             (self.gen_batch >= 1, f"--gen-batch must be >= 1, got {self.gen_batch}"),
             (
-                self.writer in ("int8", "fp32", "bundle"),
-                f"--writer must be int8, fp32 or bundle, got {self.writer}",
+                self.writer in ("auto", "int8", "fp32", "bundle"),
+                f"--writer must be auto, int8, fp32 or bundle, got {self.writer}",
             ),
             (
                 self.writer != "bundle" or self.bundle is not None,
                 "--writer bundle writes with the exported target: give it with --bundle",
             ),
             (
-                self.labeller in ("int8", "fp32", "bundle"),
-                f"--labeller must be int8, fp32 or bundle, got {self.labeller}",
+                self.labeller in ("auto", "int8", "fp32", "bundle"),
+                f"--labeller must be auto, int8, fp32 or bundle, got {self.labeller}",
+            ),
+            (
+                0 < self.prompts_share <= 1,
+                f"--prompts-share must be in (0, 1], got {self.prompts_share}",
+            ),
+            (
+                not (self.prompts and self.data),
+                "--data gives the training text itself and --prompts asks the target to write "
+                "it: give one",
             ),
             (
                 self.labeller != "bundle" or self.bundle is not None,
@@ -176,6 +197,10 @@ class TrainOptions:
         values["bundle"] = Path(self.bundle).name if self.bundle else None
         values["data"] = [Path(p).name for p in self.data]
         values["init"] = Path(self.init).name if self.init else None
+        values["prompts"] = Path(self.prompts).name if self.prompts else None
+        if not self.prompts:  # recipes from before --prompts compare equal
+            values.pop("prompts")
+            values.pop("prompts_share")
         return values
 
 

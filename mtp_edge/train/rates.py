@@ -13,7 +13,7 @@ from mtp_edge.mtp import MTPConfig, MTPHead
 from mtp_edge.train.budget import Budget
 from mtp_edge.train.corpus import Sequence
 from mtp_edge.train.labels import label_sequences, label_with_session
-from mtp_edge.train.loop import IGNORE, draft_losses, origin_batch, weighted_loss
+from mtp_edge.train.losses import IGNORE, draft_losses, origin_batch, weighted_loss
 
 # The probe: this many random tokens labelled, and training steps timed after one warm-up step.
 PROBE_TOKENS = 256
@@ -24,7 +24,7 @@ PROBE_SECONDS = 10.0  # no more steps once they took this long (a 3B target's he
 PROBE_DRAFT_VOCAB = 8192
 
 
-def measure_rates(budget: Budget, target: Transformer, session, options) -> None:
+def measure_rates(budget: Budget, target: Transformer, session, options, say=None) -> None:
     """Fill budget.label_tps and budget.step_s: label PROBE_TOKENS random tokens (the cost of
     labelling does not depend on the text) the way the run will label, then time training
     steps of a fresh head of the run's design on them. Heads with attention train on whole
@@ -35,14 +35,19 @@ def measure_rates(budget: Budget, target: Transformer, session, options) -> None
     length = max(8, min(PROBE_TOKENS, options.seq_len))
     tokens = torch.randint(c.vocab_size, (length,), generator=generator).tolist()
     probe = [Sequence(tokens, 0)]
+    say = say or (lambda _: None)
+    say(f"measuring the rates: labelling {length} tokens, then {PROBE_STEPS} training steps")
     seconds = []
-    for _ in range(2):  # the first call also sizes the cache
+    # The first call also sizes the cache; a second is timed unless the first was slow already
+    # (then the first is the rate: a slow labeller would spend minutes on the probe alone).
+    while len(seconds) < 2 and sum(seconds) < PROBE_SECONDS:
         began = time.perf_counter()
         if session is None:
             labels = label_sequences(target, probe)
         else:
             labels = label_with_session(session, probe)
         seconds.append(time.perf_counter() - began)
+        say(f"  labelled {length} tokens in {seconds[-1]:.1f} s")
     budget.label_tps = length / max(seconds[-1], 1e-6)
 
     size = options.draft_vocab if options.draft_vocab != "auto" else PROBE_DRAFT_VOCAB

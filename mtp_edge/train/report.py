@@ -10,6 +10,7 @@ from mtp_edge.machine import measure_matmul_gops
 from mtp_edge.model import Transformer
 from mtp_edge.mtp import MTPHead
 from mtp_edge.train.budget import Budget
+from mtp_edge.train.prompts import YOURS
 from mtp_edge.train.rates import draft_cost
 
 STAGES = ("loading", "measuring", "writing", "labelling", "training", "evaluation")
@@ -61,6 +62,12 @@ def final_report(
         f"  position    {header}",
         f"  acceptance  {_positions(summary['heldout_acceptance'])}",
     ]
+    if "your_requests_tau" in summary:
+        yours = categories[YOURS]
+        lines.append(
+            f"tau on your requests  {yours['tau']:.2f}  (held out: {yours['origins']} draft "
+            f"origins of answers to requests training never saw)"
+        )
     if categories:
         lines.append("  by kind of text: tau, acceptance per position (draft origins)")
         width = max(map(len, categories))

@@ -1,0 +1,153 @@
+"""mtp-train --prompts: the user's requests as .txt, .jsonl ("prompt" or "messages") or a folder
+of them and of request logs; repeats dropped; bad lines refused with file and line before any
+long work; a run answers them, holds some out and reports "tau on your requests"."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from click.testing import CliRunner
+from tiny import save_chat_dir
+
+from mtp_edge.cli.train import train as train_cli
+from mtp_edge.errors import UserError
+from mtp_edge.request_log import RequestLog
+from mtp_edge.train import Sequence, TrainOptions, train_heads
+from mtp_edge.train.options import artifact_paths
+from mtp_edge.train.prompts import YOURS, read_prompts
+from mtp_edge.train.run import _split_text
+
+WORDS = "the cat sat on a mat and then the dog ran to the park while birds sang in trees".split()
+
+
+def test_text_and_jsonl_files(tmp_path):
+    txt = tmp_path / "asks.txt"
+    txt.write_text("How do I sort a list?\n\n  Write a haiku about rain  \nHow do I sort a list?\n")
+    assert read_prompts(str(txt)) == ["How do I sort a list?", "Write a haiku about rain"]
+    conversation = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Name a prime."},
+        {"role": "assistant", "content": "7"},  # the answer it got: not part of the request
+    ]
+    rows = [
+        {"prompt": "Explain recursion"},
+        {"messages": conversation},
+        {"messages": conversation[:2]},  # the same request: dropped
+        {"prompt": "Explain recursion"},
+    ]
+    jsonl = tmp_path / "asks.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert read_prompts(str(jsonl)) == [
+        "Explain recursion",
+        ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a prime."}),
+    ]
+
+
+def test_a_folder_with_request_logs(tmp_path):
+    folder = tmp_path / "logs"
+    log = RequestLog(folder, file_bytes=1024, keep=3)
+    for i in range(12):  # enough to rotate: requests.1.jsonl ... hold the older ones
+        log.append([{"role": "user", "content": f"question number {i} " + "x" * 60}], [5, 6], 1.5)
+    (folder / "more.txt").write_text("one more question\n")
+    requests = read_prompts(str(folder))
+    assert len(list(folder.glob("requests*.jsonl"))) > 1
+    asked = [r[0]["content"].split(" x")[0] for r in requests if not isinstance(r, str)]
+    numbers = [int(a.split()[2]) for a in asked]
+    assert numbers == sorted(numbers) and numbers[-1] == 11  # oldest first, the newest kept
+    assert requests[-1] == "one more question"
+
+
+@pytest.mark.parametrize(
+    "name, text, fragment",
+    [
+        ("a.jsonl", '{"prompt": "fine"}\n{"prompt": \n', "a.jsonl:2: not a JSON line"),
+        (
+            "a.jsonl",
+            '{"prompt": "fine"}\n{"text": "x"}\n',
+            'a.jsonl:2: expected a non-empty "prompt"',
+        ),
+        ("a.jsonl", '["x"]\n', "a.jsonl:1: expected a JSON object"),
+        (
+            "a.jsonl",
+            '{"prompt": "ok"}\n\n{"messages": [{"role": "robot", "content": "x"}]}\n',
+            "a.jsonl:3: unknown role",
+        ),
+        (
+            "a.jsonl",
+            '{"messages": [{"role": "assistant", "content": "x"}]}\n',
+            "a.jsonl:1: the messages hold no user message",
+        ),
+        ("a.txt", "\n\n", "no requests in it"),
+        ("a.csv", "x,y\n", "give a .txt file"),
+    ],
+)
+def test_bad_lines_are_one_line_errors(tmp_path, name, text, fragment):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(UserError, match=None) as caught:
+        read_prompts(str(path))
+    assert fragment in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_the_cli_refuses_bad_prompts_before_loading(tmp_path):
+    """Exit 2 with one line naming the file and line, before the model loads (there is none
+    at the path given: loading would fail with another message) and before writing anything."""
+    bad = tmp_path / "asks.jsonl"
+    bad.write_text('{"prompt": "fine"}\n{"prompt": 3}\n')
+    out = tmp_path / "out" / "heads.safetensors"
+    args = ["--model", str(tmp_path / "no-model"), "--prompts", str(bad), "--out", str(out)]
+    result = CliRunner().invoke(train_cli, args)
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and f"{bad}:2" in lines[0] and lines[0].startswith("error:")
+    assert not out.exists() and not artifact_paths(out)["generated"].exists()
+    missing = CliRunner().invoke(
+        train_cli, [*args[:2], "--prompts", str(tmp_path / "x.txt"), "--out", str(out)]
+    )
+    assert missing.exit_code == 2 and "no such file" in missing.output
+    both = CliRunner().invoke(train_cli, [*args, "--data", str(bad)])
+    assert both.exit_code == 2 and "give one" in both.output
+
+
+def test_the_users_requests_are_split_on_their_own():
+    """Each held-out part gets its share of the user's requests; without them the split is the
+    plain one (the same text, the same heads as before --prompts existed)."""
+    plain = [Sequence([1, 2, 3], 0, "code") for _ in range(40)]
+    yours = [Sequence([4, 5, 6, i], 2, YOURS) for i in range(20)]
+    train, heldout = _split_text(plain + yours, 0.1, 0, 1)
+    assert not set(train) & set(heldout) and len(train) + len(heldout) == 60
+    assert sum(i >= 40 for i in heldout) == 2 and sum(i < 40 for i in heldout) == 4
+    from mtp_edge.train.run import _split
+
+    assert _split_text(plain, 0.1, 0, 1) == _split(40, 0.1, 0, 1)
+
+
+def test_a_run_answers_your_requests_and_reports_them(tmp_path):
+    save_chat_dir(tmp_path / "model", hidden_size=32, intermediate_size=64)
+    rng = random.Random(0)
+    asks = tmp_path / "asks.jsonl"
+    rows = [{"prompt": " ".join(rng.choice(WORDS) for _ in range(6))} for _ in range(24)]
+    rows += [{"messages": [{"role": "user", "content": "the cat and the dog"}]}]
+    asks.write_text("\n".join(json.dumps(r) for r in rows + rows[:3]) + "\n")
+    out = tmp_path / "run" / "heads.safetensors"
+    options = TrainOptions(
+        out=str(out), model=str(tmp_path / "model"), prompts=str(asks), steps=20,
+        gen_tokens=200, gen_max_new=8, gen_batch=8, raw_tokens=200, batch_size=32, seq_len=64,
+        draft_vocab=48, warmup=5, eval_every=10, writer="fp32", labeller="fp32", heldout=0.2,
+    )  # fmt: skip
+    lines: list[str] = []
+    summary = train_heads(options, lines.append)
+    written = [
+        json.loads(line) for line in artifact_paths(out)["generated"].read_text().splitlines()
+    ]
+    asked = {r["prompt"] for r in rows if "prompt" in r}
+    answered = [e for e in written if e["prompt"] in asked]
+    assert answered and len(answered) <= len(asked)  # each at most once (repeats dropped)
+    assert any(e["prompt"] not in asked for e in written)  # mixed with the default text
+    assert any(line.startswith("answers to your requests:") for line in lines)
+    assert summary["your_requests_tau"] >= 1
+    assert "tau on your requests" in summary["report"]
+    recipe = json.loads(out.with_suffix(".json").read_text())
+    assert recipe["recipe"]["prompts"] == "asks.jsonl" and recipe["recipe"]["prompts_share"] == 0.75
