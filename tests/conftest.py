@@ -23,6 +23,7 @@ from tiny import (  # noqa: E402
     amplify_cache_attention,
     file_lock,
     hf_reference,
+    run_shared_dir,
     save_chat_dir,
     save_hf_dir,
     save_random_heads,
@@ -34,9 +35,7 @@ MTP_KINDS = ("target_cache", "none", "self")
 def built_once(factory: pytest.TempPathFactory, name: str, build) -> Path:
     """The directory `name`, made by `build(path)` the first time any test process of this run
     asks for it. A build that fails leaves nothing behind: the next caller builds afresh."""
-    base = factory.getbasetemp()
-    # An xdist worker's base directory sits in the run's: the run's is the one all workers share.
-    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
+    root = run_shared_dir(factory, "")
     out, done = root / name, root / f"{name}.done"
     with file_lock(root / f"{name}.lock"):
         if not done.exists():

@@ -5,10 +5,11 @@ by overwrite gives fresh results, and the metadata methods carry the right value
 from __future__ import annotations
 
 import functools
+import json
 
 import pytest
 import torch
-from tiny import tiny_model
+from tiny import file_lock, run_shared_dir, tiny_model
 
 from mtp_edge.errors import UserError
 from mtp_edge.exporter.executorch import export_program, exportable_copy
@@ -52,9 +53,10 @@ _PROGRAMS: list = []  # the directory `exported` writes into (programs_in)
 
 def programs_in(factory: pytest.TempPathFactory) -> None:
     """Give `exported` a directory of this run's pytest temporary base (functools.cache cannot
-    take fixtures): every module that calls it sets it first; pytest removes it with the rest."""
+    take fixtures): every module that calls it sets it first; pytest removes it with the rest.
+    Every test process of the run (pytest-xdist workers) shares it."""
     if not _PROGRAMS:
-        _PROGRAMS.append(factory.mktemp("et-programs"))
+        _PROGRAMS.append(run_shared_dir(factory, "et-programs"))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -65,24 +67,29 @@ def _programs(tmp_path_factory):
 @functools.cache
 def exported(name: str, kernel: str = "mtp"):
     """(path, method metadata) of the tiny model exported with scheme `name` and attention
-    kernel `kernel`, once per run."""
+    kernel `kernel`, once per run: the first test process to need it exports it (the metadata
+    beside it as JSON), the others wait for it under a file lock and read it."""
     assert _PROGRAMS, "call programs_in(tmp_path_factory) before exported()"
     linear, group, embedding, tied = SCHEMES[name]
     path = _PROGRAMS[0] / f"{name}-{kernel}.pte"
-    methods = export_program(
-        model(tied),
-        path,
-        quant=linear,
-        group_size=group,
-        embedding_quant=embedding,
-        max_seq_len=MAX_SEQ_LEN,
-        max_chunk=CHUNK,
-        bos_id=BOS,
-        eos_ids=EOS,
-        verify_width=VERIFY_WIDTH,
-        attention_kernel=kernel,
-    )
-    return path, methods
+    metadata = path.with_suffix(".json")
+    with file_lock(path.with_suffix(".lock")):
+        if not metadata.exists():
+            methods = export_program(
+                model(tied),
+                path,
+                quant=linear,
+                group_size=group,
+                embedding_quant=embedding,
+                max_seq_len=MAX_SEQ_LEN,
+                max_chunk=CHUNK,
+                bos_id=BOS,
+                eos_ids=EOS,
+                verify_width=VERIFY_WIDTH,
+                attention_kernel=kernel,
+            )
+            metadata.write_text(json.dumps(methods))
+    return path, json.loads(metadata.read_text())
 
 
 def session(name: str, kernel: str = "mtp") -> ExecuTorchSession:

@@ -111,6 +111,16 @@ CHAT_TEMPLATE = (
 NATIVE_BUILD_LOCK = Path(tempfile.gettempdir()) / f"mtp-edge-native-build-{os.getuid()}.lock"
 
 
+def run_shared_dir(factory, name: str) -> Path:
+    """A directory `name` of this run's pytest temporary base that every test process of the
+    run sees: under pytest-xdist each worker's base sits in the run's, which they share."""
+    base = factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    path = root / "shared" / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 @contextmanager
 def file_lock(path: Path):
     """An exclusive lock on `path` (created if missing), across processes; blocks until free."""
