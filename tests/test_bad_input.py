@@ -192,6 +192,236 @@ def test_fuzzed_manifests_give_one_line_errors(exported, tmp_path_factory, data)
         assert "\n" not in str(e) and str(e)
 
 
+# --- the manifest's numbers against the programs and the tokenizer; ids against the vocabulary ---
+
+
+@pytest.mark.parametrize(
+    "key, value, source",
+    [
+        ("max_seq_len", MAX_SEQ_LEN + 1, "target.pte"),  # reads past the cache
+        ("max_chunk", MAX_SEQ_LEN - 1, "target.pte"),
+        ("vocab_size", 98, "tokenizer_meta.json"),  # lets id 97 through to the embedding kernel
+        ("eos_ids", [99999], "tokenizer_meta.json"),
+        ("bos_id", 1, "tokenizer_meta.json"),
+        ("chat_template", "{{ messages }}", "tokenizer_meta.json"),
+    ],
+)
+def test_an_edited_manifest_number_is_refused(bundle, key, value, source):
+    edit_manifest(bundle, lambda m: m.update({key: value}))
+    line = error_line(run_bundle(bundle))
+    assert f"manifest.json says {key} is" in line and f"but {source} was exported with" in line
+
+
+def test_a_drafter_kind_without_its_files_is_refused(bundle):
+    edit_manifest(bundle, lambda m: m["drafter"].update(kind="mtp"))
+    assert "names no models.drafter_vocab file" in error_line(run_bundle(bundle))
+
+
+def test_token_ids_outside_the_vocabulary_never_reach_a_kernel(exported):
+    """Ids from the API, the server or a session's caller: one-line errors (a 400), never the
+    embedding kernel's abort; the server answers the next request."""
+    from starlette.testclient import TestClient
+
+    import mtp_edge
+    from mtp_edge.server import create_app
+
+    llm = mtp_edge.load(bundle=exported)
+    session = llm.generator.session
+    for bad in ([97], [-1], [3, 10**12]):
+        with pytest.raises(UserError, match="outside the vocabulary|ints in 0..96"):
+            llm.generate(bad, max_new_tokens=2)
+        with pytest.raises(UserError, match="outside the vocabulary: ids run 0..96"):
+            session.forward(bad, 0)
+    client = TestClient(create_app(llm))
+    response = client.post("/v1/completions", json={"prompt": [97], "max_tokens": 2})
+    assert response.status_code == 400, response.text
+    response = client.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2})
+    assert response.status_code == 200, response.text
+
+
+@pytest.fixture(scope="module")
+def onnx_bundle(model_dir, tmp_path_factory):
+    pytest.importorskip("onnxruntime")
+    out = tmp_path_factory.mktemp("onnx") / "tiny"
+    args = ["--target", "onnx", "--model", str(model_dir), "--out", str(out), "--quant", "fp32",
+            "--drafter", "ngram", "--max-seq-len", str(MAX_SEQ_LEN),
+            "--quality-tokens", "0"]  # fmt: skip
+    result = CliRunner().invoke(export, args)
+    assert result.exit_code == 0, result.output
+    return out
+
+
+@pytest.mark.parametrize(
+    "key, value, source",
+    [("max_seq_len", MAX_SEQ_LEN + 1, "positions"), ("vocab_size", 98, "tokenizer_meta.json")],
+)
+def test_an_edited_onnx_manifest_is_refused(onnx_bundle, tmp_path, key, value, source):
+    bundle = tmp_path / "bundle"
+    shutil.copytree(onnx_bundle, bundle)
+    edit_manifest(bundle, lambda m: m.update({key: value}))
+    assert source in error_line(run_bundle(bundle))
+
+
+def rewrite_vocab_size(bundle: Path, size: int) -> None:
+    """A thorough tamper: the vocabulary size in the manifest and in tokenizer_meta.json, whose
+    sha256 in the manifest is rewritten to match; only the program itself still says 97."""
+    from mtp_edge.manifest import sha256
+
+    meta = bundle / "tokenizer_meta.json"
+    meta.write_text(json.dumps(dict(json.loads(meta.read_text()), vocab_size=size)))
+
+    def edit(m):
+        m.update(vocab_size=size)
+        m["models"]["tokenizer_meta"]["sha256"] = sha256(meta)
+
+    edit_manifest(bundle, edit)
+
+
+def test_a_vocabulary_edited_everywhere_but_the_program_is_refused(bundle, onnx_bundle, tmp_path):
+    copy = tmp_path / "onnx"
+    shutil.copytree(onnx_bundle, copy)
+    for directory, program in ((bundle, "target.pte"), (copy, "target.onnx")):
+        rewrite_vocab_size(directory, 98)
+        line = error_line(run_bundle(directory))
+        assert f"says vocab_size is 98 but {program} was exported with 97" in line, line
+
+
+def test_onnx_sessions_refuse_ids_outside_the_vocabulary(onnx_bundle):
+    import mtp_edge
+
+    llm = mtp_edge.load(bundle=onnx_bundle)
+    with pytest.raises(UserError, match="token id 97 is outside the vocabulary"):
+        llm.generator.session.forward([5, 97], 0)
+
+
+@pytest.fixture(scope="module")
+def runner():
+    """The native runner (runtime/native/build), for the same checks in C++."""
+    if shutil.which("cmake") is None:
+        pytest.skip("the native runtime needs cmake")
+    from mtp_edge.runtime import native
+
+    return native.build(jobs=1)
+
+
+@pytest.mark.parametrize(
+    "edit, says",
+    [
+        (lambda b: edit_manifest(b, lambda m: m.update(max_seq_len=MAX_SEQ_LEN + 1)),
+         "says max_seq_len is 65 but target.pte was exported with 64"),
+        (lambda b: edit_manifest(b, lambda m: m.update(max_chunk=MAX_SEQ_LEN - 1)),
+         "says max_chunk is 63 but target.pte was exported with 64"),
+        (lambda b: edit_manifest(b, lambda m: m.update(eos_ids=[99999])),
+         "says eos_ids is [99999] but tokenizer_meta.json was exported with [2]"),
+        (lambda b: edit_manifest(b, lambda m: m.update(vocab_size=98)),
+         "says vocab_size is 98 but tokenizer_meta.json was exported with 97"),
+        (lambda b: rewrite_vocab_size(b, 98),
+         "says vocab_size is 98 but target.pte was exported with 97"),
+    ],
+)  # fmt: skip
+def test_the_native_runner_refuses_an_edited_manifest(runner, bundle, edit, says):
+    edit(bundle)
+    result = subprocess.run([str(runner), "--bundle", str(bundle), "--prompt-ids", "5,6,7",
+                             "--max-new-tokens", "2"], capture_output=True, text=True)  # fmt: skip
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stderr
+    assert lines[-1].startswith("error: bundle ") and says in lines[-1], result.stderr
+
+
+def wrong_values(value):
+    """Well-typed wrong values for a manifest field: off by one, out of range, emptied."""
+    if isinstance(value, bool):
+        return [not value]
+    if isinstance(value, int):
+        return [value + 1, value - 1, 0, -1, 10**6]
+    if isinstance(value, float):
+        return [value + 0.5, -1.0, 1e9]
+    if isinstance(value, str):
+        return ["", value + "x", "mtp"]
+    if isinstance(value, list):
+        return [[], [v + 1 for v in value], [10**6]]
+    if value is None:
+        return [0, 1, 96, 97, "x"]
+    return []
+
+
+MANIFEST_FIELDS = ["platform", "backend", "model_name", "max_seq_len", "max_chunk", "vocab_size",
+                   "bos_id", "eos_ids", "chat_template", "chat_format", "source",
+                   "exporter_version", "drafter.kind", "drafter.k", "drafter.lookup",
+                   "drafter.draft_confidence", "drafter.method", "drafter.own_cache",
+                   "drafter.reads_target_cache", "drafter.draft_vocab_size",
+                   "drafter.max_chunk"]  # fmt: skip
+
+
+@pytest.mark.parametrize("key", MANIFEST_FIELDS)
+def test_every_manifest_field_edited_runs_or_is_one_line(exported, tmp_path, key, monkeypatch):
+    """Each field set to wrong values of its own type, the bundle opened and run through the
+    API: it either generates or refuses with a one-line UserError, never anything else."""
+    import mtp_edge
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    manifest = json.loads((exported / "manifest.json").read_text())
+    section, _, name = key.rpartition(".")
+    where = manifest["drafter"] if section else manifest
+    for i, value in enumerate(wrong_values(where.get(name))):
+        directory = tmp_path / str(i)
+        directory.mkdir()
+        for file in exported.iterdir():
+            if file.name != "manifest.json":
+                shutil.copy(file, directory / file.name)
+        where[name] = value
+        (directory / "manifest.json").write_text(json.dumps(manifest))
+        try:
+            mtp_edge.load(bundle=directory).generate([5, 6, 7], max_new_tokens=3)
+        except UserError as e:
+            assert str(e) and "\n" not in str(e), (key, value, str(e))
+
+
+# --- progress that does not lie at the end --------------------------------------------------
+
+
+def test_a_stage_past_its_estimate_says_so_and_the_estimate_learns(monkeypatch, tmp_path, capsys):
+    """No bar held at 99% with ~00:00 left: past its estimate a stage shows its elapsed time,
+    that the time left is unknown and what is still going on; its measured time scales the
+    next estimate of the same stage on this machine."""
+    import time
+
+    from mtp_edge import logs
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(logs, "PLAIN_LINE_EVERY_S", 0.2)
+    logs.set_verbosity(quiet=False)
+    logs.set_terminal(False)
+    try:
+        with logs.estimated_stage("lowering", 0.6, after="finishing: serializing"):
+            time.sleep(2.5)
+    finally:
+        logs.set_terminal(None)
+    lines = capsys.readouterr().err.splitlines()
+    assert not any("99%" in line for line in lines), lines
+    assert any("elapsed, past the ~00:01 estimate; finishing: serializing, time left unknown"
+               in line for line in lines), lines  # fmt: skip
+    assert lines[-1].startswith("lowering: done in 00:0"), lines
+    assert 3 < logs.learned_factor("lowering") < 6  # ~2.5 s measured against 0.6 estimated
+
+
+def test_a_line_said_during_a_childs_bar_gets_a_line_of_its_own(capsys):
+    """The export's child draws its bar on our stderr without ending the line; a progress line
+    said meanwhile (through the parent) must not be appended to the bar."""
+    from mtp_edge import logs
+    from mtp_edge.exporter import isolated
+
+    read, write = os.pipe()
+    os.write(write, b"lowering to XNNPACK:  45%|####5     | 02:20 elapsed")
+    os.close(write)
+    with os.fdopen(read, "rb") as stream:
+        isolated._forward(stream)
+    logs.set_verbosity(quiet=False)
+    isolated._on_own_line(logs.say, "[lower] XNNPACK")
+    err = capsys.readouterr().err
+    assert "\n[lower] XNNPACK\n" in err or "\r\x1b[K[lower] XNNPACK\n" in err, repr(err)
+
+
 # --- output paths: checked before the work, written whole ---------------------------------------
 
 
@@ -216,10 +446,122 @@ def test_bench_refuses_a_file_as_its_report_directory(bundle, tmp_path):
     assert "is a file" in error_line(result) and file.read_text() == "mine"
 
 
+def test_an_interrupted_bench_writes_what_it_measured(exported, tmp_path, monkeypatch):
+    """Ctrl-C after two prompts: --json and --markdown hold those two, marked partial, and the
+    exit code is still 130."""
+    from mtp_edge.devices import harness
+
+    real, calls = harness.Suite.run_prompt, []
+
+    def run_prompt(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(harness.Suite, "run_prompt", run_prompt)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": str(i), "prompt": f"the cat {i}"}) + "\n"
+                               for i in range(5)))  # fmt: skip
+    out, markdown = tmp_path / "bench.json", tmp_path / "bench.md"
+    args = ["--bundle", str(exported), "--prompts", str(prompts), "--max-new-tokens", "4",
+            "--json", str(out), "--markdown", str(markdown)]  # fmt: skip
+    result = CliRunner().invoke(bench, args)
+    assert error_line(result, 130) == "error: interrupted"
+    report = json.loads(out.read_text())
+    assert report["partial"] == {"prompts_done": 2, "prompts": 5, "stopped_by": "SIGINT"}
+    assert report["summary"]["prompts"] == 2
+    assert markdown.read_text().startswith("**Partial**: stopped by SIGINT after 2 of 5 prompts")
+
+
+@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
+def test_a_stopped_bench_compare_writes_what_it_measured(exported, tmp_path, stop):
+    """Side by side (--compare: a worker process per setup), stopped as a terminal does it
+    (SIGINT to the whole process group) or by SIGTERM to mtp-bench alone: both setups' reports
+    of the prompts done, marked partial, and the signal's exit code."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": str(i), "prompt": f"the cat {i}"}) + "\n"
+                               for i in range(60)))  # fmt: skip
+    out = tmp_path / "bench.json"
+    command = [sys.executable, "-c", "from mtp_edge.cli import bench; bench()",
+               "--bundle", str(exported), "--compare", f"{exported},k=2", "--prompts",
+               str(prompts), "--max-new-tokens", "8", "--json", str(out)]  # fmt: skip
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)  # fmt: skip
+    seen = []
+    for line in process.stderr:
+        seen.append(line)
+        if line.startswith("[3/60]"):
+            break
+    if stop == "ctrl-c":
+        os.killpg(process.pid, signal.SIGINT)
+    else:
+        process.send_signal(signal.SIGTERM)
+    rest = process.stderr.read()
+    code = 130 if stop == "ctrl-c" else 143
+    assert process.wait(timeout=300) == code, "".join(seen) + rest
+    assert "Traceback" not in rest, rest
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["k"] for r in runs] == [4, 2]
+    for report in runs:
+        done = report["partial"]["prompts_done"]
+        assert 2 <= done < 60 and report["summary"]["prompts"] == done  # 2: not yet sent
+        assert report["partial"]["stopped_by"] == ("SIGINT" if stop == "ctrl-c" else "SIGTERM")
+
+
 def test_export_refuses_an_unwritable_out_before_loading(tmp_path):
     result = CliRunner().invoke(export, ["--model", str(tmp_path / "nothing"), "--out", "/proc/x"])
     line = error_line(result)
     assert "--out /proc/x: cannot write" in line and "[load]" not in result.stderr
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 200 kB filesystem (tmpfs; root only): less than the tiny bundle's 0.3 MB program."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(mount)],
+                          capture_output=True)  # fmt: skip
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({made.stderr.decode().strip()})")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_export_refuses_a_disk_without_room_before_loading(model_dir, tmp_path, monkeypatch):
+    """The forecast: the free space reading injected (the same check as on a real small disk,
+    test below), refused before any weight is read."""
+    from mtp_edge import memory
+
+    monkeypatch.setattr(memory, "free_disk_bytes", lambda path: 120_000)
+    out = tmp_path / "out" / "tiny"
+    args = ["--model", str(model_dir), "--out", str(out), "--quant", "fp32", "--drafter", "ngram",
+            "--max-seq-len", str(MAX_SEQ_LEN), "--quality-tokens", "0"]  # fmt: skip
+    line = error_line(CliRunner().invoke(export, args))
+    assert "has 120 kB free and the bundle needs about 291 kB" in line and "--out" in line
+    assert not out.exists()
+
+
+def test_a_full_disk_during_export_is_one_line_and_leaves_nothing(model_dir, small_disk,
+                                                                  monkeypatch):  # fmt: skip
+    """The forecast fooled (it reads plenty free), the disk fills while the program is written:
+    one line, exit 2, no partial bundle."""
+    from mtp_edge import memory
+
+    monkeypatch.setattr(memory, "free_disk_bytes", lambda path: 10**12)
+    args = ["--model", str(model_dir), "--out", str(small_disk / "tiny"), "--quant", "fp32",
+            "--drafter", "ngram", "--max-seq-len", str(MAX_SEQ_LEN),
+            "--quality-tokens", "0"]  # fmt: skip
+    line = error_line(CliRunner().invoke(export, args))
+    assert line.startswith("error: no space left on the device while writing"), line
+    assert list(small_disk.iterdir()) == []
+
+
+def test_export_refuses_a_real_small_disk(model_dir, small_disk):
+    args = ["--model", str(model_dir), "--out", str(small_disk / "tiny"), "--quant", "fp32",
+            "--drafter", "ngram", "--max-seq-len", str(MAX_SEQ_LEN)]  # fmt: skip
+    assert "kB free and the bundle needs about" in error_line(CliRunner().invoke(export, args))
+    assert list(small_disk.iterdir()) == []
 
 
 def test_predict_and_train_refuse_unwritable_outputs(bundle):
