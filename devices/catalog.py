@@ -84,9 +84,6 @@ def host_device() -> Device:
     """This machine, measured now: memory read bandwidth, int8 and fp32 matmul throughput."""
     cores = usable_cores()
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    import torch
-
-    threads = torch.get_num_threads()  # before the probes hand the cores to ExecuTorch
     bandwidth = measure_bandwidth_gbs()
     rates = measure_matmul_rates()
     path = int8_path()
@@ -99,7 +96,7 @@ def host_device() -> Device:
         abi=platform.machine(),
         ram_gb=round(ram, 1),
         bandwidth_gbs=round(bandwidth, 1),
-        cpu=f"{cores} cores ({threads} threads in the matmul probes), {cpu_model()}",
+        cpu=f"{cores} cores (all of them in the matmul probes: ExecuTorch's pool), {cpu_model()}",
         cpu_int8_gops=round(rates.int8_gops, 1),
         cpu_fp32_gflops=round(rates.fp32_gflops, 1),
         gpu_fp32_tflops=None,
