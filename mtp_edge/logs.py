@@ -243,7 +243,7 @@ def remember_duration(desc: str, seconds: float, estimate_s: float) -> None:
     import math
 
     path = _durations_path()
-    if path is None or estimate_s <= 0 or seconds <= 0:
+    if path is None or estimate_s <= 0 or seconds < 1.0:  # too short to say anything
         return
     try:
         known = json.loads(path.read_text())
