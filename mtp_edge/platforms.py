@@ -50,8 +50,11 @@ class Platform:
     threads: str | None = None
     # - mtp-bench also decodes the target program with ExecuTorch's TextLLMRunner (devices/peer);
     textllmrunner_peer: bool = False
-    # - mtp-predict reads the shapes of its programs (devices/cost.py).
+    # - mtp-predict reads the shapes of its programs (devices/cost.py);
     predictable: bool = False
+    # - its MTP head is always a function of the target's file, never a drafter file of its own
+    #   (what the runtime expects the manifest to name, runtime/bundle.py).
+    head_in_target: bool = False
 
 
 PLATFORMS: dict[str, Platform] = {}
@@ -123,6 +126,7 @@ register(
         "and 289 MB fp16 for SmolLM2-135M, benchmarks/README.md)",
         blockwise=("int4",),
         export_needs=(("coremltools",), "coreml"),
+        head_in_target=True,
     )
 )
 

@@ -10,6 +10,7 @@ import torch
 
 from mtp_edge.errors import UserError
 from mtp_edge.manifest import MANIFEST, TOKENIZER_FILES, Manifest
+from mtp_edge.platforms import by_backend
 from mtp_edge.runtime.backends import backend
 from mtp_edge.runtime.drafters import DraftModelDrafter
 from mtp_edge.runtime.mtp_drafter import MtpDrafter
@@ -78,7 +79,9 @@ def bundle_drafter(bundle: Bundle, min_confidence: float = 0.0):
     """The drafter a bundle carries as a program (mtp or draft-lm); None for none/ngram."""
     m = bundle.manifest
     needs = {"mtp": ["drafter_vocab"], "draft-lm": ["drafter"]}.get(m.drafter.kind, [])
-    if m.drafter.kind == "mtp" and m.drafter.method is None and m.backend != "coreml":
+    row = by_backend(m.backend)
+    in_target = m.drafter.method is not None or (row is not None and row.head_in_target)
+    if m.drafter.kind == "mtp" and not in_target:
         needs.append("drafter")  # a head in a program of its own
     for role in needs:
         if role not in m.models:
