@@ -33,6 +33,16 @@ def quartiles(values: list[float]) -> tuple[float, float, float]:
     return q[0], statistics.median(values), q[2]
 
 
+def vocab_size(pte: Path) -> int:
+    """The vocabulary of the bundle a program belongs to (its manifest), else 1010."""
+    from mtp_edge.manifest import Manifest
+
+    try:
+        return Manifest.load(pte.parent, verify=False).vocab_size
+    except Exception:  # a program outside a bundle
+        return 1010
+
+
 def measure(ptes: list[Path], widths: list[int], position: int, rounds: int, threads: int):
     import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401
     import executorch.kernels.quantized  # noqa: F401
@@ -47,7 +57,8 @@ def measure(ptes: list[Path], widths: list[int], position: int, rounds: int, thr
         portable_lib._unsafe_reset_threadpool(threads)
     load_kernels()
     methods = [Runtime.get().load_program(p).load_method("forward") for p in ptes]
-    ids = [(17 * i + 11) % 1000 + 10 for i in range(position + max(widths) + 2)]
+    span = min(vocab_size(p) for p in ptes) - 10  # ordinary ids, inside every vocabulary
+    ids = [(17 * i + 11) % span + 10 for i in range(position + max(widths) + 2)]
     for method in methods:  # prefill in chunks of at most 128 tokens (mtp-export's max_chunk)
         for start in range(0, position, 128):
             chunk = ids[start : min(position, start + 128)]
