@@ -194,6 +194,8 @@ class DraftRecorder:
         self.name, self.needs_hidden = drafter.name, drafter.needs_hidden
         self.gaps = None
         self.hybrid = drafter if isinstance(drafter, HybridDrafter) else None
+        if hasattr(drafter, "source"):  # the fallback measures a hybrid's sources apart
+            self.source = drafter.source
         head = drafter.model if self.hybrid else drafter
         if isinstance(head, MtpDrafter):
             step_fn, ids = head.step_fn, head.draft_ids
@@ -303,7 +305,7 @@ def test_bundle_drafting_policy_matches_python(runner, mlp_mtp_bundle, tmp_path)
     assert gated > 0  # the floor stopped some drafts
     for r, steps in zip(rows, drafts, strict=True):
         assert same_drafts(steps, r["spec_drafts"], f"policy {r['id']}")
-    told = run_native(runner, str(bundle), prompts[:2], tmp_path, "--drafter", "bundle",
+    told = run_native(runner, str(bundle), prompts[:2], tmp_path,
                       "--ngram-sizes", "1-1", "--draft-confidence", "0")  # fmt: skip
     assert told["drafter"] == "mtp+ngram"
 
@@ -605,12 +607,13 @@ def test_c_api_drafter_by_name(runner, policy_mtp_bundle, named, drafter, sizes,
 def test_c_api_refuses_drafters_the_bundle_cannot_serve(runner, mtp_bundle):
     """An unknown drafter, or one the bundle does not carry: mtp_generate fails with one line
     that names the drafters the bundle takes."""
-    accepted = "takes none, ngram, bundle, mtp, bundle+ngram or mtp+ngram"
+    accepted = "takes none, ngram, mtp or mtp+ngram"
     for name, why in [
         ("warp", "unknown drafter 'warp'"),
         ("draft-lm", "drafter 'draft-lm': this bundle carries a 'mtp' drafter"),
         ("draft-lm+ngram", "drafter 'draft-lm': this bundle carries a 'mtp' drafter"),
         ("none+ngram", "drafter 'none+ngram': name a model drafter before +ngram"),
+        ("bundle", "unknown drafter 'bundle'"),  # not a name mtp-run takes
     ]:
         done = c_api(mtp_bundle, "hello", {"max_new_tokens": 2, "drafter": name})
         assert done.returncode == 1, done.stdout
@@ -1049,3 +1052,165 @@ def test_the_native_reader_knows_every_manifest_key():
     assert native("kManifestKeys") == {f.name for f in fields(Manifest)}
     assert native("kModelFileKeys") == {f.name for f in fields(ModelFile)}
     assert native("kDrafterKeys") == {f.name for f in fields(DrafterSpec)}
+
+
+FALLBACK_COSTS = (10.0, 0.1, 1.0)  # mtp-runner --fallback-costs: verify ms, slope, draft ms
+
+
+def modelled_fallback():
+    """runtime/fallback.py's Fallback told mtp-runner's --fallback-costs instead of timings
+    (fallback.h CostModel, the same arithmetic): both loops then decide from the same costs."""
+    from mtp_edge.runtime.fallback import Fallback
+
+    verify_ms, slope, draft_ms = FALLBACK_COSTS
+
+    class Modelled(Fallback):
+        def record_step(self, requested, drafted, accepted, draft_seconds, verify_seconds):
+            lookup = self.source in ("ngram", "lookup")
+            draft = 0.0 if lookup else requested * draft_ms / 1e3
+            verify = verify_ms * (1 + slope * (drafted + 1 - 1)) / 1e3
+            super().record_step(requested, drafted, accepted, draft, verify)
+
+    return Modelled
+
+
+def python_steps(bundle_dir, prompts, drafter, fallback, monkeypatch) -> list:
+    """Per prompt (tokens, [(drafted, accepted) per verify step], drafts as DraftRecorder
+    records them, the steps the fallback drafted nothing for): runtime/loop.py's decode with the
+    drafter runtime/assemble.py builds for `drafter` (None: the bundle's default), on one
+    session, as mtp-runner runs the prompts."""
+    from mtp_edge.runtime.assemble import LoadOptions, assemble
+    from mtp_edge.runtime.loop import decode
+
+    monkeypatch.setattr("mtp_edge.runtime.loop.Fallback", modelled_fallback())
+    options = LoadOptions(bundle=bundle_dir, drafter=drafter, fallback=fallback, chat=False)
+    gen = assemble(options, max_new_tokens=MAX_NEW_TOKENS)
+    drafts: list = []
+    recorder = None if gen.drafter is None else DraftRecorder(gen.drafter, drafts)
+    runs = []
+    for _, _, ids in prompts:
+        drafts.append([])
+        tokens, steps, before = [], [], (0, 0, 0)
+        for step in decode(gen.session, ids, recorder, gen.config):
+            s = step.stats
+            now = (s.verify_steps, s.drafted_tokens, s.accepted_tokens)
+            if now[0] > before[0]:
+                steps.append((now[1] - before[1], now[2] - before[2]))
+            tokens += step.tokens
+            before = now
+        runs.append((tokens, steps, drafts[-1], step.stats.fallback_steps))
+    return runs
+
+
+@pytest.mark.parametrize(
+    "bundle_name, drafter, fallback",
+    [("mtp_bundle", "none", False)]
+    + [
+        (bundle_name, drafter, fallback)
+        for bundle_name, drafter in [
+            ("mtp_bundle", "ngram"),
+            ("mtp_bundle", "mtp"),
+            ("mtp_bundle", "mtp+ngram"),
+            ("self_mtp_bundle", "mtp+ngram"),
+            ("draft_lm_bundle", "draft-lm"),
+            ("draft_lm_bundle", "draft-lm+ngram"),
+        ]
+        for fallback in (False, True)
+    ],
+)
+def test_loops_draft_and_accept_alike_step_by_step(
+    request, runner, tmp_path, monkeypatch, bundle_name, drafter, fallback
+):
+    """The C++ loop and runtime/loop.py, on the same bundle and prompts with the same drafter:
+    at every verify step the same number of tokens drafted and accepted, with the fallback too
+    (both told the same fixed costs, so that its choices do not follow timings: with the
+    random heads' drafts rarely right, it stops drafting the model and drafts the free lookup,
+    shadowing as runtime/fallback.py does). Where the runtimes' kernels round a draft's two
+    best logits apart (see the module doc) the rest of that prompt is not compared."""
+    bundle = request.getfixturevalue(bundle_name)
+    prompts = suite_ids(bundle)[::4]
+    options = ["--drafter", drafter, "--record-drafts"]
+    if fallback:
+        options += ["--fallback", "--fallback-costs", ",".join(map(str, FALLBACK_COSTS))]
+    report = run_native(runner, bundle, prompts, tmp_path, *options)
+    assert report["drafter"] == drafter and report["summary"]["lossless"]
+    python = python_steps(bundle, prompts, drafter, fallback, monkeypatch)
+    compared = 0
+    for r, (tokens, steps, drafts, _) in zip(report["prompts"], python, strict=True):
+        what = f"{bundle_name} {drafter}, prompt {r['id']}"
+        if drafter != "none" and not same_drafts(drafts, r.get("spec_drafts", []), what):
+            continue
+        compared += 1
+        assert r["spec_token_ids"] == tokens, what
+        assert [tuple(x) for x in r["spec_steps"]] == steps, what
+        assert r["verify_steps"] == len(steps), what
+    assert compared >= len(prompts) * 3 // 4, f"only {compared} of {len(prompts)} compared"
+    fell_back = sum(run[3] for run in python)
+    assert fell_back > 0 if fallback else fell_back == 0  # the fallback decided something
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(runner, mtp_bundle, tmp_path):
+    """Token ids are range-checked before any kernel sees them (the embedding kernel would
+    abort the process), from --prompt-ids, a prompts file, and the engine for the C API;
+    with the other argument checks before anything loads."""
+    vocab = open_bundle(mtp_bundle).manifest.vocab_size
+
+    def refused(*args) -> str:
+        done = subprocess.run([str(runner), "--bundle", mtp_bundle, *args], capture_output=True,
+                              text=True, timeout=300)  # fmt: skip
+        assert done.returncode == 2, (args, done.returncode, done.stderr[-500:])
+        [line] = done.stderr.splitlines()
+        assert line.startswith("error: ") and "[load]" not in done.stderr, line
+        return line
+
+    for ids in ("1,99999999,3", "1,-5,3", f"1,{vocab}"):
+        assert f"ids must be in 0..{vocab - 1}" in refused("--prompt-ids", ids)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "prompt_ids": [1, vocab + 7]}) + "\n")
+    assert "prompt a: token id" in refused("--prompts", str(prompts))
+    assert "--seed must be in 0..18446744073709551615" in refused("--prompt-ids", "1", "-s", "-1")
+    assert "cannot write" in refused("--prompt-ids", "1", "--json", "/proc/x/o.json")
+    assert "is a directory" in refused("--prompt-ids", "1", "--json", str(tmp_path))
+    for flag, value in [("--temperature", "nan"), ("--temperature", "-1"), ("--top-p", "0"),
+                        ("--top-p", "1.5"), ("--k", "16"), ("--k", "0"), ("--top-k", "-1"),
+                        ("--max-new-tokens", "0"), ("--draft-confidence", "1"),
+                        ("--threads", "-1"), ("--ngram-sizes", "3-1"),
+                        ("--fallback-costs", "10,0.1")]:  # fmt: skip
+        assert flag in refused("--prompt-ids", "1", flag, value)
+    assert "unknown drafter 'bundle'" in refused("--prompt-ids", "1", "--drafter", "bundle")
+    assert not (tmp_path / "o.json").exists()
+    # The last id of the vocabulary is fine.
+    done = subprocess.run([str(runner), "--bundle", mtp_bundle, "--prompt-ids", f"1,{vocab - 1}",
+                           "-n", "2", "--json", str(tmp_path / "o.json")],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-1000:]
+
+
+DRAFTER_NAMES = ["none", "ngram", "mtp", "draft-lm", "mtp+ngram", "draft-lm+ngram", "ngram+ngram",
+                 "none+ngram", "bundle", "bundle+ngram", "warp", "./draft"]  # fmt: skip
+
+
+def test_both_runtimes_take_the_same_drafter_names(runner, mtp_bundle):
+    """The native engine takes exactly the drafter names mtp-run takes for a bundle
+    (runtime/assemble.py build_drafter): each name either both build or both refuse. The
+    runner checks the name before the prompt's ids, so an accepted name shows as the refusal
+    of an id outside the vocabulary, before anything loads."""
+    from mtp_edge.errors import UserError
+    from mtp_edge.runtime.assemble import build_drafter
+
+    bundle = open_bundle(mtp_bundle)
+    for name in DRAFTER_NAMES:
+        try:
+            build_drafter(name, None, bundle, bundle.manifest.max_seq_len)
+            python_takes = True
+        except UserError:
+            python_takes = False
+        done = subprocess.run(
+            [str(runner), "--bundle", mtp_bundle, "--prompt-ids", "99999999", "--drafter", name],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 2, done.stderr
+        native_takes = "token id 99999999" in done.stderr
+        assert native_takes == python_takes, (name, done.stderr)
