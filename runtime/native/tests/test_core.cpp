@@ -214,6 +214,21 @@ void test_mtp_self_head_feeds_the_verified_rows() {
   CHECK((positions == std::vector<int64_t>{3}) && (fed == std::vector<std::vector<int64_t>>{{4, 5}}));
 }
 
+// Token ids outside the vocabulary are refused before any kernel could see them.
+void test_token_id_check() {
+  mtp::check_token_ids({0, 5, 9}, 10);
+  const std::vector<std::vector<int64_t>> bad_ids = {{1, 10}, {-5}, {99999999}};
+  for (const auto& bad : bad_ids) {
+    bool refused = false;
+    try {
+      mtp::check_token_ids(bad, 10);
+    } catch (const mtp::UserError& e) {
+      refused = std::strstr(e.what(), "ids must be in 0..9") != nullptr;
+    }
+    CHECK(refused);
+  }
+}
+
 // The fallback's choices from given costs, worked by hand as runtime/fallback.py computes them.
 void test_fallback_decisions() {
   mtp::StepCosts costs;
@@ -723,6 +738,7 @@ int main(int argc, char** argv) {
   test_loop_cached_prefix();
   test_fallback_decisions();
   test_loop_fallback_and_observe();
+  test_token_id_check();
   if (failures) {
     std::fprintf(stderr, "%d check(s) failed\n", failures);
     return 1;
