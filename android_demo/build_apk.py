@@ -108,7 +108,7 @@ def find_tools() -> Tools:
         aapt=shutil.which("aapt"),
         zipalign=shutil.which("zipalign"),
         apksigner=shutil.which("apksigner"),
-        dx=shutil.which("dalvik-exchange") or shutil.which("dx"),
+        dx=shutil.which("dalvik-exchange"),  # Debian names dx so
         javac=shutil.which("javac"),
         keytool=shutil.which("keytool"),
         java=shutil.which("java"),
