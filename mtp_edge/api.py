@@ -351,6 +351,7 @@ class Model:
             elif stream.thread == threading.get_ident():
                 stream.close()
             else:
+                del stream  # waiting must not keep it alive: dropped, it closes itself
                 self._stream_ends.wait()
 
     @staticmethod

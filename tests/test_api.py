@@ -9,15 +9,29 @@ early leaves the model as good as new.
 from __future__ import annotations
 
 import json
+import threading
+from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from tiny import hf_reference, save_hf_dir, save_random_heads
 
 import mtp_edge
-from mtp_edge.api import Model, StreamText, held_back, shared_prefix
+from mtp_edge import api
+from mtp_edge.api import (
+    LoadOptions,
+    Model,
+    StreamText,
+    check_sampling,
+    held_back,
+    load_options,
+    shared_prefix,
+)
 from mtp_edge.errors import UserError
+from mtp_edge.limits import LIMITS, SAMPLING
 
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
@@ -292,17 +306,188 @@ def test_bad_conversations_are_user_errors(model_dir, messages, fragment):
 
 def test_bad_settings_are_user_errors(model_dir):
     llm = load(model_dir, "none")
-    for settings, fragment in [
+    for bad, fragment in [
         ({"stop": [""]}, "stop string"),
         ({"temperature": -1}, "temperature"),
-        ({"max_new_tokens": 0}, "max-new-tokens"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
     ]:
         with pytest.raises(UserError, match=fragment):
-            llm.generate("the cat", **settings)
+            llm.generate("the cat", **bad)
     with pytest.raises(UserError, match="token ids"):
         llm.generate([1, 10_000])
     with pytest.raises(TypeError, match="unknown options"):
         mtp_edge.load(model_dir, temperature=0.5)
+
+
+# Values of the wrong type or out of range for every numeric setting; None where it is not
+# "the default". Each must be refused with one line naming the setting, before anything loads.
+BAD_VALUES = st.one_of(
+    st.text(max_size=3),
+    st.binary(max_size=3),
+    st.booleans(),
+    st.lists(st.integers(), max_size=2),
+    st.sampled_from([float("nan"), float("inf"), -float("inf"), 1e400, -1, 2.5, 2**64]),
+    st.integers(),
+    st.floats(),
+)
+
+
+def one_line_user_error(call, name: str) -> str:
+    with pytest.raises(UserError) as caught:
+        call()
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith(name), message
+    return message
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(name=st.sampled_from(sorted(LIMITS.keys() - set(SAMPLING))), value=BAD_VALUES)
+def test_load_checks_every_option_before_loading(name, value, monkeypatch):
+    """Whatever `load()` gets, it is a range of mtp_edge/limits.py (the CLI's too) or refused at
+    once: assembling (loading) is never reached with a value out of it."""
+    monkeypatch.setattr(api, "assemble", lambda options: pytest.fail(f"loaded with {options}"))
+    if LIMITS[name].convert(value) is not None:
+        return  # a valid value (hypothesis found one in range)
+    one_line_user_error(lambda: mtp_edge.load(bundle="b", **{name: value}), name)
+
+
+@pytest.mark.parametrize(
+    "options, fragment",
+    [
+        ({"k": "4"}, "k must be an integer in 1..15"),
+        ({"k": 0}, "k must be an integer in 1..15"),
+        ({"k": 200}, "k must be an integer in 1..15"),
+        ({"threads": -1}, "threads must be an integer >= 0"),
+        ({"max_seq_len": 1}, "max_seq_len must be an integer >= 2"),
+        ({"draft_confidence": 1.0}, "draft_confidence must be a finite number in [0, 1)"),
+        ({"drafter": 3}, "drafter must be str"),
+        ({"heads": 3}, "heads must be a path"),
+        ({"chat": "yes"}, "chat must be bool"),
+        ({"fallback": 1}, "fallback must be bool or None"),
+        ({"ngram_sizes": "x"}, "ngram_sizes takes 'MIN-MAX'"),
+    ],
+)
+def test_load_names_the_bad_option(options, fragment, monkeypatch):
+    monkeypatch.setattr(api, "assemble", lambda options: pytest.fail(f"loaded with {options}"))
+    assert fragment in one_line_user_error(lambda: mtp_edge.load(bundle="b", **options), "")
+    with pytest.raises(UserError, match="model must be a path"):
+        mtp_edge.load(3)
+
+
+def test_the_limits_keep_good_values():
+    """The other side of the property: values in range pass, converted to their kind."""
+    good = {"k": [1, 15], "threads": [0, 4], "max_seq_len": [2, 4096],
+            "draft_confidence": [0, 0.5, 0.99]}  # fmt: skip
+    for name, values in good.items():
+        for value in values:
+            assert LIMITS[name].convert(value) == value
+    assert load_options("default", None, {"k": None, "draft_confidence": None}).k is None
+    options = {"k": 3, "threads": 2, "heads": Path("h"), "ngram_sizes": "2-3", "fallback": None}
+    assert load_options("m.gguf", Path("b"), options) == LoadOptions(
+        model="m.gguf", bundle="b", k=3, threads=2, heads="h", ngram_sizes="2-3", fallback=None
+    )
+    assert check_sampling(max_new_tokens=5, temperature=1, top_p=0.5, seed=2**64 - 1, stop="x") == {
+        "max_new_tokens": 5, "temperature": 1.0, "top_k": 0, "top_p": 0.5, "seed": 2**64 - 1,
+        "stop": ("x",),
+    }  # fmt: skip
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(name=st.sampled_from(SAMPLING + ("stop",)), value=BAD_VALUES)
+def test_sampling_settings_are_checked_before_any_work(model_dir, name, value):
+    """A call with a bad setting is refused in one line naming it, and the model is untouched:
+    nothing prefilled, no stream opened, the cache as it was."""
+    llm = sampling_model(model_dir)
+    before = llm.cached_tokens
+    if name == "stop":
+        if isinstance(value, str) and value or isinstance(value, list) and not value:
+            return  # a text, or no stop strings: valid
+    elif LIMITS[name].convert(value) is not None:
+        return
+    for call in (llm.generate, llm.stream):
+        one_line_user_error(lambda call=call: call("the cat", **{name: value}), name)
+    one_line_user_error(lambda: llm.chat(TURN1, **{name: value}), name)
+    assert llm.cached_tokens == before and llm._open is None
+
+
+_SAMPLING_MODEL = {}
+
+
+def sampling_model(model_dir) -> Model:
+    """One model for every example of the property above (loading takes a while)."""
+    if "llm" not in _SAMPLING_MODEL:
+        _SAMPLING_MODEL["llm"] = load(model_dir, "none")
+        _SAMPLING_MODEL["llm"].generate("the cat", max_new_tokens=2)
+    return _SAMPLING_MODEL["llm"]
+
+
+def test_a_prompt_of_bytes_or_of_no_kind_is_refused(model_dir):
+    llm = sampling_model(model_dir)
+    for prompt in (b"hi", bytearray(b"hi"), memoryview(b"hi")):
+        with pytest.raises(UserError, match="the prompt is bytes: give text"):
+            llm.generate(prompt)
+    for prompt in (None, 5, ["a"], [1.5]):
+        with pytest.raises(UserError, match="token ids"):
+            llm.generate(prompt)
+
+
+def test_two_threads_on_one_model_take_turns(model_dir):
+    """Calls from four threads wait for each other (a stream until its last chunk): every
+    answer is the one a single thread gets, and no call breaks into another."""
+    llm = load(model_dir, "ngram")
+    prompts = ["the cat sat on", "a dog ran", "the sun is", "in the house"]
+    expected = {p: llm.generate(p, max_new_tokens=NEW).token_ids for p in prompts}
+    errors, answers = [], []
+    start = threading.Barrier(4)
+
+    def calls(mine: list[str], streaming: bool):
+        start.wait()
+        try:
+            for _ in range(3):
+                for p in mine:
+                    if streaming:  # other threads wait while it is read, chunk by chunk
+                        chunks = list(llm.stream(p, max_new_tokens=NEW))
+                        assert chunks[-1].finish_reason is not None
+                        answers.append((p, [t for c in chunks for t in c.token_ids]))
+                    else:
+                        answers.append((p, llm.generate(p, max_new_tokens=NEW).token_ids))
+        except BaseException as e:  # noqa: B036 (any error fails the test below)
+            errors.append(e)
+
+    threads = [
+        threading.Thread(target=calls, args=(prompts[i : i + 2], i == 2)) for i in (0, 2, 0, 2)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    assert not errors, errors
+    assert len(answers) == 24 and all(ids == expected[p] for p, ids in answers)
+    # A stream another thread leaves open holds the model until it is closed or dropped.
+    held = llm.stream(prompts[0], max_new_tokens=NEW)
+    next(held)
+    waiter = threading.Thread(
+        target=lambda: answers.append(llm.generate(prompts[1], max_new_tokens=NEW))
+    )
+    waiter.start()
+    waiter.join(2)
+    assert waiter.is_alive()  # waiting for the stream
+    del held
+    waiter.join(120)
+    assert answers[-1].token_ids == expected[prompts[1]]
+
+
+def test_close_and_with(model_dir):
+    with load(model_dir, "none") as llm:
+        answer = llm.generate("the cat", max_new_tokens=4)
+        stream = llm.stream("the cat", max_new_tokens=4)
+        next(stream)
+    assert llm.closed and answer.token_ids
+    assert list(stream) == []  # closing the model ended its stream
+    for call in (lambda: llm.generate("the cat"), lambda: llm.name, lambda: llm.stream([1])):
+        with pytest.raises(UserError, match="this model is closed"):
+            call()
+    llm.close()  # twice is fine
 
 
 def test_messages_render_with_the_template_and_specials_stay_text(model_dir, tmp_path):

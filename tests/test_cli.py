@@ -192,3 +192,56 @@ def test_console_script_has_no_traceback(tmp_path):
     )
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: ")
+
+
+@pytest.mark.parametrize(
+    "args, stdin, fragment",
+    [
+        (["--temperature", "nan", "-p", "hi"], None, "--temperature"),
+        (["--temp", "1e400", "-p", "hi"], None, "got inf"),
+        (["--seed", "-1", "-p", "hi"], None, "--seed"),
+        (["--k", "16", "-p", "hi"], None, "1..15"),
+        (["--draft-confidence", "1", "-p", "hi"], None, "--draft-confidence"),
+        (["-c", "1", "-p", "hi"], None, "--max-seq-len"),
+        (["-t", "-1", "-p", "hi"], None, "--threads"),
+        (["-p", "-"], b"\xff\xfehi", "not valid UTF-8"),
+        (["-p", "", "--no-chat-template"], None, "the prompt is empty"),
+        (["-p", "  "], None, "the prompt is empty"),
+        (["-p", "hi", "--system", "s", "--no-chat-template"], None, "--system"),
+    ],
+)
+def test_run_checks_every_argument_before_loading(args, stdin, fragment, monkeypatch):
+    """mtp-run refuses each of these in one line, exit 2, without loading (or importing torch's
+    backends for) the model: assembling it fails the test."""
+    import mtp_edge.runtime.assemble as assembly
+
+    monkeypatch.setattr(assembly, "assemble", lambda *a, **k: pytest.fail("loaded the model"))
+    result = CliRunner().invoke(run, ["--bundle", "b", *args], input=stdin)
+    assert result.exit_code == 2, result.output
+    assert_one_line_error(result, fragment)
+
+
+@pytest.mark.parametrize("command", ["chat", "serve"])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--temperature", "nan"], "--temperature"),
+        (["--seed", "-1"], "--seed"),
+        (["--top-p", "0"], "--top-p"),
+        (["--k", "0"], "1..15"),
+        (["--stop", ""], "--stop"),
+    ],
+)
+def test_chat_and_serve_check_arguments_before_loading(command, args, fragment, monkeypatch):
+    import importlib
+
+    import mtp_edge.api as api
+    import mtp_edge.runtime.assemble as assembly
+
+    for module in (assembly, api):
+        monkeypatch.setattr(module, "assemble", lambda *a, **k: pytest.fail("loaded the model"))
+    cli = getattr(importlib.import_module(f"mtp_edge.cli.{command}"), command)
+    port = ["--port", "0"] if command == "serve" else []
+    result = CliRunner().invoke(cli, ["--bundle", "b", *port, *args])
+    assert result.exit_code == 2, result.output
+    assert_one_line_error(result, fragment)

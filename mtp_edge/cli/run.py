@@ -17,19 +17,38 @@ from mtp_edge.cli.common import (
 )
 from mtp_edge.errors import UserError
 from mtp_edge.files import check_output
+from mtp_edge.tokenizer import _check_utf8 as check_utf8
 
 
 def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
     if (prompt is None) == (prompt_file is None):
         raise UserError("give the prompt with -p TEXT (- reads stdin) or -f FILE, one of them")
     if prompt == "-":
-        return sys.stdin.read()
+        data = sys.stdin.buffer.read()
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(
+                f"the prompt on stdin is not valid UTF-8 text (byte 0x{data[e.start]:02x} at "
+                f"offset {e.start}): give it as UTF-8 (check the encoding of its source)"
+            ) from None
     if prompt_file is not None:
         try:
             return Path(prompt_file).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise UserError(f"--file {prompt_file}: cannot read it ({e})") from None
     return prompt
+
+
+def check_prompt(prompt: str, system: str | None, chat: bool) -> None:
+    """What can be known of the prompt before the model loads: UTF-8 text, and not empty."""
+    check_utf8(prompt, "the prompt")
+    if system is not None:
+        check_utf8(system, "--system")
+        if not chat:
+            raise UserError("--system goes into the chat template: drop --no-chat-template")
+    if (not prompt.strip()) if chat else prompt == "":
+        raise UserError("the prompt is empty: give some text (-p TEXT, -p - or -f FILE)")
 
 
 @click.command(cls=OneLineErrors)
@@ -69,13 +88,15 @@ def run(
     **opts,
 ):
     """Generate text with speculative decoding."""
+    check_output(json_out, "--json")
+    prompt = read_prompt(prompt, prompt_file)
+    check_prompt(prompt, system, chat=not opts["no_chat_template"])
+    for stop in stop_strings:
+        check_utf8(stop, "--stop")
+    # Every check above comes before the imports (torch, the backends) and the load.
     from mtp_edge.api import Model
     from mtp_edge.runtime.assemble import assemble
 
-    check_output(json_out, "--json")
-    prompt = read_prompt(prompt, prompt_file)
-    if system is not None and opts["no_chat_template"]:
-        raise UserError("--system goes into the chat template: drop --no-chat-template")
     model = Model(assemble(load_options(opts)))
     sampling = dict(
         max_new_tokens=max_new_tokens,
