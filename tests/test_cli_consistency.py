@@ -463,3 +463,70 @@ def test_core_ml_conversion_shows_errors_and_hides_its_bars():
     assert out.getvalue() == (
         "x.py:3: RuntimeWarning\nValueError: op 'gather' is not supported\nlast words\n"
     )
+
+
+# Every command flag backed by one of mtp_edge/limits.py's ranges, by the setting it sets.
+RANGED_FLAGS = {
+    "k": "--k",
+    "max_new_tokens": "--max-new-tokens",
+    "temperature": "--temperature",
+    "top_k": "--top-k",
+    "top_p": "--top-p",
+    "seed": "--seed",
+    "threads": "--threads",
+    "max_seq_len": "--max-seq-len",
+    "draft_confidence": "--draft-confidence",
+}
+
+
+def test_the_flags_use_the_shared_ranges():
+    """run, chat and serve read each ranged flag with the one table the API and the server use."""
+    import click
+
+    from mtp_edge.cli.chat import chat
+    from mtp_edge.cli.common import InRange
+    from mtp_edge.cli.serve import serve
+    from mtp_edge.limits import LIMITS
+
+    assert set(RANGED_FLAGS) == set(LIMITS)
+    for command in (run, chat, serve):
+        options = {o: p for p in command.params for o in p.opts}
+        for setting, flag in RANGED_FLAGS.items():
+            assert isinstance(options[flag].type, InRange), (command.name, flag)
+            assert options[flag].type.limit is LIMITS[setting]
+            assert not isinstance(options[flag].type, click.IntRange | click.FloatRange)
+
+
+def test_a_flag_and_the_api_accept_the_same_values():
+    """Property: for any text a user may type, the flag accepts it exactly when the API accepts
+    the number it spells (NaN, inf, out of range and wrong kinds refused by both)."""
+    import click
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from mtp_edge.cli.common import InRange
+    from mtp_edge.limits import LIMITS
+
+    numbers = st.one_of(
+        st.integers(-(2**65), 2**65),
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.sampled_from([0, 1, 15, 16, 2**64 - 1, 2**64, -1, 0.5, 1.0, 1e400]),
+    )
+
+    @settings(max_examples=300, deadline=None)
+    @given(setting=st.sampled_from(sorted(LIMITS)), number=numbers)
+    def agree(setting, number):
+        limit = LIMITS[setting]
+        try:
+            flag = InRange(setting).convert(str(number), None, None)
+        except click.BadParameter:
+            flag = None
+        # the API takes the number itself; text that is not an int is refused for an int
+        api = limit.convert(number)
+        if limit.kind is int and isinstance(number, float):
+            api = None  # "2.0" is not an integer to type
+        assert (flag is None) == (api is None), (setting, number, flag, api)
+        if flag is not None:
+            assert flag == api
+
+    agree()
