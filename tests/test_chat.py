@@ -89,30 +89,30 @@ def model_dir(tmp_path_factory):
 
 
 def test_two_turns_stats_reset_and_ctrl_d(model_dir):
-    """Lines typed ahead wait in the terminal, as when a person types during an answer.
-    (Answers go to stdout, the rest to stderr, which may arrive later: the checks never depend
-    on their order.)"""
+    """Lines typed ahead wait in the terminal, as when a person types during an answer. Every
+    reply is on the screen before the next prompt ("> ") is drawn, never after it."""
     terminal = Terminal("--model", str(model_dir), "-n", "6", "--system", "be brief")
     try:
-        terminal.expect(r"mtp-chat: .*drafter ngram.*/help")
+        terminal.expect(r"mtp-chat: .*drafter ngram.*/help for commands\n> ")
         terminal.type("/stats\n")
-        terminal.expect(r"no answer yet")
+        terminal.expect(r"no answer yet\n> ")
         terminal.type("the cat sat\n/stats\n")
-        first = terminal.expect(STATS)
+        first = terminal.expect(STATS.pattern + r"\n> ")
         assert int(first[2]) == 0 and int(first[3]) == int(first[1])
         terminal.type("and then\n/stats\n")
         second = terminal.expect(STATS)
         # The second turn reused at least the whole first prompt: it prefilled only the rest.
         assert int(second[2]) >= int(first[1])
         assert int(second[3]) == int(second[1]) - int(second[2])
-        terminal.type("/reset\n")
-        terminal.expect(r"new conversation")
+        for _ in range(3):  # the order never depends on timing
+            terminal.type("/reset\n")
+            terminal.expect(r"new conversation\n> ")
         terminal.type("and then\n/stats\n")
-        assert int(terminal.expect(STATS)[2]) == 0
+        assert int(terminal.expect(STATS.pattern + r"\n> ")[2]) == 0
         terminal.type("/nonsense\n")
-        terminal.expect(r"unknown command /nonsense")
+        terminal.expect(r"unknown command /nonsense; /help lists them\n> ")
         terminal.type("/help\n")
-        terminal.expect(r"/reset.*\n.*/stats")
+        terminal.expect(r"/reset.*\n.*/stats.*\n.*\n.*Ctrl-C stops an answer\n> ")
         terminal.leave_with_ctrl_d()
     finally:
         code = terminal.close()
@@ -133,9 +133,8 @@ def test_ctrl_c_stops_the_answer_not_the_program(model_dir):
         terminal.type("/stats\n")
         stats = terminal.expect(r"\[interrupted\] " + STATS.pattern)
         assert int(stats[2]) == 0
-        # At the prompt: a hint, not an exit. The stats line may arrive before the prompt is
-        # up (stderr passes through a filter process); a Ctrl-C before it asks for nothing, so
-        # press again as a person would.
+        # At the prompt: a hint, not an exit. A Ctrl-C that lands after the stats line but
+        # before input() waits for the line asks for nothing, so press again as a person would.
         for _ in range(20):
             terminal.process.send_signal(signal.SIGINT)
             try:

@@ -2,6 +2,10 @@
 
 Each answer streams as it is verified. Ctrl-C stops the answer, not the program: what was shown
 of it stays in the conversation (the cache holds it, so the next turn goes on from there).
+
+Everything the conversation shows (answers, replies to commands, notes such as "[stopped]") goes
+to stdout, written and flushed before the next "> " prompt is drawn; stderr, which passes through
+the noise filter's process and so may arrive late, carries only errors.
 """
 
 from __future__ import annotations
@@ -10,8 +14,10 @@ import signal
 
 import click
 
-from mtp_edge.cli.common import OneLineErrors, drafter_options, load_options, sampling_options, say
+from mtp_edge import logs
+from mtp_edge.cli.common import OneLineErrors, drafter_options, load_options, sampling_options
 from mtp_edge.errors import UserError
+from mtp_edge.tokenizer import _check_utf8 as check_utf8
 
 HELP = """commands:
   /reset   start a new conversation (the system prompt stays)
@@ -26,14 +32,16 @@ HELP = """commands:
 @click.option("--system", default=None, help="System prompt that opens the conversation.")
 def chat(system, max_new_tokens, temperature, top_k, top_p, seed, stop_strings, **opts):
     """Chat with a model or bundle in the terminal (multi-turn, streaming, KV cache reused)."""
+    if opts["no_chat_template"]:
+        raise UserError("mtp-chat renders the conversation with the chat template: drop "
+                        "--no-chat-template (mtp-run takes raw text)")  # fmt: skip
+    for text, what in [(system or "", "--system"), *((s, "--stop") for s in stop_strings)]:
+        check_utf8(text, what)
+    # Every check of the flags comes before the imports (torch, the backends) and the load.
     from mtp_edge.api import Model
     from mtp_edge.runtime.assemble import assemble
 
-    options = load_options(opts)
-    if not options.chat:
-        raise UserError("mtp-chat renders the conversation with the chat template: drop "
-                        "--no-chat-template (mtp-run takes raw text)")  # fmt: skip
-    llm = Model(assemble(options))
+    llm = Model(assemble(load_options(opts)))
     if llm.tokenizer.chat_template is None:
         raise UserError(
             f"{llm.name} has no chat template, so it cannot hold a conversation: use a chat "
@@ -46,7 +54,8 @@ def chat(system, max_new_tokens, temperature, top_k, top_p, seed, stop_strings, 
     _line_editing()
     drafter = llm.generator.drafter
     drafting = f"drafter {drafter.name}, k={llm.generator.config.k}" if drafter else "no drafter"
-    say(f"mtp-chat: {llm.name} ({drafting}, context {llm.max_seq_len}); /help for commands")
+    if not logs.is_quiet():
+        show(f"mtp-chat: {llm.name} ({drafting}, context {llm.max_seq_len}); /help for commands")
 
     interrupts = Interrupts()
     signal.signal(signal.SIGINT, interrupts)
@@ -56,11 +65,11 @@ def chat(system, max_new_tokens, temperature, top_k, top_p, seed, stop_strings, 
             interrupts.at_prompt = True
             line = input("> ")
         except EOFError:  # Ctrl-D
-            click.echo("")
+            show("")
             return
         except KeyboardInterrupt:
-            click.echo("")
-            say("(Ctrl-D or /exit quits)")
+            show("")
+            show("(Ctrl-D or /exit quits)")
             continue
         finally:
             interrupts.at_prompt = False
@@ -107,24 +116,24 @@ class Conversation:
             if command == "/reset":
                 self.messages = list(self.opening)
                 self.llm.reset()
-                say("new conversation")
+                show("new conversation")
             elif command == "/stats":
-                say(_stats_line(self.last) if self.last else "no answer yet")
+                show(_stats_line(self.last) if self.last else "no answer yet")
             elif command == "/help":
-                say(HELP)
+                show(HELP)
             else:
-                say(f"unknown command {command}; /help lists them")
+                show(f"unknown command {command}; /help lists them")
             return False
         turn = [*self.messages, {"role": "user", "content": line}]
         try:
             answer = _answer(self.llm, turn, self.sampling, self.interrupts)
         except ContextFull as e:
-            say(f"{e}\n(type /reset to start a new conversation)")
+            show(f"{e}\n(type /reset to start a new conversation)")
             return False
         self.messages = [*turn, {"role": "assistant", "content": answer["text"]}]
         self.last = answer
         if answer["finish_reason"] == "context_full":
-            say("[the context is full: /reset starts a new conversation]")
+            show("[the context is full: /reset starts a new conversation]")
         return False
 
 
@@ -140,15 +149,22 @@ def _answer(llm, messages: list[dict], sampling: dict, interrupts: Interrupts) -
                 break
     finally:
         stream.close()
-    click.echo("")
+    show("")
     if chunk is None or chunk.finish_reason is None:
-        say("[stopped]")
+        show("[stopped]")
         reason, stats = "interrupted", None
     else:
         reason, stats = chunk.finish_reason, chunk.stats
     prompt, cached = (chunk.prompt_tokens, chunk.cached_tokens) if chunk else (0, 0)
     return {"text": "".join(shown), "finish_reason": reason, "stats": stats,
             "prompt_tokens": prompt, "cached_tokens": cached}  # fmt: skip
+
+
+def show(text: str) -> None:
+    """A line of the conversation, on stdout, flushed: it is on the screen before the next
+    prompt is drawn (stderr would pass through the noise filter's process, and could come
+    after it)."""
+    click.echo(text)  # click flushes stdout after each echo
 
 
 def _stats_line(last: dict) -> str:
