@@ -10,8 +10,10 @@ answers during a generation. A client that goes away stops its generation at the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import signal
 import threading
 import time
 import uuid
@@ -27,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
 from mtp_edge.errors import Fault, UserError
+from mtp_edge.limits import check, check_stop
 
 log = logging.getLogger("mtp_edge.server")
 
@@ -110,31 +113,43 @@ class _Strict(BaseModel):
 
 
 class _Sampling(_Strict):
+    """The sampling fields: their types checked by pydantic, their ranges by `settings` with
+    mtp_edge/limits.py (the commands' and the Python API's ranges), naming the field."""
+
     model: str | None = None  # accepted: the server has one model
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)  # an extension, as llama.cpp's and vLLM's
-    seed: int | None = Field(None, ge=0, lt=2**63)
-    stop: Any = None  # a text or a list of texts; checked in `settings`
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # an extension, as llama.cpp's and vLLM's
+    seed: int | None = None
+    stop: Any = None  # a text or a list of texts
     stream: bool = False
     stream_options: dict | None = None
 
     def settings(self, defaults: Defaults) -> dict:
-        """The keyword arguments of the model's generate/stream calls."""
-        stop = defaults.stop if self.stop is None else self.stop
-        stop = (stop,) if isinstance(stop, str) else stop
-        if not isinstance(stop, list | tuple) or not all(isinstance(s, str) for s in stop):
-            raise ApiError(400, "stop must be a text or a list of texts", "stop")
-        if any(s == "" for s in stop):
-            raise ApiError(400, "stop texts must be non-empty (an empty one matches at once)")
+        """The keyword arguments of the model's generate/stream calls, every field checked."""
+
+        def field(name: str, setting: str, default):
+            value = getattr(self, name)
+            if value is None:
+                return default
+            try:
+                return check(setting, value, name)
+            except UserError as e:
+                raise ApiError(400, str(e), name) from None
+
+        try:
+            stop = defaults.stop if self.stop is None else check_stop(self.stop)
+        except UserError as e:
+            raise ApiError(400, str(e), "stop") from None
+        max_tokens = field("max_tokens", "max_new_tokens", defaults.max_tokens)
         return dict(
-            max_new_tokens=self.max_completion_tokens or self.max_tokens or defaults.max_tokens,
-            temperature=defaults.temperature if self.temperature is None else self.temperature,
-            top_k=defaults.top_k if self.top_k is None else self.top_k,
-            top_p=defaults.top_p if self.top_p is None else self.top_p,
-            seed=defaults.seed if self.seed is None else self.seed,
+            max_new_tokens=field("max_completion_tokens", "max_new_tokens", max_tokens),
+            temperature=field("temperature", "temperature", defaults.temperature),
+            top_k=field("top_k", "top_k", defaults.top_k),
+            top_p=field("top_p", "top_p", defaults.top_p),
+            seed=field("seed", "seed", defaults.seed),
             stop=tuple(stop),
         )
 
@@ -516,7 +531,11 @@ async def _events(generation: _Generation, first, reply: _Reply):
 
 class Server(uvicorn.Server):
     """uvicorn's server for `app`, which says when it accepts requests, and ends generations as
-    soon as it starts shutting down (not after its grace period)."""
+    soon as it starts shutting down (not after its grace period). SIGINT, SIGTERM and SIGHUP
+    each start a clean shutdown; `stopped_by` then says which came first, for the command to
+    exit with 128 + its number (uvicorn would raise it again, and a handler turn it into 0)."""
+
+    STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
     def __init__(self, app: FastAPI, on_ready: Callable[[], None]):
         config = uvicorn.Config(
@@ -524,6 +543,24 @@ class Server(uvicorn.Server):
         )
         super().__init__(config)
         self.queue, self.on_ready = app.state.queue, on_ready
+        self.stopped_by: int | None = None
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in self.STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self.stopped_by is None:
+            self.stopped_by = sig
+        super().handle_exit(sig, frame)
 
     async def startup(self, sockets=None):
         await super().startup(sockets)

@@ -5,6 +5,7 @@ generation, bad requests get OpenAI's error body, and a burst past the queue get
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -86,9 +87,33 @@ def server(model_dir, tmp_path_factory):
     finally:
         process.send_signal(signal.SIGTERM)
         code = process.wait(60)
-    # SIGTERM is the ordinary way to stop a server: a clean stop, exit 0
-    assert code == 0 and "stopped" in log.read_text(), log.read_text()
+    # SIGTERM, the ordinary way to stop a server: a clean stop, then 128 + 15 as the README says
+    assert code == 143 and "stopped by SIGTERM" in log.read_text(), (code, log.read_text())
     assert "Traceback" not in log.read_text()
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGHUP, 129)])
+def test_ctrl_c_and_sighup_stop_cleanly_with_their_codes(model_dir, tmp_path, signum, code):
+    """Ctrl-C (SIGINT, as a terminal sends it to the process group) and SIGHUP stop mtp-serve
+    as SIGTERM does: a request running at the time is ended, then exit 128 + the signal."""
+    log = tmp_path / "stderr.txt"
+    command = [shutil.which("mtp-serve"), "--model", str(model_dir), "--port", "0"]
+    with open(log, "w") as stderr:
+        process = subprocess.Popen(
+            command, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True
+        )
+    try:
+        url = started(log, process)
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60)
+        assert client.models.list().data
+        os.killpg(process.pid, signum)  # the whole group, as the terminal does
+        assert process.wait(60) == code, log.read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    name = signal.Signals(signum).name
+    assert f"stopped by {name}" in log.read_text() and "Traceback" not in log.read_text()
 
 
 def test_lists_its_one_model_and_answers_health(server, reference):
@@ -206,12 +231,46 @@ def error_of(response: httpx.Response) -> dict:
         ('{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}', "max_tokens"),
         ('{"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}', "temperature"),
         ('{"messages": [{"role": "user", "content": "hi"}], "stop": [""]}', "stop"),
+        ('{"messages": [{"role": "user", "content": "hi"}], "stop": 5}', "stop"),
         ('{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "x"}]}', "tools"),
     ],
 )
 def test_bad_requests_get_openai_errors(server, body, fragment):
     response = httpx.post(f"{server.url}/chat/completions", content=body, timeout=60)
     assert fragment in error_of(response)["message"]
+
+
+HI = '"messages": [{"role": "user", "content": "hi"}]'
+
+
+@pytest.mark.parametrize(
+    "field, value, fragment",
+    [
+        ("temperature", "1e400", "temperature must be a finite number >= 0 (0 = greedy), got inf"),
+        ("temperature", "NaN", "temperature must be a finite number >= 0 (0 = greedy), got nan"),
+        ("temperature", "-0.5", "temperature must be a finite number >= 0"),
+        ("temperature", '"hot"', "temperature: Input should be a valid number"),
+        ("top_p", "0", "top_p must be a finite number in (0, 1]"),
+        ("top_p", "Infinity", "top_p must be a finite number in (0, 1]"),
+        ("top_k", "-1", "top_k must be an integer >= 0"),
+        ("seed", "-1", "seed must be an integer in 0..18446744073709551615"),
+        ("seed", "18446744073709551616", "seed must be an integer in 0..18446744073709551615"),
+        ("max_tokens", "0", "max_tokens must be an integer >= 1"),
+        ("max_completion_tokens", "0", "max_completion_tokens must be an integer >= 1"),
+        ("stop", '[""]', "stop: a stop string must be non-empty"),
+        ("stop", "[1]", "stop must be a text or a list of texts"),
+    ],
+)
+def test_bad_fields_are_named_in_openais_error_shape(server, field, value, fragment):
+    """Each field is checked with the commands' ranges and named as the request names it (no
+    command-line flag), in `param` too."""
+    body = f'{{{HI}, "{field}": {value}}}'
+    for path in ("chat/completions", "completions"):
+        if path == "completions":
+            body = f'{{"prompt": "the cat", "{field}": {value}}}'
+        error = error_of(httpx.post(f"{server.url}/{path}", content=body, timeout=60))
+        assert error["param"] == field and fragment in error["message"], error
+        assert "--" not in error["message"]
 
 
 def test_unsupported_and_too_long_requests_are_refused(server):

@@ -6,12 +6,14 @@ from __future__ import annotations
 import dataclasses
 import errno
 import ipaddress
+import signal
 import socket
 
 import click
 
 from mtp_edge.cli.common import OneLineErrors, drafter_options, load_options, sampling_options, say
-from mtp_edge.errors import Terminated, UserError
+from mtp_edge.errors import UserError
+from mtp_edge.tokenizer import _check_utf8 as check_utf8
 
 
 @click.command(cls=OneLineErrors)
@@ -56,6 +58,8 @@ def serve(
     except ImportError as e:  # fastapi and uvicorn are an extra
         raise UserError(f"mtp-serve needs {e.name}: pip install 'mtp-edge[serve]'") from None
 
+    for stop in stop_strings:
+        check_utf8(stop, "--stop")
     listener = _listen(host, port)  # a taken port fails before the model loads
     try:
         from mtp_edge.api import load
@@ -73,13 +77,17 @@ def serve(
         address = listener.getsockname()
         url = f"http://{_url_host(address[0])}:{address[1]}/v1"
         ready = f"mtp-serve: {model_name or llm.name} at {url} (Ctrl-C stops)"
-        try:
-            Server(app, on_ready=lambda: say(ready)).run(sockets=[listener])
-        except (KeyboardInterrupt, Terminated):  # uvicorn shut down cleanly, then re-raised
-            pass
-        say("mtp-serve: stopped")
+        server = Server(app, on_ready=lambda: say(ready))
+        server.run(sockets=[listener])
     finally:
         listener.close()
+    # A signal stopped it, after a clean shutdown: exit as every command does, 128 + its number
+    # (130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP).
+    if server.stopped_by is None:
+        say("mtp-serve: stopped")
+        return
+    say(f"mtp-serve: stopped by {signal.Signals(server.stopped_by).name}")
+    raise click.exceptions.Exit(128 + server.stopped_by)
 
 
 def _listen(host: str, port: int) -> socket.socket:
