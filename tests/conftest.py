@@ -148,14 +148,10 @@ def ngram_bundle_8da4w(tmp_path_factory, tiny_dir_seed5) -> Path:
 
 @pytest.fixture
 def copy_bundle(tmp_path):
-    """bundle -> a fresh copy of it in this test's directory, to edit or break."""
+    """(bundle, name) -> a fresh copy of a shared bundle, tmp_path / name, to edit or break."""
 
-    def copy(bundle: Path) -> Path:
-        out = tmp_path / f"copy-{Path(bundle).name}"
-        n = 1
-        while out.exists():
-            n += 1
-            out = tmp_path / f"copy{n}-{Path(bundle).name}"
+    def copy(bundle: Path, name: str) -> Path:
+        out = tmp_path / name
         shutil.copytree(bundle, out)
         return out
 

@@ -47,11 +47,9 @@ def exported(model_dir, tmp_path_factory):
 
 
 @pytest.fixture
-def bundle(exported, tmp_path):
+def bundle(exported, copy_bundle):
     """A copy of the bundle to break."""
-    copy = tmp_path / "bundle"
-    shutil.copytree(exported, copy)
-    return copy
+    return copy_bundle(exported, "bundle")
 
 
 def edit_manifest(bundle: Path, edit) -> None:
