@@ -258,7 +258,8 @@ def test_mtp_run_refuses_a_huge_seed(ok_dir):
     from mtp_edge.cli import run
 
     args = ["--model", str(ok_dir), "--prompt", "hi", "--temperature", "0.7", "--seed", str(2**70)]
-    assert_one_line_exit_2(CliRunner().invoke(run, args), "--seed must be in 0..")
+    result = CliRunner().invoke(run, args)
+    assert_one_line_exit_2(result, "--seed': must be an integer in 0..18446744073709551615")
 
 
 # --- 3. a missing tokenizer file -------------------------------------------------------------
