@@ -49,7 +49,7 @@ def _distinct_linears(target: Transformer) -> list[tuple[torch.Tensor, int]]:
     return [(w, n) for w, n in counts.values()]
 
 
-def _best_seconds(f: Callable[[], object], repeats: int = 2) -> float:
+def _best_seconds(f: Callable[[], object], repeats: int = 3) -> float:
     f()  # warm-up (first-call allocations, kernel selection)
     best = float("inf")
     for _ in range(repeats):

@@ -70,24 +70,27 @@ def generated_sequences(
     # A resumed --minutes run whose writing had ended reads back exactly the text it wrote.
     frozen = budget.frozen_text if budget is not None else None
     timed = None if frozen else budget
+    # A deadline (--minutes) rather than the stages' clock alone: writing runs until it, not
+    # until token counts (with the clock alone, a count-less kind of text would never end).
+    deadline = timed is not None and not math.isinf(timed.total_s)
     automatic = options.self_prompt_tokens is None
     yours: list[Sequence] = []
     if options.requests:  # the user's requests first: what the heads will draft for
         yours, mine = _answers_to_yours(
-            loaded, options, target_hash, rank, world, progress, writer, timed, frozen
+            loaded, options, target_hash, rank, world, progress, writer, timed, frozen, deadline
         )
         if frozen:
             frozen = frozen[:2]
     if frozen:
         limits = list(frozen)
     elif options.requests:  # the rest of the text: templates (self-written requests if asked)
-        rest = None if timed else max(0, options.response_tokens() - mine)
+        rest = None if deadline else max(0, options.response_tokens() - mine)
         limits = [rest, 0 if automatic else options.self_prompt_tokens]
     elif automatic and loaded.tokenizer.chat_template is None:
         limits = [options.response_tokens(), 0]  # a model without chat turns: templates only
     elif automatic:
         templates = options.response_tokens()
-        limits = [templates, None if timed else round(templates * SELF_WRITTEN_PER_TEMPLATE)]
+        limits = [templates, None if deadline else round(templates * SELF_WRITTEN_PER_TEMPLATE)]
     else:
         limits = [options.response_tokens(), options.self_prompt_tokens]
     own: list[Sequence] = []
@@ -120,12 +123,14 @@ def generated_sequences(
     return sequences + own + yours
 
 
-def _answers_to_yours(loaded, options, target_hash, rank, world, progress, writer, timed, frozen):
+def _answers_to_yours(
+    loaded, options, target_hash, rank, world, progress, writer, timed, frozen, deadline
+):
     """The target's answers to the user's requests (--prompts): --prompts-share of the response
     tokens, or of the writing time under --minutes (or, resumed, what an earlier run wrote)."""
     if frozen:
         limit = frozen[2] if len(frozen) > 2 else 0
-    elif timed is not None:
+    elif deadline:
         limit = None
         timed.writing_share = options.prompts_share
     else:
@@ -170,14 +175,19 @@ def _responses(
     wanted = float("inf") if limit is None else limit
     bar = generation.writing_bar(limit, "writing responses", "tok", 0)
 
+    read = [0, 0]  # prompts of the batch prefilled, of how many (a batch starts with them)
+
     def shown(added: int) -> bool:
         """Tokens written by a decoding step: the bar only (no deadline to stop on)."""
+        if added == 0 and read[0] < read[1]:  # a prompt read: progress before the first token
+            read[0] += 1
+            bar.set_postfix_str(f"read {read[0]}/{read[1]} prompts of the batch")
         bar.update(added)
         return False
 
     def step(added: int) -> bool:
         """Tokens written by a decoding step (or a whole batch): the bar, the budget."""
-        bar.update(added)
+        shown(added)
         if budget is None:
             return False
         over = budget.wrote(added)
@@ -220,6 +230,7 @@ def _responses(
             # steps move the bar and the batch is counted when it is done.
             timed = budget is not None and budget.writing_until < math.inf
             prompt_ids, longest = [ids for _, ids in mine], options.gen_max_new
+            read[:] = [0, len(mine) if eager else 0]
             write = generation.generate_batch if eager else generation.generate_with_session
             outs = write(
                 writer, prompt_ids, longest, tokenizer.eos_ids, on_step=step if timed else shown
