@@ -1,8 +1,10 @@
 """mtp-train's writer and labeller on each eager path (fp32, int8) on this machine, next to the
 path the run's probe chooses: tokens/s of batched writing (--gen-batch rows, greedy) and of
-labelling (one teacher-forced sequence at a time), each measured for a bounded time.
+labelling (one teacher-forced sequence at a time), each on a fixed, small amount of
+work (a machine shared with other jobs: the paths' ratio is the result, not the rates).
 
-    python benchmarks/train_paths.py [-m MODEL] [--seconds 45] [--json OUT] [--markdown OUT]
+    python benchmarks/train_paths.py [-m MODEL] [--gen-batch 8] [--prompt-tokens 16] [--steps 4]
+        [--label-tokens 32] [--json OUT] [--markdown OUT]
 
 The goal it checks: the chosen path within 1.2x of the fastest one measured here.
 """
@@ -37,42 +39,36 @@ def cpu() -> str:
     )
 
 
-def writing_rate(model, prompts, seconds: float, max_new: int) -> float:
-    began, written = time.perf_counter(), [0]
-
-    def on_step(added: int) -> bool:  # prefills (added 0) finish: the rate counts them
-        written[0] += added
-        return added > 0 and time.perf_counter() - began > seconds
-
-    generate_batch(model, prompts, max_new, [], on_step=on_step)
-    return written[0] / (time.perf_counter() - began)
+def writing_rate(model, prompts, steps: int) -> float:
+    """Tokens/s of writing `prompts` together for `steps` tokens each, prefills included."""
+    began = time.perf_counter()
+    outs = generate_batch(model, prompts, steps, [])
+    return sum(map(len, outs)) / (time.perf_counter() - began)
 
 
-def labelling_rate(model, sequences, seconds: float) -> float:
+def labelling_rate(model, sequences) -> float:
     label_sequences(model, sequences[:1])  # sizes the cache
-    began, done = time.perf_counter(), 0
-    for s in sequences:
-        label_sequences(model, [s])
-        done += len(s.tokens)
-        if time.perf_counter() - began > seconds:
-            break
-    return done / (time.perf_counter() - began)
+    began = time.perf_counter()
+    label_sequences(model, sequences)
+    return sum(len(s.tokens) for s in sequences) / (time.perf_counter() - began)
 
 
 @click.command()
 @click.option("-m", "--model", default="default")
-@click.option("--seconds", default=45.0, help="Time per measurement.")
-@click.option("--gen-batch", default=32, help="Rows written together.")
+@click.option("--prompt-tokens", default=16, help="Tokens of each prompt written from.")
+@click.option("--steps", default=4, help="Tokens each row writes.")
+@click.option("--label-tokens", default=32, help="Tokens of the sequence labelled.")
+@click.option("--gen-batch", default=8, help="Rows written together.")
 @click.option("--json", "json_out", default=None)
 @click.option("--markdown", default=None)
-def main(model, seconds, gen_batch, json_out, markdown):
+def main(model, prompt_tokens, steps, label_tokens, gen_batch, json_out, markdown):
     loaded = load_model(model)
     target = loaded.model.requires_grad_(False)
     tok = loaded.tokenizer
     stream = kinded_prompts(777)
-    prompts = [tok.encode_prompt(next(stream)[1])[:48] for _ in range(gen_batch)]
-    text = [tok.encode(next(stream)[1])[:128] for _ in range(40)]
-    sequences = [Sequence(ids, 0) for ids in text if len(ids) >= 32]
+    prompts = [tok.encode_prompt(next(stream)[1])[:prompt_tokens] for _ in range(gen_batch)]
+    text = (tok.encode(next(stream)[1]) for _ in range(100))
+    sequences = [Sequence(next(ids for ids in text if len(ids) >= label_tokens)[:label_tokens], 0)]
     began = time.perf_counter()
     probe = {}
     for role, rows in (("writer", gen_batch), ("labeller", PROBE_LABEL_ROWS)):
@@ -85,8 +81,8 @@ def main(model, seconds, gen_batch, json_out, markdown):
     for path in ("fp32", "int8"):
         model_ = target if path == "fp32" else int8_writer(target)
         with torch.inference_mode():
-            write = writing_rate(model_, prompts, seconds, 64)
-            label = labelling_rate(model_, sequences, seconds)
+            write = writing_rate(model_, prompts, steps)
+            label = labelling_rate(model_, sequences)
         rates[path] = {"writer_tok_s": round(write, 2), "labeller_tok_s": round(label, 2)}
         print(path, rates[path], flush=True)
     result = {"model": loaded.name, "cpu": cpu(), "threads": torch.get_num_threads(),
