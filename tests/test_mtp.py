@@ -381,10 +381,12 @@ def test_self_written_requests(tiny_dir, monkeypatch):
 
     word = loaded.tokenizer.encode(" a")[-1]  # a token that starts a word
 
-    def ending(model, prompts, max_new, eos_ids, temperature=0.0, generator=None, ended=None):
+    def ending(
+        model, prompts, max_new, eos_ids, temperature=0.0, generator=None, ended=None, on_step=None
+    ):
         # Tiny random weights rarely say eos, nor start words: end each sampled turn after 8
         # tokens, every other one starting a word (the requests must have 4 words or more).
-        outs = real(model, prompts, 8, [], temperature, generator, None)
+        outs = real(model, prompts, 8, [], temperature, generator, None, on_step)
         if ended is not None:
             ended[:] = [temperature > 0] * len(outs)
             outs = [[word if i % 2 == 0 else t for i, t in enumerate(o)] for o in outs]
@@ -428,8 +430,11 @@ def test_self_written_requests_by_default(tiny_dir, monkeypatch):
     rounds = []
 
     def sampled(usable):
-        def generate(model, prompts, max_new, eos_ids, temperature=0.0, generator=None, ended=None):
-            outs = real(model, prompts, 8, [], temperature, generator, None)
+        def generate(
+            model, prompts, max_new, eos_ids, temperature=0.0, generator=None, ended=None,
+            on_step=None,
+        ):  # fmt: skip
+            outs = real(model, prompts, 8, [], temperature, generator, None, on_step)
             if ended is not None:  # a request: ends its turn with 4+ words only when usable
                 rounds.append(len(prompts))
                 ended[:] = [usable] * len(outs)
