@@ -1214,3 +1214,37 @@ def test_both_runtimes_take_the_same_drafter_names(runner, mtp_bundle):
         assert done.returncode == 2, done.stderr
         native_takes = "token id 99999999" in done.stderr
         assert native_takes == python_takes, (name, done.stderr)
+
+
+def test_runner_ranges_are_the_python_commands(runner, mtp_bundle):
+    """mtp-runner's flags take exactly the ranges of mtp_edge/limits.py (mtp-run's, the API's,
+    the server's): a bound is accepted (seen as the refusal of an id outside the vocabulary,
+    which the runner checks after the flags), one step past it refused naming the flag, both
+    before anything loads."""
+    from mtp_edge.limits import LIMITS
+
+    flags = {"k": "--k", "max_new_tokens": "--max-new-tokens", "temperature": "--temperature",
+             "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed", "threads": "--threads",
+             "draft_confidence": "--draft-confidence"}  # fmt: skip
+
+    def stderr(flag, value) -> str:
+        done = subprocess.run(
+            [str(runner), "--bundle", mtp_bundle, "--prompt-ids", "99999999", flag, str(value)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 2 and "[load]" not in done.stderr, (flag, value, done.stderr)
+        return done.stderr
+
+    for setting, flag in flags.items():
+        limit = LIMITS[setting]
+        step = 1 if limit.kind is int else 1e-9
+        for bound, is_low, is_open in [(limit.low, True, limit.low_open),
+                                       (limit.high, False, limit.high_open)]:  # fmt: skip
+            if bound is None:
+                continue
+            outside = bound if is_open else (bound - step if is_low else bound + step)
+            assert flag in stderr(flag, outside), (flag, outside)
+            if not is_open:
+                assert "token id 99999999" in stderr(flag, bound), (flag, bound)
