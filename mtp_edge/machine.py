@@ -147,30 +147,37 @@ def _probe_program(scheme: str) -> Path:
     path = Path(base) / "mtp-edge" / "probes" / version / f"linear_{scheme}_{PROBE_IN}.pte"
     if path.exists():
         return path
-    from mtp_edge.exporter.executorch import lower
-    from mtp_edge.quantize.schemes import QuantScheme, quantize_modules
+    # Lowered here with ExecuTorch's and torchao's own calls (this module is the ground the
+    # exporter stands on): the same XNNPACK partitioner and 8-bit dynamic-activation recipe as
+    # an 8da8w bundle's linears.
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
 
     torch.manual_seed(0)
     layer = nn.Sequential(nn.Linear(PROBE_IN, PROBE_OUT, bias=False)).eval()
     if scheme != "fp32":
-        quantize_modules(layer, QuantScheme(linear=scheme, group_size=0))
+        from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
+        from torchao.quantization.granularity import PerAxis
+
+        config = Int8DynamicActivationIntxWeightConfig(
+            weight_dtype=torch.int8, weight_granularity=PerAxis(0)
+        )
+        quantize_(layer, config)
     example = (torch.randn(1, 2, PROBE_IN),)
     dynamic = ({1: torch.export.Dim("T", min=1, max=PROBE_ROWS)},)
     with torch.no_grad():
         exported = torch.export.export(layer, example, dynamic_shapes=dynamic, strict=True)
-        buffer = lower(exported).buffer
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".partial")
-    partial.write_bytes(buffer)
-    partial.replace(path)
+        edge = to_edge_transform_and_lower(exported, partitioner=[XnnpackPartitioner()])
+        buffer = edge.to_executorch().buffer
+    from mtp_edge.files import write_atomic
+
+    write_atomic(path, buffer)  # a unique temporary name: two processes may probe at once
     return path
 
 
 def _xnnpack_gops(scheme: str, runs: int) -> float:
     import torch
     from executorch.runtime import Runtime
-
-    from mtp_edge.runtime.executorch_session import hand_cores_to_executorch
 
     hand_cores_to_executorch()
     method = Runtime.get().load_program(_probe_program(scheme)).load_method("forward")
@@ -220,3 +227,63 @@ def int8_bottleneck_note(verify_over_decode: float, path: Int8Path | None = None
         "where the weight read it shares with a step would keep it near 1.1 (benchmarks/"
         "README.md, \"CPUs without an int8 dot product\")."
     )
+
+
+# Who gets this machine's cores: the backends' pools, not torch's.
+_backend_threads: int | None = None
+
+
+def claim_cores() -> int:
+    """The thread count a backend's own pool (XNNPACK's, ONNX Runtime's) gets: torch's as the
+    process set it, read once per process; from then on torch keeps one thread, whose small ops
+    in the loop would otherwise wake an OpenMP team that spins on the backend's cores. Every
+    backend asks here, so a second backend in the same process (`mtp-bench --compare`) gets the
+    same count, not the single thread torch was left with."""
+    import torch
+
+    global _backend_threads
+    if _backend_threads is None:
+        _backend_threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+    return _backend_threads
+
+
+_executorch_threads: int | None = None
+
+
+def hand_cores_to_executorch() -> None:
+    """Give ExecuTorch's thread pool torch's thread count, and leave torch one thread.
+
+    Done once, before the first program loads: resizing the pool under a loaded program
+    crashes. Torch and MKL keep one thread because their threads compete with ExecuTorch's for
+    the same cores (measured with SmolLM2-135M on 2 cores):
+    - the loop's small torch ops (argmax and top-2 over the vocabulary) wake torch's OpenMP
+      team, whose threads then spin a while and take the cores from ExecuTorch's pool: plain
+      decoding fell from ~140 to ~42 tokens/s;
+    - ExecuTorch's SDPA kernel calls the BLAS `sgemm_`, which in a process that has loaded
+      torch is torch's MKL; MKL then starts an OpenMP team inside each of ExecuTorch's pool
+      threads, and a 5-token verify took 24 ms instead of 5. `torch.set_num_threads` limits
+      MKL only on the calling thread, so MKL's process-wide count is set as well.
+    """
+    import ctypes
+
+    import torch
+    from executorch.extension.pybindings import portable_lib
+
+    global _executorch_threads
+    if _executorch_threads is not None:
+        return
+
+    _executorch_threads = claim_cores()
+    if portable_lib._threadpool_get_thread_count() != _executorch_threads:
+        portable_lib._unsafe_reset_threadpool(_executorch_threads)
+    try:
+        mkl = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+        mkl.mkl_serv_set_num_threads(1)
+    except (OSError, AttributeError):
+        pass  # a torch without MKL (macOS, Arm): no BLAS threads to limit
+
+
+def executorch_threads() -> int | None:
+    """The thread count ExecuTorch's pool was given in this process (None before any)."""
+    return _executorch_threads

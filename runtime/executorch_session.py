@@ -7,13 +7,13 @@ exactly like the eager session. Slots left by rejected drafts are overwritten by
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 
 import torch
 
 from mtp_edge.errors import UserError
-from mtp_edge.runtime.session import Output, check_token_ids, claim_cores
+from mtp_edge.machine import executorch_threads, hand_cores_to_executorch  # noqa: F401 (the row's threads hook)
+from mtp_edge.runtime.session import Output, check_token_ids
 
 # Calls of up to this many tokens go row-exact through `verify` when the program has it: the
 # loop's verifications (k + 1 <= 16 tokens). Longer calls are prefill chunks and take `forward`.
@@ -191,41 +191,6 @@ class ExecuTorchStep:
         return logits.clone(), g.clone()
 
 
-_executorch_threads: int | None = None
-
-
-def hand_cores_to_executorch() -> None:
-    """Give ExecuTorch's thread pool torch's thread count, and leave torch one thread.
-
-    Done once, before the first program loads: resizing the pool under a loaded program
-    crashes. Torch and MKL keep one thread because their threads compete with ExecuTorch's for
-    the same cores (measured with SmolLM2-135M on 2 cores):
-    - the loop's small torch ops (argmax and top-2 over the vocabulary) wake torch's OpenMP
-      team, whose threads then spin a while and take the cores from ExecuTorch's pool: plain
-      decoding fell from ~140 to ~42 tokens/s;
-    - ExecuTorch's SDPA kernel calls the BLAS `sgemm_`, which in a process that has loaded
-      torch is torch's MKL; MKL then starts an OpenMP team inside each of ExecuTorch's pool
-      threads, and a 5-token verify took 24 ms instead of 5. `torch.set_num_threads` limits
-      MKL only on the calling thread, so MKL's process-wide count is set as well.
-    """
-    global _executorch_threads
-    if _executorch_threads is not None:
-        return
-    from executorch.extension.pybindings import portable_lib
-
-    _executorch_threads = claim_cores()
-    if portable_lib._threadpool_get_thread_count() != _executorch_threads:
-        portable_lib._unsafe_reset_threadpool(_executorch_threads)
-    try:
-        mkl = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
-        mkl.mkl_serv_set_num_threads(1)
-    except (OSError, AttributeError):
-        pass  # a torch without MKL (macOS, Arm): no BLAS threads to limit
-
-
-def executorch_threads() -> int | None:
-    """The thread count ExecuTorch's pool was given in this process (None before any)."""
-    return _executorch_threads
 
 
 # The backend's entry points (runtime/backends.py): `bundle` is an opened bundle

@@ -16,8 +16,9 @@ import numpy as np
 import torch
 
 from mtp_edge.errors import UserError
+from mtp_edge.machine import claim_cores
 from mtp_edge.runtime.backends import refuse_self_heads
-from mtp_edge.runtime.session import Output, check_token_ids, claim_cores
+from mtp_edge.runtime.session import Output, check_token_ids
 
 _ORT_DTYPES = {"tensor(float)": "float32", "tensor(int64)": "int64", "tensor(float16)": "float16"}
 

@@ -16,21 +16,6 @@ import torch
 from mtp_edge.errors import UserError
 from mtp_edge.model import Transformer
 
-_backend_threads: int | None = None
-
-
-def claim_cores() -> int:
-    """The thread count a backend's own pool (XNNPACK's, ONNX Runtime's) gets: torch's as the
-    process set it, read once per process; from then on torch keeps one thread, whose small ops
-    in the loop would otherwise wake an OpenMP team that spins on the backend's cores. Every
-    backend asks here, so a second backend in the same process (`mtp-bench --compare`) gets the
-    same count, not the single thread torch was left with."""
-    global _backend_threads
-    if _backend_threads is None:
-        _backend_threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-    return _backend_threads
-
 
 @dataclass(frozen=True)
 class Output:
