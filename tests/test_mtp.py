@@ -652,14 +652,17 @@ def test_training_with_a_bundle(tiny_dir, fp32_bundle):
     assert json.loads(out.with_suffix(".json").read_text())["recipe"]["bundle"] == "bundle"
 
 
-def test_who_labels_the_text(tiny_dir):
-    """--labeller: int8 by default (the labels are the int8 target's own hidden states and
-    choices), fp32 on request; the labels kept next to --out are keyed by who made them, so a
-    run with another labeller labels again instead of reading the other's."""
+def test_who_labels_the_text(tiny_dir, monkeypatch):
+    """--labeller: by default int8 where this machine multiplies int8 fast (measured; here a
+    machine with fast int8 is given), fp32 on request; the labels kept next to --out are keyed
+    by who made them, so a run with another labeller labels again instead of reading the other's."""
     from safetensors.torch import load_file
 
     from mtp_edge import train
+    from mtp_edge.train import engines
     from mtp_edge.train.options import artifact_paths
+
+    monkeypatch.setattr(engines, "probe_paths", lambda target, rows: {"int8": 1.0, "fp32": 4.0})
 
     out = tiny_dir / "labellers" / "heads.safetensors"
     stored = artifact_paths(out)["labels"].with_name("heads.labels.train0.safetensors")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -92,12 +92,14 @@ class TrainOptions:
     # learn the exported (quantized) target's states and choices — what they will be run on.
     bundle: str | None = None
     device: str = "cpu"  # where training runs ("cuda": the head, its batches and the labels)
+    # read from `prompts` when the run starts (prompts.py); a field, so that options rebuilt
+    # from their fields (torchrun's processes) keep them
+    requests: list = field(default_factory=list, repr=False)
 
     def __post_init__(self):
         self.data = tuple(self.data)
         self.writer = self.writer or ("bundle" if self.bundle else "auto")
         self.labeller = self.labeller or ("bundle" if self.bundle else "auto")
-        self.requests: list = []  # read from `prompts` when the run starts (prompts.py)
         if self.minutes is not None and self.steps is not None:
             raise UserError(
                 "--minutes sets how long training runs and --steps how many steps: give one"
@@ -191,6 +193,7 @@ class TrainOptions:
             "checkpoint_every",
             "write_only",
             "device",
+            "requests",
         ):
             values.pop(key)
         values["model"] = Path(self.model).name
