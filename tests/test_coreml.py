@@ -154,7 +154,7 @@ def test_tied_lm_head_quantizes(tmp_path):
 
 def test_target_functions_share_their_weights():
     """save_multifunction stores the target's weights once for prefill, verify and decode."""
-    path, _ = package("fp16")
+    path, _ = package("fp16", "target_cache")  # the cache's key: the same call as above
     model = target()
     target_bytes = 2 * sum(p.numel() for p in model.parameters())
     weights = sum(f.stat().st_size for f in path.rglob("weight.bin"))

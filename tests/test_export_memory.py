@@ -144,11 +144,11 @@ def test_the_exportable_copy_shares_the_quantized_weights(tmp_path):
     the quantized model once, not a second (or float) copy of it."""
     from mtp_edge.checkpoints import load_model, open_checkpoint
     from mtp_edge.exporter.executorch import exportable_copy, load_hook
-    from mtp_edge.exporter.platform import ExportOptions
+    from mtp_edge.exporter.platform import ExportOptions, resolve_options
     from mtp_edge.quantize.schemes import QuantScheme
 
     model_dir = str(save_hf_dir(hf_reference("qwen2", tied=True), tmp_path))
-    options = ExportOptions(model=model_dir)
+    options = resolve_options(ExportOptions(model=model_dir), progress=lambda _: None)
     model = load_model(model_dir, on_part=load_hook(options, open_checkpoint(model_dir).skeleton()))
     scheme = QuantScheme(options.quant, options.group_size, options.embedding_quant)
     copy = exportable_copy(model.model, scheme, 64)
