@@ -38,6 +38,7 @@ from mtp_edge.exporter.export import ExportOptions, export_bundle
 from mtp_edge.limits import check, check_stop
 from mtp_edge.manifest import Manifest
 from mtp_edge.platforms import platform
+from mtp_edge.request_log import RequestLog
 from mtp_edge.runtime.assemble import Generator, LoadOptions, assemble, parse_ngram_sizes
 from mtp_edge.runtime.backends import backend
 from mtp_edge.runtime.loop import (
@@ -111,8 +112,16 @@ def load(model: str | Path = "default", *, bundle: str | Path | None = None, **o
     backend) or an exported `bundle` (with its own drafter unless `drafter=` says otherwise).
     Keyword options are LoadOptions' fields: drafter, k, heads, adaptive_k, fallback, ngram_sizes,
     draft_confidence, max_seq_len, chat, threads, parse_special. Each is checked before anything
-    loads (a UserError saying what is wrong)."""
-    return Model(assemble(load_options(model, bundle, options)))
+    loads (a UserError saying what is wrong).
+
+    `log=DIR` appends every request to a local request log (mtp_edge/request_log.py: its
+    messages, the answer's token ids and its tau), the text `mtp-train --prompts DIR` trains
+    heads on; nothing is written without it."""
+    log = options.pop("log", None)
+    if log is not None and not isinstance(log, _PATH):
+        raise UserError(f"log takes a folder path, got {type(log).__name__}")
+    request_log = RequestLog(log) if log is not None else None
+    return Model(assemble(load_options(model, bundle, options)), log=request_log)
 
 
 _PATH = (str, Path)
@@ -189,8 +198,9 @@ class Model:
     at a time: calls from other threads wait for the running one, a stream until it is finished,
     closed or dropped. A context manager: `with mtp_edge.load(...) as llm:` closes it."""
 
-    def __init__(self, generator: Generator):
+    def __init__(self, generator: Generator, log: RequestLog | None = None):
         self._generator: Generator | None = generator
+        self._log = log  # where each request is appended (opt-in)
         self._cache: list[int] = []  # the tokens whose K/V the target's cache holds, in order
         self._open: weakref.ref[Stream] | None = None  # a stream not yet finished
         self._lock = threading.RLock()  # held by a call, or by a stream computing a chunk
@@ -253,27 +263,29 @@ class Model:
         top_p=1.0, seed=0, stop=() (strings that end the text, left out of it)."""
         settings = check_sampling(**sampling)
         with self._lock:
-            return self._complete(self._chunks(self._prompt_ids(prompt), settings))
+            ids = self._prompt_ids(prompt)
+            return self._complete(self._chunks(ids, settings, self._logged(prompt, ids)))
 
     def stream(self, prompt: str | Sequence[int], **sampling) -> Iterator[Chunk]:
         """`generate`, as chunks of text as soon as they are final; stop it by closing the
         iterator (or leaving the loop over it)."""
         settings = check_sampling(**sampling)
         with self._lock:
-            return self._chunks(self._prompt_ids(prompt), settings)
+            ids = self._prompt_ids(prompt)
+            return self._chunks(ids, settings, self._logged(prompt, ids))
 
     def chat(self, messages: list[dict], **sampling) -> Completion:
         """The assistant's answer to `messages` ({"role": system|user|assistant, "content"}),
         rendered with the model's chat template; the conversation's cached start is reused."""
         settings = check_sampling(**sampling)
         with self._lock:
-            return self._complete(self._chunks(self._message_ids(messages), settings))
+            return self._complete(self._chunks(self._message_ids(messages), settings, messages))
 
     def stream_chat(self, messages: list[dict], **sampling) -> Iterator[Chunk]:
         """`chat`, as a stream of chunks."""
         settings = check_sampling(**sampling)
         with self._lock:
-            return self._chunks(self._message_ids(messages), settings)
+            return self._chunks(self._message_ids(messages), settings, messages)
 
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -291,6 +303,16 @@ class Model:
             raise UserError(f"a prompt of token ids takes ints in 0..{vocab - 1}")
         return ids
 
+    def _logged(self, prompt, ids: list[int]) -> list[dict] | None:
+        """What the request log keeps of a prompt: one user message (marked raw where the chat
+        template was not applied, or the prompt came as token ids)."""
+        if self._log is None:
+            return None
+        if isinstance(prompt, str):
+            message = {"role": "user", "content": prompt}
+            return [message if self.generator.chat else {**message, "raw": True}]
+        return [{"role": "user", "content": self.tokenizer.decode(ids), "raw": True}]
+
     def _message_ids(self, messages) -> list[int]:
         return self.tokenizer.encode_messages(messages, self.generator.parse_special)
 
@@ -305,17 +327,22 @@ class Model:
             stop_strings=stop,
         )
 
-    def _chunks(self, ids: list[int], sampling: dict) -> Iterator[Chunk]:
+    def _chunks(
+        self, ids: list[int], sampling: dict, messages: list[dict] | None = None
+    ) -> Iterator[Chunk]:
         """Check everything now (errors belong to the call, not to the first chunk), then
-        return the stream."""
+        return the stream. `messages`: the request as the log keeps it."""
         config = self._config(**sampling)
         check_prompt(ids, self.max_seq_len)  # the loop's own check, now rather than at a step
         self._take_turn()
-        stream = Stream(self._stream(ids, config), self._lock)
+        logged = list(messages) if self._log is not None and messages is not None else None
+        stream = Stream(self._stream(ids, config, logged), self._lock)
         self._open = weakref.ref(stream)  # a stream its reader drops closes itself
         return stream
 
-    def _stream(self, ids: list[int], config: GenerationConfig) -> Iterator[Chunk]:
+    def _stream(
+        self, ids: list[int], config: GenerationConfig, logged: list[dict] | None = None
+    ) -> Iterator[Chunk]:
         gen = self.generator
         keep = shared_prefix(self._cache, ids[:-1])  # the last prompt token is always fed
         self._cache = self._cache[:keep]  # the call writes from `keep` on
@@ -329,6 +356,10 @@ class Model:
                 last = step.stop_reason is not None
                 piece = text.finish(generated) if last else text.feed(generated)
                 stats = step.stats if last else None
+                if last and logged is not None and self._log is not None:
+                    self._log.append(
+                        logged, generated, step.stats.tau, step.stop_reason, gen.name
+                    )
                 yield Chunk(piece, step.tokens, len(ids), keep, step.stop_reason, stats)
         except GeneratorExit:
             raise  # closed by its reader: the cache record is that of the last step

@@ -85,3 +85,61 @@ def test_an_unwritable_folder_is_one_line(tmp_path):
     blocker.write_text("")
     with pytest.raises(UserError, match="cannot write the request log"):
         RequestLog(blocker / "logs")
+
+
+def test_the_api_logs_each_request_only_when_asked(chat_tiny_dir, tmp_path, monkeypatch):
+    import mtp_edge
+
+    monkeypatch.chdir(tmp_path)  # a log written anywhere by default would land here
+    plain = mtp_edge.load(chat_tiny_dir, drafter="ngram", max_seq_len=256)
+    logged = mtp_edge.load(chat_tiny_dir, drafter="ngram", max_seq_len=256, log=tmp_path / "log")
+    first = plain.generate("hello there", max_new_tokens=8)
+    assert list(tmp_path.iterdir()) == []  # nothing written without log=
+
+    again = logged.generate("hello there", max_new_tokens=8)
+    answer = logged.chat(CHAT, max_new_tokens=6)
+    streamed = [c.token_ids for c in logged.stream_chat(CHAT, max_new_tokens=5)]
+    records = list(read_log(tmp_path / "log"))
+    assert [r.messages for r in records] == [
+        [{"role": "user", "content": "hello there"}], CHAT, CHAT
+    ]
+    assert records[0].answer_ids == again.token_ids == first.token_ids  # logging changes nothing
+    assert records[1].answer_ids == answer.token_ids
+    assert records[1].tau == round(answer.stats.tau, 4)
+    assert records[2].answer_ids == sum(streamed, [])
+    assert all(r.tau >= 1 for r in records)
+
+
+def test_an_unwritable_log_is_refused_before_the_load(tmp_path):
+    import mtp_edge
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(UserError, match="cannot write the request log"):
+        mtp_edge.load("does-not-exist", log=blocker / "log")
+    with pytest.raises(UserError, match="log takes a folder path"):
+        mtp_edge.load("does-not-exist", log=5)
+
+
+def test_bench_reads_a_request_log_as_its_suite(chat_tiny_dir, tmp_path):
+    """mtp-bench --prompts LOG_DIR: each distinct conversation once, multi-turn ones whole,
+    decoded plain and speculative with identical output."""
+    from mtp_edge.devices.harness import load_prompts, run_suite
+    from mtp_edge.runtime.assemble import LoadOptions, assemble
+
+    log = RequestLog(tmp_path)
+    turn = [*CHAT, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "why?"}]
+    log.append(CHAT, list(range(40)), 1.2)
+    log.append(CHAT, [3], 1.0)  # the same request again: benched once
+    log.append(turn, [], 1.0)
+    log.append([{"role": "user", "content": "the the the"}], [5] * 3, 2.0)
+    prompts = load_prompts(tmp_path)
+    assert [(p.prompt, p.max_new_tokens, p.messages is not None) for p in prompts] == [
+        ("Hi!", 40, True), ("why?", 128, True), ("the the the", 16, False)
+    ]
+    assert prompts[1].messages == turn
+    gen = assemble(LoadOptions(model=str(chat_tiny_dir), drafter="ngram", max_seq_len=256))
+    body = run_suite(gen.session, gen.encode, gen.drafter, prompts, gen.config, max_new_tokens=12)
+    assert len(body["prompts"]) == 3 and all(row["identical"] for row in body["prompts"])
+    # a conversation is encoded whole, not as its last message alone
+    assert len(gen.encode(prompts[1].request)) > len(gen.encode("why?"))

@@ -15,8 +15,15 @@ import signal
 import click
 
 from mtp_edge import logs
-from mtp_edge.cli.common import OneLineErrors, drafter_options, load_options, sampling_options
+from mtp_edge.cli.common import (
+    OneLineErrors,
+    drafter_options,
+    load_options,
+    log_option,
+    sampling_options,
+)
 from mtp_edge.errors import UserError
+from mtp_edge.request_log import RequestLog
 from mtp_edge.tokenizer import _check_utf8 as check_utf8
 
 HELP = """commands:
@@ -30,7 +37,8 @@ HELP = """commands:
 @drafter_options
 @sampling_options
 @click.option("--system", default=None, help="System prompt that opens the conversation.")
-def chat(system, max_new_tokens, temperature, top_k, top_p, seed, stop_strings, **opts):
+@log_option
+def chat(system, log, max_new_tokens, temperature, top_k, top_p, seed, stop_strings, **opts):
     """Chat with a model or bundle in the terminal (multi-turn, streaming, KV cache reused)."""
     if opts["no_chat_template"]:
         raise UserError("mtp-chat renders the conversation with the chat template: drop "
@@ -41,7 +49,8 @@ def chat(system, max_new_tokens, temperature, top_k, top_p, seed, stop_strings, 
     from mtp_edge.api import Model
     from mtp_edge.runtime.assemble import assemble
 
-    llm = Model(assemble(load_options(opts)))
+    request_log = RequestLog(log) if log else None  # an unwritable folder fails before the load
+    llm = Model(assemble(load_options(opts)), log=request_log)
     if llm.tokenizer.chat_template is None:
         raise UserError(
             f"{llm.name} has no chat template, so it cannot hold a conversation: use a chat "

@@ -240,6 +240,18 @@ def drafter_options(f):
     return f
 
 
+def log_option(f):
+    """--log DIR: the opt-in request log (mtp_edge/request_log.py) of mtp-chat and mtp-serve."""
+    return click.option(
+        "--log",
+        default=None,
+        metavar="DIR",
+        type=click.Path(file_okay=False),
+        help="Append each request (its messages, the answer's token ids, its tau) to a bounded, "
+        "rotated JSONL log in DIR, for mtp-train --prompts DIR. Off unless given.",
+    )(f)
+
+
 def sampling_options(f):
     """Options shared by the commands that generate: length, sampling and stop strings (short
     names as llama.cpp's: -n, -s; --temp as MLX-LM's)."""

@@ -11,8 +11,16 @@ import socket
 
 import click
 
-from mtp_edge.cli.common import OneLineErrors, drafter_options, load_options, sampling_options, say
+from mtp_edge.cli.common import (
+    OneLineErrors,
+    drafter_options,
+    load_options,
+    log_option,
+    sampling_options,
+    say,
+)
 from mtp_edge.errors import UserError
+from mtp_edge.request_log import RequestLog
 from mtp_edge.tokenizer import _check_utf8 as check_utf8
 
 
@@ -36,8 +44,10 @@ from mtp_edge.tokenizer import _check_utf8 as check_utf8
     help="Requests that may wait while one is generated; more are answered 503 at once.",
 )
 @click.option("--model-name", default=None, help="The model's id for clients (default: its name).")
+@log_option
 def serve(
     host,
+    log,
     port,
     max_queue,
     model_name,
@@ -60,6 +70,8 @@ def serve(
 
     for stop in stop_strings:
         check_utf8(stop, "--stop")
+    if log:
+        RequestLog(log)  # an unwritable folder fails before the port is taken and the load
     listener = _listen(host, port)  # a taken port fails before the model loads
     try:
         from mtp_edge.api import load
@@ -71,7 +83,7 @@ def serve(
                 err=True,
             )
         options = dataclasses.asdict(load_options(opts))
-        llm = load(options.pop("model"), **options)
+        llm = load(options.pop("model"), log=log, **options)
         defaults = Defaults(max_new_tokens, temperature, top_k, top_p, seed, stop_strings)
         app = create_app(llm, max_queue, model_name, defaults)
         address = listener.getsockname()
