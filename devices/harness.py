@@ -41,11 +41,55 @@ class Prompt:
     category: str
     prompt: str
     max_new_tokens: int
+    # a logged conversation of several messages (`prompt` is then its last user message)
+    messages: list[dict] | None = None
+
+    @property
+    def request(self) -> str | list[dict]:
+        """What a generator encodes: the conversation where there is one, else the prompt."""
+        return self.messages or self.prompt
+
+
+def is_request_log(path: Path) -> bool:
+    """A folder of request logs, or a JSONL file whose first record holds "messages"."""
+    if path.is_dir():
+        return True
+    try:
+        with open(path, encoding="utf-8") as f:
+            first = next((line for line in f if line.strip()), "")
+        row = json.loads(first)
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(row, dict) and "messages" in row and "id" not in row
+
+
+def logged_prompts(path: Path) -> list[Prompt]:
+    """A request log (mtp_edge/request_log.py) as a suite: each distinct conversation once,
+    answered at about the length it was answered when logged (16..512 tokens)."""
+    from mtp_edge.request_log import read_log
+
+    prompts, seen = [], set()
+    for record in read_log(path):
+        key = json.dumps(record.messages, sort_keys=True)
+        users = [m["content"] for m in record.messages if m["role"] == "user"]
+        if key in seen or not users or record.messages[-1]["role"] != "user":
+            continue
+        seen.add(key)
+        length = min(max(len(record.answer_ids), 16), 512) if record.answer_ids else 128
+        messages = [{"role": m["role"], "content": m["content"]} for m in record.messages]
+        conversation = messages if len(messages) > 1 else None
+        prompts.append(Prompt(f"log-{len(prompts) + 1}", "log", users[-1], length, conversation))
+    if not prompts:
+        raise UserError(f"the request log {path} holds no request that ends with a user message")
+    return prompts
 
 
 def load_prompts(path: str | Path | None = None) -> list[Prompt]:
-    """Prompts from a JSONL file ({"id", "category", "prompt", "max_new_tokens"} per line);
-    the built-in suite when no path is given."""
+    """Prompts from a JSONL file ({"id", "category", "prompt", "max_new_tokens"} per line), or
+    from a request log (a folder of them, or one log file); the built-in suite when no path is
+    given."""
+    if path is not None and Path(path).exists() and is_request_log(Path(path)):
+        return logged_prompts(Path(path))
     if path is None:
         text = resources.files("mtp_edge").joinpath("prompts.jsonl").read_text()
         where = "the built-in suite"
@@ -145,7 +189,7 @@ class Suite:
         self.last_runs: tuple[GenerationResult, GenerationResult] | None = None
 
     def run_prompt(self, session, encode, drafter, p: Prompt, config, max_new_tokens=None) -> dict:
-        prompt_ids = encode(p.prompt)
+        prompt_ids = encode(p.request)
         cfg = GenerationConfig(
             max_new_tokens=max_new_tokens or p.max_new_tokens,
             k=config.k,
@@ -398,7 +442,7 @@ def bench_report(
 
         progress("[peer] ExecuTorch TextLLMRunner, plain decoding of the same target .pte")
         bundle_dir = Path(gen.bundle)
-        runs = [(gen.render(p.prompt), max_new_tokens or p.max_new_tokens) for p in prompts]
+        runs = [(gen.render(p.request), max_new_tokens or p.max_new_tokens) for p in prompts]
         report["peer_textllmrunner"] = textllmrunner_baseline(
             bundle_dir / "target.pte", bundle_dir / "tokenizer.json", runs
         )

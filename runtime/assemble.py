@@ -72,7 +72,10 @@ class Generator:
     draft_confidence: float = 0.0
     parse_special: bool = False
 
-    def encode(self, prompt: str) -> list[int]:
+    def encode(self, prompt: str | list[dict]) -> list[int]:
+        """A prompt's ids (one user turn in the chat template), or a conversation's."""
+        if isinstance(prompt, list):
+            return self.tokenizer.encode_messages(prompt, self.parse_special)
         return self.tokenizer.encode_prompt(
             prompt, chat=self.chat, parse_special=self.parse_special
         )
@@ -87,8 +90,10 @@ class Generator:
             label += " no-fallback"
         return label
 
-    def render(self, prompt: str) -> str:
+    def render(self, prompt: str | list[dict]) -> str:
         """The prompt as text, as a runner that tokenizes by itself must receive it."""
+        if isinstance(prompt, list):
+            return self.tokenizer.render_messages(prompt)
         if self.chat and self.tokenizer.chat_template is not None:
             return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
         return prompt

@@ -24,7 +24,8 @@ from mtp_edge.files import check_output, write_atomic
     "--prompts",
     "prompts_path",
     default=None,
-    help="JSONL prompts file (default: the built-in suite).",
+    help="JSONL prompts file, or a request log (mtp-serve/mtp-chat --log DIR) to bench a model on "
+    "its own traffic (default: the built-in suite).",
 )
 @click.option(
     "--repeat",
@@ -234,10 +235,16 @@ def profile(device, bundle, prompts_path, max_new_tokens, repeat, json_out, runn
     from mtp_edge.devices.profile import profile_device
 
     check_output(json_out, "--json")
+    prompts = load_prompts(prompts_path)
+    if any(p.messages for p in prompts):
+        raise UserError(
+            "mtp-profile's runner takes one user message per prompt, and these prompts hold "
+            "conversations: measure them with mtp-bench --prompts, or give single-turn prompts"
+        )
     report = profile_device(
         device,
         bundle,
-        load_prompts(prompts_path),
+        prompts,
         max_new_tokens,
         repeat,
         runner,
