@@ -92,9 +92,11 @@ def test_the_api_logs_each_request_only_when_asked(chat_tiny_dir, tmp_path, monk
 
     monkeypatch.chdir(tmp_path)  # a log written anywhere by default would land here
     plain = mtp_edge.load(chat_tiny_dir, drafter="ngram", max_seq_len=256)
-    logged = mtp_edge.load(chat_tiny_dir, drafter="ngram", max_seq_len=256, log=tmp_path / "log")
     first = plain.generate("hello there", max_new_tokens=8)
+    plain.chat(CHAT, max_new_tokens=4)
     assert list(tmp_path.iterdir()) == []  # nothing written without log=
+
+    logged = mtp_edge.load(chat_tiny_dir, drafter="ngram", max_seq_len=256, log=tmp_path / "log")
 
     again = logged.generate("hello there", max_new_tokens=8)
     answer = logged.chat(CHAT, max_new_tokens=6)
