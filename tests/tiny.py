@@ -5,7 +5,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -108,7 +107,8 @@ CHAT_TEMPLATE = (
 
 # Held while the native runtime builds in runtime/native/build: two test processes (pytest-xdist
 # workers, or two runs side by side) must not run cmake in one build directory at once.
-NATIVE_BUILD_LOCK = Path(tempfile.gettempdir()) / f"mtp-edge-native-build-{os.getuid()}.lock"
+# The lock file sits in that directory (ignored by git), so that no run leaves it in /tmp.
+NATIVE_BUILD_LOCK = Path(__file__).resolve().parent.parent / "runtime/native/build/.tests.lock"
 
 
 def run_shared_dir(factory, name: str) -> Path:
