@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -38,6 +37,7 @@ from mtp_edge.errors import UserError
 from mtp_edge.exporter.platform import platform_module
 from mtp_edge.files import atomic_directory, check_output, remove_stale_partials
 from mtp_edge.manifest import MANIFEST, DrafterSpec, Manifest, sha256
+from mtp_edge.memory import StageClock
 from mtp_edge.model import Transformer
 from mtp_edge.mtp import MTPHead, fingerprint, fingerprint_rows, load_heads
 from mtp_edge.platforms import platform
@@ -56,10 +56,11 @@ def update_heads(
 ) -> tuple[Path, Manifest]:
     """Write `bundle` with the MTP heads of the file `heads` to `out` (default: `bundle`
     itself, replaced atomically). Returns the new bundle's path and manifest."""
-    started = time.monotonic()
+    clock = StageClock()
     bundle, heads = Path(bundle), Path(heads)
     out = bundle if out is None else Path(out)
-    manifest = Manifest.load(bundle)  # a damaged bundle is refused here (hashes, keys)
+    with clock.stage("check the bundle"):
+        manifest = Manifest.load(bundle)  # a damaged bundle is refused here (hashes, keys)
     if out.resolve() != bundle.resolve():
         check_output(out, "--out", directory=True)
         if out.exists() and not (out / MANIFEST).exists():
@@ -71,37 +72,43 @@ def update_heads(
     if not heads.is_file():
         raise UserError(f"MTP heads not found: {heads} (train them with mtp-train --out {heads})")
 
-    checkpoint = _source(manifest, bundle, heads)
-    target, target_hash = _target_parts(checkpoint)
-    head = load_heads(heads, target, manifest.model_name, target_hash)
-    _check_vocabulary(head, manifest, heads)
-    module.check_heads(head, manifest, _reexport(manifest, heads))
-    heads_sha = sha256(heads)
+    with clock.stage("read the heads and the target's embedding"):
+        checkpoint = _source(manifest, bundle, heads)
+        target, target_hash = target_parts(checkpoint)
+        head = load_heads(heads, target, manifest.model_name, target_hash)
+        _check_vocabulary(head, manifest, heads)
+        module.check_heads(head, manifest, _reexport(manifest, heads))
+        heads_sha = sha256(heads)
     progress(
         f"[heads] {heads} ({head.config.attention} attention, "
         f"{head.config.draft_vocab_size} draft tokens) into {bundle}"
     )
 
     with atomic_directory(out) as tmp:
-        for role, entry in manifest.models.items():
-            if role not in HEAD_ROLES:
-                _carry(bundle / entry.file, tmp / entry.file)
-        models, settings = module.export_heads(
-            head, target.embed_tokens, target, manifest, tmp, progress
-        )
-        updated = dict(manifest.models)
-        for role, entry in models.items():
-            entry.sha256 = sha256(tmp / entry.file)
-            updated[role] = entry
-        manifest = replace(
-            manifest,
-            models=updated,
-            drafter=_drafter(manifest.drafter, head, settings, heads, heads_sha),
-        )
-        # Measured with the old heads: mtp-bench measures the new ones.
-        manifest.quality = {k: v for k, v in manifest.quality.items() if k != "drafter_acceptance"}
-        manifest.save(tmp)
-    progress(f"[done] {out}: heads updated in {time.monotonic() - started:.1f} s")
+        with clock.stage("export the heads"):
+            models, settings = module.export_heads(
+                head, target.embed_tokens, target, manifest, tmp, progress
+            )
+        with clock.stage("write the bundle"):
+            for role, entry in manifest.models.items():
+                if role not in HEAD_ROLES:
+                    _carry(bundle / entry.file, tmp / entry.file)
+            updated = dict(manifest.models)
+            for role, entry in models.items():
+                entry.sha256 = sha256(tmp / entry.file)
+                updated[role] = entry
+            drafter = _drafter(manifest.drafter, head, settings, heads, heads_sha)
+            manifest = replace(manifest, models=updated, drafter=drafter)
+            # Measured with the old heads: mtp-bench measures the new ones.
+            manifest.quality = {
+                k: v for k, v in manifest.quality.items() if k != "drafter_acceptance"
+            }
+            manifest.export_log = dict(manifest.export_log, heads_update=clock.report())
+            manifest.save(tmp)
+    for row in clock.rows:
+        progress(f"[time] {row['stage']}: {row['seconds']:.1f} s, peak RSS {row['peak_rss_mb']} MB")
+    report = clock.report()
+    progress(f"[done] {out}: heads updated in {report['seconds']:.1f} s")
     return out, manifest
 
 
@@ -152,7 +159,7 @@ def _source(manifest: Manifest, bundle: Path, heads: Path) -> Checkpoint:
     return checkpoint
 
 
-def _target_parts(checkpoint: Checkpoint) -> tuple[Transformer, str]:
+def target_parts(checkpoint: Checkpoint) -> tuple[Transformer, str]:
     """The target with only its embedding, final norm and LM head read (the rest stays on the
     meta device, never read), and its fingerprint, as load_model takes it."""
     model = checkpoint.skeleton()
