@@ -20,6 +20,18 @@ whose drafter is not MTP heads, heads of another model (hidden size, vocabulary,
 fingerprint, draft ids outside the vocabulary), heads of a kind the bundle's programs cannot run
 (the platform module's `check_heads`), and bundles whose heads live inside the target's program
 (an ExecuTorch `draft` method, a Core ML function), which only a full export can rebuild.
+
+Why an ExecuTorch `draft` method is not spliced into the existing target.pte: the program is one
+flatbuffer whose methods share state by planning, not by name. With shared mutable buffers
+(MemoryPlanningPass(share_mutable_buffers=True), exir/passes/memory_planning_pass.py,
+run_multimethod) every method's cache tensors live in memory id 2 at offsets laid out over *all*
+methods' buffers, and each plan carries the arena's total size; a program lowered with the draft
+method alone lays out only the last layer's cache, at offset 0. A splice would have to rewrite
+the new plan's allocation offsets and arena size to the old program's (matched by the emitted
+mutable-buffer names), remap its constant indices onto the embedding table forward already holds
+(or carry a second copy of it), merge the XNNPACK delegate's named weight data and segments into
+the program's, and drop the old method's; then prove forward's logits byte-identical and the
+drafts those of the new head. Not built: such bundles are refused with the command that works.
 """
 
 from __future__ import annotations
@@ -103,8 +115,8 @@ def update_heads(
             manifest.quality = {
                 k: v for k, v in manifest.quality.items() if k != "drafter_acceptance"
             }
-            manifest.export_log = dict(manifest.export_log, heads_update=clock.report())
-            manifest.save(tmp)
+        manifest.export_log = dict(manifest.export_log, heads_update=clock.report())
+        manifest.save(tmp)
     for row in clock.rows:
         progress(f"[time] {row['stage']}: {row['seconds']:.1f} s, peak RSS {row['peak_rss_mb']} MB")
     report = clock.report()
