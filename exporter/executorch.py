@@ -77,7 +77,7 @@ from mtp_edge.config import ModelConfig
 from mtp_edge.errors import UserError
 from mtp_edge.exporter.platform import draft_vocabulary, head_settings
 from mtp_edge.logs import estimated_stage
-from mtp_edge.manifest import ModelFile
+from mtp_edge.manifest import Manifest, ModelFile
 from mtp_edge.model import Attention, RMSNorm, Transformer, rope_frequencies
 from mtp_edge.mtp import MTPHead
 from mtp_edge.quantize.schemes import (
@@ -583,6 +583,48 @@ def export_mtp_program(
             "outputs": outputs,
         }
     return {"forward": forward}, settings
+
+
+def check_heads(head: MTPHead, manifest: Manifest, reexport: str) -> None:
+    """A heads-only update (exporter/update_heads.py) writes drafter.pte, which runs every head
+    but one that reads the target's cache: that one is a `draft` method of target.pte."""
+    if head.reads_target_cache:
+        raise UserError(
+            "these heads read the target's cache, so they run as a draft method of target.pte, "
+            f"which this bundle's target program was exported without: {reexport}"
+        )
+
+
+def export_heads(
+    head: MTPHead,
+    embedding: nn.Embedding,
+    target: Transformer,
+    manifest: Manifest,
+    directory: Path,
+    progress: Callable[[str], None],
+) -> tuple[dict[str, ModelFile], dict]:
+    """The drafter files of a heads-only update: drafter.pte for `head`, quantized as the
+    bundle's drafter was, with the float `embedding` table of `target` (quantized here with the
+    bundle's embedding scheme, as the export's loader quantized the target's), and
+    drafter_vocab.json."""
+    old = manifest.models["drafter"]
+    q = old.quant
+    scheme = QuantScheme(q["scheme"], q["group_size"], q["embedding"])
+    methods, settings = export_mtp_program(
+        head,
+        embedding,
+        directory / old.file,
+        scheme,
+        progress,
+        rope=target.config,
+        max_seq_len=manifest.max_seq_len,
+        max_chunk=manifest.max_chunk,
+    )
+    models = {
+        "drafter": ModelFile(old.file, "", dict(q), methods),
+        "drafter_vocab": draft_vocabulary(head, directory),
+    }
+    return models, settings
 
 
 def load_hook(options, skeleton: Transformer, draft: bool = False) -> PartHook:

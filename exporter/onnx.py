@@ -39,7 +39,7 @@ from torch import nn
 from mtp_edge.errors import UserError
 from mtp_edge.exporter.onnx_ops import gqa, gqa_onnx, gqa_rope, gqa_rope_onnx
 from mtp_edge.exporter.platform import draft_vocabulary, head_settings, refuse_self_heads
-from mtp_edge.manifest import ModelFile
+from mtp_edge.manifest import Manifest, ModelFile
 from mtp_edge.model import MLP, Attention, Transformer, rope_frequencies, rotate_half
 from mtp_edge.mtp import MTPHead, apply_rope
 
@@ -451,6 +451,46 @@ def export_mtp_program(
         )
         settings["reads_target_cache"] = True
     return {"forward": forward}, settings
+
+
+def check_heads(head: MTPHead, manifest: Manifest, reexport: str) -> None:
+    """A heads-only update (exporter/update_heads.py) re-exports drafter.onnx: not for a self
+    head, which no ONNX bundle runs yet."""
+    if head.has_own_cache:
+        raise UserError(
+            "--target onnx does not run self-attending (EAGLE) MTP heads yet: pass heads "
+            "trained with --attention none or target_cache"
+        )
+
+
+def export_heads(
+    head: MTPHead,
+    embedding: nn.Embedding,
+    target: Transformer,
+    manifest: Manifest,
+    directory: Path,
+    progress: Callable[[str], None],
+) -> tuple[dict[str, ModelFile], dict]:
+    """The drafter files of a heads-only update: drafter.onnx for `head`, quantized as the
+    bundle's drafter was, binding the target's cache as its export did (the target's forward
+    method in the manifest names it), and drafter_vocab.json."""
+    old = manifest.models["drafter"]
+    q = old.quant
+    methods, settings = export_mtp_program(
+        head,
+        embedding,
+        directory / old.file,
+        q["scheme"],
+        q["group_size"],
+        progress,
+        target=target,
+        target_forward=manifest.models["target"].methods["forward"],
+    )
+    models = {
+        "drafter": ModelFile(old.file, "", dict(q), methods),
+        "drafter_vocab": draft_vocabulary(head, directory),
+    }
+    return models, settings
 
 
 def check(job: ExportJob) -> None:

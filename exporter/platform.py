@@ -13,6 +13,10 @@ named by its row of the platform table, mtp_edge/platforms.py) provides two func
 
 and, where its row declares `load_hook`, `load_hook(options, skeleton, draft=False)`: a hook
 that quantizes each part of a model as the loader reads it (exporter/loading.py).
+
+A platform whose heads run in a program of their own (not inside the target's) also provides
+`check_heads(head, manifest, reexport)` and `export_heads(head, embedding, target, manifest,
+directory, progress) -> (models, settings)`, for a heads-only update (exporter/update_heads.py).
 """
 
 from __future__ import annotations

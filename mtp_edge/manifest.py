@@ -62,7 +62,9 @@ class DrafterSpec:
     reads_target_cache: bool = False  # the head attends to the target's last-layer cache
     own_cache: bool = False  # a self (EAGLE) head with a cache of its own, fed verified rows
     max_chunk: int = 0  # own_cache: most rows one call of the head's program takes
-    recipe: dict = field(default_factory=dict)  # mtp: how the heads were trained (mtp-train)
+    # mtp: how the heads were trained (mtp-train's summary); after `mtp-export --update-heads`
+    # also which heads file the bundle carries ("heads_file", "heads_sha256")
+    recipe: dict = field(default_factory=dict)
     functions: dict = field(default_factory=dict)  # coreml: function name -> tokens per call
 
     def to_json(self) -> dict:

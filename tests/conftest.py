@@ -146,6 +146,22 @@ def ngram_bundle_8da4w(tmp_path_factory, tiny_dir_seed5) -> Path:
     return built_once(tmp_path_factory, "ngram-8da4w", build) / "tiny-8da4w"
 
 
+@pytest.fixture(scope="session")
+def onnx_mtp_bundle(tmp_path_factory, tiny_dir) -> Path:
+    """An onnx bundle of tiny_dir: fp32 target with hidden-state output, 96 positions, and an
+    fp32 drafter graph of random MTP heads without attention (lossless needs no good drafts),
+    64 held-out tokens measured. The heads file sits beside it: bundle.parent /
+    "heads.safetensors"."""
+
+    def build(root: Path) -> None:
+        heads = save_random_heads(tiny_dir, _mkdir(root) / "heads.safetensors", "none")
+        args = ["--target", "onnx", "--model", str(tiny_dir), "--out", str(root / "bundle")]
+        args += ["--max-seq-len", "96", "--drafter", "mtp", "--heads", str(heads)]
+        export_cli(*args, "--quant", "fp32", "--quality-tokens", "64")
+
+    return built_once(tmp_path_factory, "onnx-mtp", build) / "bundle"
+
+
 @pytest.fixture
 def copy_bundle(tmp_path):
     """(bundle, name) -> a fresh copy of a shared bundle, tmp_path / name, to edit or break."""

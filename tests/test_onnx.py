@@ -47,13 +47,9 @@ def cli_export(out, model_dir, *extra):
 
 
 @pytest.fixture(scope="module")
-def mtp_bundle(model_dir, tmp_path_factory):
-    """fp32 target with hidden-state output and an MTP drafter (random heads: lossless does not
-    need good drafts)."""
-    root = tmp_path_factory.mktemp("onnx-mtp")
-    save_random_heads(model_dir, root / "heads.safetensors", "none")
-    extra = ["--drafter", "mtp", "--heads", str(root / "heads.safetensors"), "--quant", "fp32"]
-    return cli_export(root / "bundle", model_dir, *extra, "--quality-tokens", "64")
+def mtp_bundle(onnx_mtp_bundle):
+    """fp32 target with hidden-state output and an MTP drafter (conftest.py's, shared)."""
+    return onnx_mtp_bundle
 
 
 @pytest.fixture(scope="module")

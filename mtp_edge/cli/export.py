@@ -127,8 +127,19 @@ def _schemes_help() -> str:
     show_default=True,
     help="Held-out tokens for the perplexity check (0 = skip).",
 )
-def export(out, **options):
+@click.option(
+    "--update-heads",
+    "update",
+    metavar="BUNDLE",
+    default=None,
+    help="Swap the MTP heads of --heads into BUNDLE without exporting its target again: "
+    "in place, or into --out.",
+)
+def export(out, update, **options):
     """Quantize a target (and its drafter) and export them as one bundle."""
+    if update is not None:
+        _update_heads(update, options["heads"], out)
+        return
     from mtp_edge.api import ExportOptions
     from mtp_edge.api import export as export_bundle
 
@@ -136,3 +147,30 @@ def export(out, **options):
     # resolve_options), so that the API and this command agree.
     bundle, manifest = export_bundle(ExportOptions(**options), out, progress=say)
     click.echo(json.dumps({"bundle": str(bundle), "quality": manifest.quality}))
+
+
+def _update_heads(bundle: str, heads: str | None, out: str | None) -> None:
+    """--update-heads: only --heads and --out apply; any other option set would be ignored,
+    so it is refused."""
+    context = click.get_current_context()
+    given = [
+        p.opts[-1]
+        for p in context.command.params
+        if p.name not in ("update", "heads", "out")
+        and p.expose_value
+        and context.get_parameter_source(p.name) is not click.core.ParameterSource.DEFAULT
+    ]
+    if given:
+        raise click.UsageError(
+            f"--update-heads takes only --heads and --out, not {given[0]}: the bundle's other "
+            "settings stay as exported"
+        )
+    if heads is None:
+        raise click.UsageError("--update-heads needs --heads FILE: the heads to put in the bundle")
+    from mtp_edge.exporter.update_heads import update_heads
+
+    path, manifest = update_heads(bundle, heads, out, progress=say)
+    drafter = manifest.drafter.to_json()
+    recipe = drafter.pop("recipe")
+    drafter["heads_sha256"] = recipe["heads_sha256"]
+    click.echo(json.dumps({"bundle": str(path), "drafter": drafter}))
