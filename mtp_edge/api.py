@@ -510,19 +510,30 @@ def export(
 
 def _timer(progress: Callable[[str], None]):
     """--quant auto's timer (exporter/choose.py's Timer): plain and speculative decoding of
-    each (bundle, k) setup over a short part of the built-in suite, as `mtp-bench --compare`
+    each (bundle, k) setup over a short part of the built-in suite (the first prompts of each
+    category that fit the bundles' context with their answers), as `mtp-bench --compare`
     measures them (a worker process per setup, prompts in turn), without peer baselines."""
 
     def time_setups(setups: list[tuple[Path, int]], plan) -> tuple[list[dict], int]:
         from mtp_edge.devices.bench import Stopped, bench
         from mtp_edge.devices.harness import load_prompts
+        from mtp_edge.runtime.bundle import open_bundle
 
+        first = open_bundle(setups[0][0])  # the candidates share tokenizer and context
+        room = first.manifest.max_seq_len - plan.max_new_tokens - max(k for _, k in setups) - 1
         taken: dict[str, int] = {}
         prompts = []
         for p in load_prompts():
-            if taken.get(p.category, 0) < plan.per_category:
+            fits = len(first.tokenizer.encode_prompt(p.prompt)) <= room
+            if fits and taken.get(p.category, 0) < plan.per_category:
                 taken[p.category] = taken.get(p.category, 0) + 1
                 prompts.append(p)
+        if not prompts:
+            raise UserError(
+                f"--quant auto times the candidates on the built-in prompts, and none fits a "
+                f"context of {first.manifest.max_seq_len} with its answer: export with a "
+                "longer -c, or choose the scheme with --quant"
+            )
         loads = [LoadOptions(bundle=str(directory), k=k) for directory, k in setups]
         command = "mtp-export --quant auto (timing its candidates)"
         try:
