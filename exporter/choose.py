@@ -188,7 +188,7 @@ def _clock(seconds: float) -> str:
     return f"{minutes}:{s:02d}"
 
 
-def _size_mb(directory: Path, manifest: Manifest) -> float:
+def bundle_size_mb(directory: Path, manifest: Manifest) -> float:
     """The bundle's model files (programs, drafter), as the user will ship them."""
     total = 0
     for entry in manifest.models.values():
@@ -272,7 +272,7 @@ def export_auto(
         )
         summaries, prompts = timer([(d, k) for _, d, _, k in pairs], plan)
         rows = [
-            candidate_row(scheme, k, m, _size_mb(d, m), summary)
+            candidate_row(scheme, k, m, bundle_size_mb(d, m), summary)
             for (scheme, d, m, k), summary in zip(pairs, summaries, strict=True)
         ]
         choice = pick(rows)

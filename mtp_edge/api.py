@@ -503,12 +503,12 @@ def export(
         from mtp_edge.exporter.choose import export_auto
 
         runs_here = backend(platform(options.platform).backend).available()
-        timer = _timer(progress) if runs_here else None
+        timer = auto_timer(progress) if runs_here else None
         return export_auto(options, out_path, open_program, progress, measure, timer)
     return export_bundle(options, out_path, open_program, progress=progress, measure=measure)
 
 
-def _timer(progress: Callable[[str], None]):
+def auto_timer(progress: Callable[[str], None]):
     """--quant auto's timer (exporter/choose.py's Timer): plain and speculative decoding of
     each (bundle, k) setup over a short part of the built-in suite (the first prompts of each
     category that fit the bundles' context with their answers), as `mtp-bench --compare`
