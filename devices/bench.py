@@ -54,11 +54,13 @@ def bench(
     max_new_tokens: int | None,
     command: str,
     progress: Callable[[str], None],
+    peer: bool = True,
 ) -> list[dict]:
     """Each setup's report. One setup runs here; several run in a worker process each
     (devices/isolated.py: runtimes in one process slow each other down), prompt by prompt in
     turn so that machine drift hits all alike. Interrupted after at least one prompt, it raises
-    `Stopped` with the reports of the prompts done (no peer baselines: they take minutes)."""
+    `Stopped` with the reports of the prompts done (no peer baselines: they take minutes).
+    `peer` False leaves the peer baselines out of the finished reports too."""
     if len(setups) == 1:
         gen = assemble(setups[0])
         suite = Suite(gen.config.k, repeat)
@@ -78,7 +80,7 @@ def bench(
                 gen, suite, command, prompts[:done], max_new_tokens, progress, peer=False
             )
             raise Stopped([mark_partial(report, done, len(prompts), cause)], cause) from None
-        return [bench_report(gen, suite, command, prompts, max_new_tokens, progress)]
+        return [bench_report(gen, suite, command, prompts, max_new_tokens, progress, peer)]
     runs = []
     try:
         for options in setups:
@@ -102,7 +104,7 @@ def bench(
                 report = run.report(command, prompts[: run.done], peer=False)
                 reports.append(mark_partial(report, run.done, len(prompts), cause))
             raise Stopped(reports, cause) from None
-        return [run.report(command, prompts) for run in runs]
+        return [run.report(command, prompts, peer) for run in runs]
     finally:
         for run in runs:
             run.close()

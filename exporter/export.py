@@ -105,6 +105,11 @@ def export_bundle(
     from mtp_edge.exporter.bundle import check_writable, write_bundle
 
     options = resolve_options(options, progress)
+    if options.quant == "auto":  # exporter/choose.py exports each candidate through this
+        raise UserError(
+            "quant='auto' times its candidates through the runtime: export with "
+            "mtp_edge.api.export (or mtp-export)"
+        )
     row = platform(options.platform)
     module = platform_module(options.platform)
     if out is not None:

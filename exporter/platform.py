@@ -43,9 +43,13 @@ class ExportOptions:
     model: str = "default"
     drafter: str = "auto"  # auto | none | ngram | mtp | path to a draft model
     heads: str | None = None  # MTP heads file (default: the heads shipped for the model)
-    k: int = 4
-    # None: decided by resolve_options (the platform's default scheme; its group size)
+    # None: DEFAULT_K, or with quant "auto" the k measured fastest here (exporter/choose.py)
+    k: int | None = None
+    # None: decided by resolve_options (the platform's default scheme; its group size); "auto":
+    # each scheme of the platform exported and timed on this machine (exporter/choose.py)
     quant: str | None = None
+    # quant "auto"'s candidates (None: every scheme of the platform's row)
+    auto_schemes: tuple[str, ...] | None = None
     group_size: int | None = None
     embedding_quant: str = "8w"
     draft_quant: str | None = None  # None: as `quant`
@@ -108,24 +112,44 @@ def load_hook(name: str):
     return platform_module(name).load_hook if platform(name).load_hook else None  # type: ignore[attr-defined]
 
 
+DEFAULT_K = 4  # --k when not given (and not measured: --quant auto)
+AUTO_KS = (2, 3, 4, 5)  # the k --quant auto measures when --k is not given
+
+
 def resolve_options(
     options: ExportOptions, progress: Callable[[str], None] = print
 ) -> ExportOptions:
     """`options` with every choice left open decided (the platform's default scheme, the
-    scheme's group size, the drafter's scheme), after checking each: the one place an export's
-    options are checked, so that the API and mtp-export agree. Raises UserError, before
-    anything loads. `progress` hears why the default scheme is the default."""
+    scheme's group size, the drafter's scheme, k), after checking each: the one place an
+    export's options are checked, so that the API and mtp-export agree. Raises UserError, before
+    anything loads. `progress` hears why the default scheme is the default.
+
+    `quant="auto"` stays "auto" (exporter/choose.py measures the candidates, auto_candidates)
+    unless there is nothing to measure: one scheme and a given k."""
     from mtp_edge.quantize.schemes import check_platform_scheme, default_group_size
 
     row = platform(options.platform)
     modules, extra = row.export_needs
     for module in modules:
         require(module, extra, f"mtp-export --target {row.name}")
-    if not 1 <= options.k <= 15:
+    if options.k is not None and not 1 <= options.k <= 15:
         raise UserError(f"--k must be in 1..15, got {options.k}")
     check_lookup(options.lookup)
     if not 0 <= options.draft_confidence < 1:
         raise UserError(f"--draft-confidence must be in [0, 1), got {options.draft_confidence}")
+    if options.quant == "auto":
+        schemes, ks = auto_candidates(options)
+        if len(schemes) > 1 or len(ks) > 1:
+            return options
+        progress(
+            f"[quantize] auto: --target {row.name} has one scheme, {schemes[0]}, and k is "
+            f"{ks[0]}: nothing to measure"
+        )
+        options = replace(options, quant=schemes[0], k=ks[0])
+    elif options.auto_schemes is not None:
+        raise UserError("auto_schemes lists the candidates of quant='auto' only")
+    if options.k is None:
+        options = replace(options, k=DEFAULT_K)
     quant = options.quant
     if quant is None:
         progress(f"[quantize] default {row.why_default}")
@@ -138,6 +162,49 @@ def resolve_options(
         check_platform_scheme(row.name, options.draft_quant, group_size)
     draft_quant = options.draft_quant or quant
     return replace(options, quant=quant, group_size=group_size, draft_quant=draft_quant)
+
+
+def auto_candidates(options: ExportOptions) -> tuple[list[str], list[int]]:
+    """--quant auto's candidate schemes (each at its default group size) and k values, checked:
+    every scheme of the platform (or `auto_schemes`), and AUTO_KS unless --k is given (or there
+    is no drafter: k means nothing then). k is a runtime setting of the bundle (the manifest's
+    DrafterSpec.k) wherever the target's forward verifies at any width, so its candidates need
+    no export of their own; where the verify method's width is baked into the program
+    (the row's `verify_width_in_program`, or android's --attention-kernel executorch), k stays
+    DEFAULT_K unless given."""
+    from mtp_edge.quantize.schemes import check_platform_scheme, default_group_size
+
+    row = platform(options.platform)
+    if options.group_size is not None:
+        raise UserError(
+            "--group-size cannot be combined with --quant auto, which measures each scheme at "
+            "its default group size: drop --group-size, or choose the scheme with --quant"
+        )
+    schemes = list(options.auto_schemes or row.schemes)
+    if not schemes:
+        raise UserError("auto_schemes is empty: name at least one scheme, or leave it None")
+    for scheme in schemes:
+        check_platform_scheme(row.name, scheme, default_group_size(scheme, row.name))
+    if options.draft_quant is not None:
+        check_platform_scheme(
+            row.name, options.draft_quant, default_group_size(options.draft_quant, row.name)
+        )
+    if options.quality_tokens <= 0:
+        raise UserError(
+            "--quant auto keeps schemes within its perplexity bound, so it needs the perplexity "
+            "check: leave --quality-tokens above 0"
+        )
+    if options.k is not None:
+        ks = [options.k]
+    elif (
+        options.drafter == "none"
+        or row.verify_width_in_program
+        or options.attention_kernel != "mtp"  # android's verify method, when not our op
+    ):
+        ks = [DEFAULT_K]
+    else:
+        ks = list(AUTO_KS)
+    return schemes, ks
 
 
 def check_lookup(text: str) -> None:

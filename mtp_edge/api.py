@@ -498,6 +498,50 @@ def export(
         heldout = target.tokenizer.encode(heldout_text())
         return measure_bundle_acceptance(directory, target, draft, heldout, progress)
 
-    return export_bundle(
-        options, Path(out) if out else None, open_program, progress=progress, measure=measure
-    )
+    out_path = Path(out) if out else None
+    if options.quant == "auto":  # each scheme exported, then timed here (exporter/choose.py)
+        from mtp_edge.exporter.choose import export_auto
+
+        runs_here = backend(platform(options.platform).backend).available()
+        timer = auto_timer(progress) if runs_here else None
+        return export_auto(options, out_path, open_program, progress, measure, timer)
+    return export_bundle(options, out_path, open_program, progress=progress, measure=measure)
+
+
+def auto_timer(progress: Callable[[str], None]):
+    """--quant auto's timer (exporter/choose.py's Timer): plain and speculative decoding of
+    each (bundle, k) setup over a short part of the built-in suite (the first prompts of each
+    category that fit the bundles' context with their answers), as `mtp-bench --compare`
+    measures them (a worker process per setup, prompts in turn), without peer baselines."""
+
+    def time_setups(setups: list[tuple[Path, int]], plan) -> tuple[list[dict], int]:
+        from mtp_edge.devices.bench import Stopped, bench
+        from mtp_edge.devices.harness import load_prompts
+        from mtp_edge.runtime.bundle import open_bundle
+
+        first = open_bundle(setups[0][0])  # the candidates share tokenizer and context
+        room = first.manifest.max_seq_len - plan.max_new_tokens - max(k for _, k in setups) - 1
+        taken: dict[str, int] = {}
+        prompts = []
+        for p in load_prompts():
+            fits = len(first.tokenizer.encode_prompt(p.prompt)) <= room
+            if fits and taken.get(p.category, 0) < plan.per_category:
+                taken[p.category] = taken.get(p.category, 0) + 1
+                prompts.append(p)
+        if not prompts:
+            raise UserError(
+                f"--quant auto times the candidates on the built-in prompts, and none fits a "
+                f"context of {first.manifest.max_seq_len} with its answer: export with a "
+                "longer -c, or choose the scheme with --quant"
+            )
+        loads = [LoadOptions(bundle=str(directory), k=k) for directory, k in setups]
+        command = "mtp-export --quant auto (timing its candidates)"
+        try:
+            reports = bench(
+                loads, prompts, plan.repeat, plan.max_new_tokens, command, progress, peer=False
+            )
+        except Stopped as stop:  # an export stopped midway keeps nothing
+            raise stop.cause from None
+        return [r["summary"] for r in reports], len(prompts)
+
+    return time_setups

@@ -55,6 +55,9 @@ class Platform:
     # - its MTP head is always a function of the target's file, never a drafter file of its own
     #   (what the runtime expects the manifest to name, runtime/bundle.py).
     head_in_target: bool = False
+    # - its programs are exported for one verification width, k+1 (mtp-export --quant auto then
+    #   measures no other k: each would be an export of its own).
+    verify_width_in_program: bool = False
 
 
 PLATFORMS: dict[str, Platform] = {}
@@ -127,6 +130,7 @@ register(
         blockwise=("int4",),
         export_needs=(("coremltools",), "coreml"),
         head_in_target=True,
+        verify_width_in_program=True,
     )
 )
 

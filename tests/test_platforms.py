@@ -9,6 +9,7 @@ it from the row alone; an export to it decodes what the eager model decodes.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -103,7 +104,7 @@ def test_options_are_decided_below_the_cli():
     android = resolve_options(ExportOptions(), lambda _: None)
     assert (android.quant, android.group_size, android.draft_quant) == ("8da8w", 0, "8da8w")
     given = ExportOptions(platform="onnx", quant="int8", draft_quant="int4", group_size=64)
-    assert resolve_options(given, said.append) == given
+    assert resolve_options(given, said.append) == replace(given, k=4)  # k: DEFAULT_K
     for wrong, fragment in [
         (ExportOptions(platform="onnx", quant="8da8w"), "int4, int8, fp32"),
         (ExportOptions(platform="onnx", group_size=24), "power of two"),

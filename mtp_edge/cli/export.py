@@ -60,12 +60,18 @@ def _schemes_help() -> str:
     "path to a draft model with the target's vocabulary.",
 )
 @click.option("--heads", default=None, help="MTP heads for --drafter mtp (default: shipped).")
-@click.option("--k", default=4, show_default=True, help="Tokens drafted per step (1-15).")
+@click.option(
+    "--k",
+    default=None,
+    type=int,
+    help="Tokens drafted per step (1-15; default 4, or with --quant auto the k timed fastest).",
+)
 @click.option(
     "--quant",
-    type=TableChoice(every_scheme),
+    type=TableChoice(lambda: (*every_scheme(), "auto")),
     default=None,
-    help=_schemes_help() + ".",
+    help=_schemes_help() + "; auto: each scheme exported and timed here, the fastest "
+    "speculative one within +3% perplexity kept (and k, unless --k is given).",
 )
 @click.option(
     "--group-size",
