@@ -99,7 +99,7 @@ def export_bundle(
 
     The options are decided and checked first (resolve_options), before anything loads. A
     platform whose row declares a `load_hook` (it quantizes while loading) loads and lowers in a
-    process of its own (exporter/isolated.py): what lowering leaves allocated dies with that
+    process of its own (exporter/lowering_parent.py): what lowering leaves allocated dies with that
     process, before the quality checks load the program. The others load and convert here.
     """
     from mtp_edge.exporter.bundle import check_writable, write_bundle
@@ -130,7 +130,7 @@ def export_bundle(
     isolated = options.isolate and row.load_hook
 
     if isolated:
-        from mtp_edge.exporter.isolated import export_in_child
+        from mtp_edge.exporter.lowering_parent import export_in_child
 
         # Nothing of the model is loaded here: the child process loads, quantizes and lowers.
         target = LoadedModel(None, tokenizer, config, checkpoint.name, checkpoint.path)  # type: ignore[arg-type]

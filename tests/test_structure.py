@@ -169,15 +169,15 @@ def test_the_package_root_is_in_the_graph_and_the_ground_does_not_reach_it():
 
 
 def test_the_export_child_does_not_reenter_the_parent():
-    """The parent (exporter.export, through exporter.isolated) starts the child
+    """The parent (exporter.export, through exporter.lowering_parent) starts the child
     (exporter.lowering_child); both import the loading module, and the child reaches neither
     the parent's modules nor the API or the CLI."""
     edges = graph()
     child = "mtp_edge.exporter.lowering_child"
-    assert child in edges["mtp_edge.exporter.isolated"]  # seen through `-m`
+    assert child in edges["mtp_edge.exporter.lowering_parent"]  # seen through `-m`
     assert "mtp_edge.exporter.loading" in edges[child]
     assert "mtp_edge.exporter.loading" in edges["mtp_edge.exporter.export"]
-    parent_side = {"mtp_edge.exporter.export", "mtp_edge.exporter.isolated", "mtp_edge.api"}
+    parent_side = {"mtp_edge.exporter.export", "mtp_edge.exporter.lowering_parent", "mtp_edge.api"}
     assert not reachable(edges, child) & parent_side
     assert not any(room(m) == "cli" for m in reachable(edges, child))
 
