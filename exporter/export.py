@@ -102,7 +102,7 @@ def export_bundle(
     process of its own (exporter/lowering_parent.py): what lowering leaves allocated dies with that
     process, before the quality checks load the program. The others load and convert here.
     """
-    from mtp_edge.exporter.bundle import check_writable, write_bundle
+    from mtp_edge.exporter.bundle_writer import check_writable, write_bundle
 
     options = resolve_options(options, progress)
     row = platform(options.platform)
