@@ -19,7 +19,7 @@ Four stages, each a plain function:
 
 `--minutes N` gives the stages one wall-clock budget (budget.py: how it is split, measured on
 this machine as the run goes); the output is the best held-out heads of the run, and the run
-ends with a one-screen report (report.py).
+ends with a one-screen report (final_report.py).
 
 Runs under `torchrun --nproc_per_node=N` (gloo): ranks share the generation, label and train on
 their own shard of sequences, and DistributedDataParallel averages the gradients. Only rank 0
@@ -46,7 +46,7 @@ Modules, each importing only those above it:
 - resume: checkpoints and the checks a resumed run makes.
 - loop: the step loop and the learning-rate schedule.
 - rates: what the run measures (labelling and training-step rates; a draft step's cost).
-- report: the final report.
+- final_report: the report a run ends with.
 - run: the run (train_heads): the stages in order, DDP, the best held-out heads.
 """
 
