@@ -297,9 +297,9 @@ def runner():
     """The native runner (runtime/native/build), for the same checks in C++."""
     if shutil.which("cmake") is None:
         pytest.skip("the native runtime needs cmake")
-    from mtp_edge.runtime import native
+    from mtp_edge.runtime import native_runner
 
-    return native.build(jobs=1)
+    return native_runner.build(jobs=1)
 
 
 @pytest.mark.parametrize(
