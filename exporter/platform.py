@@ -59,7 +59,7 @@ class ExportOptions:
     # ExecuTorch's stock runners carry, with a verify method that calls it once per row.
     attention_kernel: str = "mtp"
     # A platform that quantizes while loading (android) loads and lowers in a child process,
-    # so that what lowering leaves allocated is gone before the quality checks (export.py).
+    # so that what lowering leaves allocated is gone before the quality checks (pipeline.py).
     # False keeps everything in this process (a debugger sees it all).
     isolate: bool = True
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from mtp_edge.devices.acceptance import measure_bundle_acceptance
 from mtp_edge.errors import ContextFull, UserError
-from mtp_edge.exporter.export import ExportOptions, export_bundle
+from mtp_edge.exporter.pipeline import ExportOptions, export_bundle
 from mtp_edge.limits import check, check_stop
 from mtp_edge.manifest import Manifest
 from mtp_edge.platforms import platform

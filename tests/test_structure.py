@@ -108,7 +108,8 @@ def graph() -> dict[str, set[str]]:
 def test_every_package_is_found():
     modules = set(package_files())
     names = ("mtp_edge.cli", "mtp_edge.cli.run", "mtp_edge.manifest", "mtp_edge.runtime.loop",
-             "mtp_edge.train", "mtp_edge.exporter.export", "mtp_edge.devices.harness")  # fmt: skip
+             "mtp_edge.train", "mtp_edge.exporter.pipeline",
+             "mtp_edge.devices.harness")  # fmt: skip
     for name in names:
         assert name in modules
 
@@ -169,15 +170,19 @@ def test_the_package_root_is_in_the_graph_and_the_ground_does_not_reach_it():
 
 
 def test_the_export_child_does_not_reenter_the_parent():
-    """The parent (exporter.export, through exporter.lowering_parent) starts the child
+    """The parent (exporter.pipeline, through exporter.lowering_parent) starts the child
     (exporter.lowering_child); both import the loading module, and the child reaches neither
     the parent's modules nor the API or the CLI."""
     edges = graph()
     child = "mtp_edge.exporter.lowering_child"
     assert child in edges["mtp_edge.exporter.lowering_parent"]  # seen through `-m`
     assert "mtp_edge.exporter.loading" in edges[child]
-    assert "mtp_edge.exporter.loading" in edges["mtp_edge.exporter.export"]
-    parent_side = {"mtp_edge.exporter.export", "mtp_edge.exporter.lowering_parent", "mtp_edge.api"}
+    assert "mtp_edge.exporter.loading" in edges["mtp_edge.exporter.pipeline"]
+    parent_side = {
+        "mtp_edge.exporter.pipeline",
+        "mtp_edge.exporter.lowering_parent",
+        "mtp_edge.api",
+    }
     assert not reachable(edges, child) & parent_side
     assert not any(room(m) == "cli" for m in reachable(edges, child))
 
