@@ -44,10 +44,10 @@ Modules, each importing only those above it:
 - context: the attention of heads that attend, for all origins at once (TrainContext).
 - losses: stage 4's test: batches, losses, held-out evaluation.
 - resume: checkpoints and the checks a resumed run makes.
-- loop: the step loop and the learning-rate schedule.
+- step_loop: the step loop and the learning-rate schedule.
 - rates: what the run measures (labelling and training-step rates; a draft step's cost).
 - final_report: the report a run ends with.
-- run: the run (train_heads): the stages in order, DDP, the best held-out heads.
+- stages: the run (train_heads): the stages in order, DDP, the best held-out heads.
 """
 
 from mtp_edge.train.corpus import Sequence, doc_topics
@@ -57,7 +57,7 @@ from mtp_edge.train.int8 import Int8Linear, int8_writer
 from mtp_edge.train.labels import Labels, draft_vocabulary, label_sequences, label_with_session
 from mtp_edge.train.losses import rope_tables, sequence_batch
 from mtp_edge.train.options import TrainOptions
-from mtp_edge.train.run import train_heads
+from mtp_edge.train.stages import train_heads
 from mtp_edge.train.writer import build_corpus
 
 __all__ = [
