@@ -1,4 +1,6 @@
-"""`mtp-export`: load a target (and drafter), quantize, export, measure quality, write a bundle."""
+"""`export_bundle`, what `mtp-export` and the API's `export` run: load a target (and drafter),
+quantize, export, measure quality, write a bundle; and the disk and memory it will need,
+forecast before it starts."""
 
 from __future__ import annotations
 
