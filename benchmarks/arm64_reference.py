@@ -28,11 +28,11 @@ from mtp_edge.devices.harness import load_prompts
 from mtp_edge.exporter.executorch import export_program, exportable_copy
 from mtp_edge.manifest import Manifest
 from mtp_edge.quantize.schemes import QuantScheme
-from mtp_edge.runtime import native
+from mtp_edge.runtime import native_runner
 from mtp_edge.runtime.assemble import LoadOptions, assemble
 
 SYSROOT = "/usr/aarch64-linux-gnu"
-DEVICE_DIR = native.SOURCE_DIR / "build-arm64" / "device"
+DEVICE_DIR = native_runner.SOURCE_DIR / "build-arm64" / "device"
 
 
 def program_logits(command: list[str], spec: dict, out: Path) -> np.ndarray:
@@ -112,7 +112,7 @@ def main() -> None:
         "sessions": [[{"tokens": tokens[i], "start": 0, "prefill": True}] for i in args.prompt],
     }  # fmt: skip
     print("[x86] mtp-logits", file=sys.stderr)
-    x86 = program_logits([str(native.BUILD_DIR / "mtp-logits")], spec, work / "x86.f32")
+    x86 = program_logits([str(native_runner.BUILD_DIR / "mtp-logits")], spec, work / "x86.f32")
     print(f"[arm64] mtp-logits under qemu-aarch64 -cpu {args.cpu}", file=sys.stderr)
     qemu = ["qemu-aarch64", "-cpu", args.cpu, "-L", SYSROOT, str(DEVICE_DIR / "mtp-logits")]
     arm = program_logits(qemu, spec, work / "arm64.f32")

@@ -24,12 +24,12 @@ from pathlib import Path
 
 from mtp_edge.devices.harness import NEAR_TIE, load_prompts
 from mtp_edge.manifest import Manifest
-from mtp_edge.runtime import native
+from mtp_edge.runtime import native_runner
 from mtp_edge.runtime.assemble import LoadOptions, assemble
 from mtp_edge.runtime.loop import GenerationConfig, first_divergence, generate
 
 SYSROOT = "/usr/aarch64-linux-gnu"
-DEVICE_DIR = native.SOURCE_DIR / "build-arm64" / "device"
+DEVICE_DIR = native_runner.SOURCE_DIR / "build-arm64" / "device"
 # (mask, value) of A64 encodings of the instructions that tell XNNPACK's int8 kernels apart
 ENCODINGS = {
     "sdot/udot (dot product)": [(0xBF20FC00, 0x0E809400), (0xBF20FC00, 0x2E809400),
@@ -66,7 +66,8 @@ def compare(args) -> None:
     ids_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     print("[x86] native runner", file=sys.stderr)
-    x86 = runner_report([str(native.build())], args.bundle, ids_file, args, work / "x86.json")
+    host_runner = str(native_runner.build())
+    x86 = runner_report([host_runner], args.bundle, ids_file, args, work / "x86.json")
     print(f"[arm64] qemu-aarch64 -cpu {args.cpu}", file=sys.stderr)
     qemu = [
         "qemu-aarch64",

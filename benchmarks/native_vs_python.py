@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from mtp_edge.devices.harness import NEAR_TIE, Suite, load_prompts, progress_line
-from mtp_edge.runtime import native
+from mtp_edge.runtime import native_runner
 from mtp_edge.runtime.assemble import LoadOptions, assemble
 from mtp_edge.runtime.bundle import open_bundle
 from mtp_edge.runtime.loop import GenerationConfig, first_divergence
@@ -81,7 +81,7 @@ def main() -> None:
     )
 
     print("[native] build and run", file=sys.stderr)
-    runner = native.build(progress=lambda line: print(line, file=sys.stderr))
+    runner = native_runner.build(progress=lambda line: print(line, file=sys.stderr))
     native_json = out / "native.json"
     subprocess.run(
         [

@@ -1,6 +1,7 @@
-"""The peer baseline: ExecuTorch's own TextLLMRunner decoding our target .pte, plain and greedy.
+"""The peer baselines, plain and greedy: ExecuTorch's own TextLLMRunner decoding our target .pte,
+and llama.cpp's llama-bench decoding the GGUF the bundle was exported from (`--llama-cpp`).
 
-It is what a user of ExecuTorch's tools gets from the same program, so it keeps our own plain
+They are what a user of those tools gets from the same model, so they keep our own plain
 decoding honest: our Python loop should not be slower than the vendor's C++ runner.
 """
 

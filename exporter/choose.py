@@ -7,11 +7,11 @@ can win; with one (VNNI, SDOT, i8mm) 8da8w verifies at ~1.1-1.25 decodes
 (benchmarks/README.md, "CPUs without an int8 dot product"). So the search measures:
 
 1. each candidate scheme (every scheme of the platform's row, at its default group size) is
-   exported as a complete bundle (exporter/export.py: its own perplexity against fp32 and the
+   exported as a complete bundle (exporter/pipeline.py: its own perplexity against fp32 and the
    verify-vs-step check), into a scratch directory beside the output;
 2. every (scheme, k) pair is timed, plain and speculative greedy decoding, over a short
    built-in suite, each pair in a worker process of its own and the prompts handed to them in
-   turn (mtp-bench --compare's machinery, devices/bench.py), every pass repeated so that the
+   turn (mtp-bench --compare's machinery, devices/bench_setups.py), every pass repeated so that the
    run-to-run spread is measured, not assumed; k is the manifest's runtime setting, so its
    candidates share one export;
 3. `pick` keeps, among the candidates within the perplexity bound whose output was identical
@@ -210,8 +210,8 @@ def export_auto(
     """Export `options` (quant "auto") as the candidate this machine runs fastest (module doc).
     `open_program` and `measure` are export_bundle's; `timer` times bundles (Timer)."""
     from mtp_edge.checkpoints import open_checkpoint
-    from mtp_edge.exporter.bundle import check_writable
-    from mtp_edge.exporter.export import default_out, export_bundle
+    from mtp_edge.exporter.bundle_writer import check_writable
+    from mtp_edge.exporter.pipeline import default_out, export_bundle
     from mtp_edge.files import atomic_directory
     from mtp_edge.memory import program_gb
     from mtp_edge.quantize.schemes import default_group_size

@@ -1,5 +1,5 @@
 """Loading for an export, shared by the exporting process and the child that lowers
-(exporter/isolated.py, lowering_child.py): the target (quantized as it is read where the
+(exporter/lowering_parent.py, lowering_child.py): the target (quantized as it is read where the
 platform declares a load hook) and its drafter, the fp32 reference perplexity, and the drafter
 as the manifest records it. Neither side imports the other; both import this.
 """

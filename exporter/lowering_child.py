@@ -1,4 +1,4 @@
-"""The child process of an export (exporter/isolated.py has the parent's side and the why):
+"""The child process of an export (exporter/lowering_parent.py has the parent's side and the why):
 read the job as JSON on stdin (the options as the parent resolved them), load, quantize and lower
 into the bundle's directory (exporter/loading.py, which the parent's side imports too), and
 report progress and the result as JSON lines on the pipe whose descriptor is the first argument;

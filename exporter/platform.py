@@ -1,5 +1,7 @@
 """What an export is asked (ExportOptions, and `resolve_options`, which decides and checks it
-once), what export_bundle hands a platform module, and the pieces those modules share.
+once), the job a platform module gets (ExportJob, built by exporter/loading.py in whichever
+process loads the model: the exporting one, or the child that lowers), and the pieces those
+modules share.
 
 A platform module (exporter/executorch.py, onnx.py, coreml.py: one per `mtp-export --target`,
 named by its row of the platform table, mtp_edge/platforms.py) provides two functions:
@@ -67,7 +69,7 @@ class ExportOptions:
     # ExecuTorch's stock runners carry, with a verify method that calls it once per row.
     attention_kernel: str = "mtp"
     # A platform that quantizes while loading (android) loads and lowers in a child process,
-    # so that what lowering leaves allocated is gone before the quality checks (export.py).
+    # so that what lowering leaves allocated is gone before the quality checks (pipeline.py).
     # False keeps everything in this process (a debugger sees it all).
     isolate: bool = True
 
@@ -94,7 +96,8 @@ class ExportJob:
 
 
 class PlatformModule(Protocol):
-    """A platform's exporter module, as export_bundle calls it (module doc)."""
+    """A platform's exporter module, as loading.py, pipeline.py and lowering_child.py call it
+    (module doc)."""
 
     def check(self, job: ExportJob) -> None: ...
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from mtp_edge.devices.acceptance import measure_bundle_acceptance
 from mtp_edge.errors import ContextFull, UserError
-from mtp_edge.exporter.export import ExportOptions, export_bundle
+from mtp_edge.exporter.pipeline import ExportOptions, export_bundle
 from mtp_edge.limits import check, check_stop
 from mtp_edge.manifest import Manifest
 from mtp_edge.platforms import platform
@@ -515,7 +515,7 @@ def auto_timer(progress: Callable[[str], None]):
     measures them (a worker process per setup, prompts in turn), without peer baselines."""
 
     def time_setups(setups: list[tuple[Path, int]], plan) -> tuple[list[dict], int]:
-        from mtp_edge.devices.bench import Stopped, bench
+        from mtp_edge.devices.bench_setups import Stopped, bench
         from mtp_edge.devices.harness import load_prompts
         from mtp_edge.runtime.bundle import open_bundle
 

@@ -40,7 +40,7 @@ class Platform:
     # Hooks, each off unless declared:
     # - the exporter module has `load_hook(options, skeleton, draft=False)`, which quantizes each
     #   part of a model as it is read; such a platform loads and lowers in a child process
-    #   (exporter/isolated.py), so that what lowering leaves allocated dies with it;
+    #   (exporter/lowering_parent.py), so that what lowering leaves allocated dies with it;
     load_hook: bool = False
     # - the export's peak memory, said before the slow part (mtp_edge/memory.py):
     #   (config, quant, group_size, embedding_quant, max_seq_len) -> (peak, program, cache) GB;

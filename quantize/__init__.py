@@ -1,1 +1,2 @@
-"""Quantization schemes and their application per export target; the quality report."""
+"""Quantization schemes per platform, applied a part of the model at a time; the quality report
+(perplexity before and after, verify-vs-step)."""

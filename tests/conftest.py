@@ -179,27 +179,27 @@ def copy_bundle(tmp_path):
 
 @pytest.fixture(scope="session", autouse=True)
 def one_native_build_at_a_time():
-    """mtp_edge.runtime.native.build under NATIVE_BUILD_LOCK for the whole run: test modules in
-    other processes (xdist workers) build in the same runtime/native/build."""
-    from mtp_edge.runtime import native
+    """mtp_edge.runtime.native_runner.build under NATIVE_BUILD_LOCK for the whole run: test
+    modules in other processes (xdist workers) build in the same runtime/native/build."""
+    from mtp_edge.runtime import native_runner
 
-    build = native.build
+    build = native_runner.build
 
     def locked_build(*args, **kwargs):
         with file_lock(NATIVE_BUILD_LOCK):
             return build(*args, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(native, "build", locked_build)
+        patch.setattr(native_runner, "build", locked_build)
         yield
 
 
 @pytest.fixture(scope="session")
-def native_runner() -> Path:
+def host_runner() -> Path:
     """The host build of the native runtime (runtime/native/build): mtp-runner's path."""
-    from mtp_edge.runtime import native
+    from mtp_edge.runtime import native_runner
 
-    return native.build(jobs=1)
+    return native_runner.build(jobs=1)
 
 
 def _mkdir(path: Path) -> Path:

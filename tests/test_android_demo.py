@@ -34,7 +34,7 @@ from click.testing import CliRunner
 
 from mtp_edge.cli import export
 from mtp_edge.manifest import Manifest
-from mtp_edge.runtime import native
+from mtp_edge.runtime import native_runner
 from mtp_edge.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,7 +83,7 @@ def _includes(jdk: Path) -> list[str]:
     native_dir = ROOT / "runtime" / "native"
     includes = [f"-I{jdk / 'include'}", f"-I{jdk / 'include' / 'linux'}"]
     includes.append(f"-I{native_dir / 'include'}")
-    nlohmann = native.nlohmann_include()
+    nlohmann = native_runner.nlohmann_include()
     if nlohmann is not None:
         includes.append(f"-idirafter{nlohmann}")  # after the system's, as CMake's fallback
     return includes
@@ -147,7 +147,7 @@ def jni_build(jdk, tools, tmp_path_factory) -> tuple[Path, str]:
     """libmtp_demo_jni.so linked with the host core, and the classpath of the app's non-UI
     Kotlin compiled with the drivers."""
     _skip_if_missing(tools, build_apk.HOST_TOOLS)
-    core_dir = Path(native.build(jobs=1)).parent  # libmtp_edge.so sits beside mtp-runner
+    core_dir = Path(native_runner.build(jobs=1)).parent  # libmtp_edge.so sits beside mtp-runner
     out = tmp_path_factory.mktemp("jni")
     _run(
         ["g++", "-std=c++17", "-O1", "-shared", "-fPIC", str(JNI_SOURCE)]
@@ -315,7 +315,8 @@ def _chat_run(bundle_dir: Path) -> dict[str, list[dict]]:
     """tests/test_core.cpp's chat run on the bundle (which checks, in C++, that each answer
     with the cache kept equals the answer after a prefill of the whole conversation): its
     answers by what they were."""
-    done = _run([str(native.build(jobs=1).parent / "mtp-native-tests"), "chat", str(bundle_dir)])
+    unit_tests = native_runner.build(jobs=1).parent / "mtp-native-tests"
+    done = _run([str(unit_tests), "chat", str(bundle_dir)])
     answers: dict[str, list[dict]] = {}
     for line in done.stdout.splitlines():
         row = json.loads(line)

@@ -27,10 +27,10 @@ from test_native import python_runs, run_native, suite_ids
 from mtp_edge.cli import profile
 from mtp_edge.devices.harness import NEAR_TIE
 from mtp_edge.devices.profile import runner_abi
-from mtp_edge.runtime import native
+from mtp_edge.runtime import native_runner
 from mtp_edge.runtime.loop import first_divergence
 
-CROSS = native.SOURCE_DIR / "cross"
+CROSS = native_runner.SOURCE_DIR / "cross"
 SYSROOT = "/usr/aarch64-linux-gnu"
 QEMU_CPU = "max,sme=off"
 INSTALL = "apt-get install -y g++-aarch64-linux-gnu qemu-user"
@@ -239,8 +239,8 @@ def test_arm64_verify_rows_are_bitwise_one_token_steps(
     steps, wide, end_steps, end_wide = logits_of(arm, spec, tmp_path / "arm64.f32")
     assert np.array_equal(wide, steps), name
     assert np.array_equal(end_wide, end_steps), name
-    native.build(jobs=1)
-    x86 = logits_of([str(native.BUILD_DIR / "mtp-logits")], spec, tmp_path / "x86.f32")[0]
+    native_runner.build(jobs=1)
+    x86 = logits_of([str(native_runner.BUILD_DIR / "mtp-logits")], spec, tmp_path / "x86.f32")[0]
     assert np.abs(steps - x86).max() <= 0.05 * np.abs(x86).max(), name
 
 

@@ -297,9 +297,9 @@ def runner():
     """The native runner (runtime/native/build), for the same checks in C++."""
     if shutil.which("cmake") is None:
         pytest.skip("the native runtime needs cmake")
-    from mtp_edge.runtime import native
+    from mtp_edge.runtime import native_runner
 
-    return native.build(jobs=1)
+    return native_runner.build(jobs=1)
 
 
 @pytest.mark.parametrize(
@@ -407,15 +407,15 @@ def test_a_line_said_during_a_childs_bar_gets_a_line_of_its_own(capsys):
     """The export's child draws its bar on our stderr without ending the line; a progress line
     said meanwhile (through the parent) must not be appended to the bar."""
     from mtp_edge import logs
-    from mtp_edge.exporter import isolated
+    from mtp_edge.exporter import lowering_parent
 
     read, write = os.pipe()
     os.write(write, b"lowering to XNNPACK:  45%|####5     | 02:20 elapsed")
     os.close(write)
     with os.fdopen(read, "rb") as stream:
-        isolated._forward(stream)
+        lowering_parent._forward(stream)
     logs.set_verbosity(quiet=False)
-    isolated._on_own_line(logs.say, "[lower] XNNPACK")
+    lowering_parent._on_own_line(logs.say, "[lower] XNNPACK")
     err = capsys.readouterr().err
     assert "\n[lower] XNNPACK\n" in err or "\r\x1b[K[lower] XNNPACK\n" in err, repr(err)
 

@@ -194,16 +194,16 @@ def test_export_refuses_a_nan_fp32_perplexity(monkeypatch, ok_dir, tmp_path):
     """A target whose fp32 perplexity is NaN is refused before anything is quantized."""
     from types import SimpleNamespace
 
-    from mtp_edge.exporter import export, loading
+    from mtp_edge.exporter import loading, pipeline
     from mtp_edge.exporter.platform import ExportOptions
 
     exported = []
     platform = SimpleNamespace(check=lambda job: None, export=lambda job, d: exported.append(d))
-    monkeypatch.setattr(export, "platform_module", lambda name: platform)
+    monkeypatch.setattr(pipeline, "platform_module", lambda name: platform)
     monkeypatch.setattr(loading, "perplexity", lambda *a, **k: float("nan"))
     options = ExportOptions(model=str(ok_dir), platform="onnx", drafter="ngram", quality_tokens=32)
     with pytest.raises(UserError) as error:
-        export.export_bundle(options, tmp_path / "bundle", lambda *a: None, progress=lambda s: 0)
+        pipeline.export_bundle(options, tmp_path / "bundle", lambda *a: None, progress=lambda s: 0)
     assert "perplexity" in one_line(error) and "nan" in str(error.value)
     assert exported == []
 

@@ -406,7 +406,7 @@ def test_mtp_runner_help_needs_no_build(tmp_path):
     """--help is answered from the source, with no CMake anywhere on the PATH."""
     env = {**os.environ, "PATH": str(Path(sys.executable).parent)}
     proc = subprocess.run(
-        [sys.executable, "-c", "from mtp_edge.runtime.native import main; main()", "--help"],
+        [sys.executable, "-c", "from mtp_edge.runtime.native_runner import main; main()", "--help"],
         capture_output=True,
         text=True,
         env=env,

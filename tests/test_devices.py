@@ -400,11 +400,11 @@ def test_profile_over_adb_pushes_runs_and_pulls(bundle, prompts, runner_binary, 
 def test_profile_over_adb_with_the_real_runner(bundle, prompts, tmp_path, fake_adb):
     """The stand-in device runs what was pushed: a host build of the native mtp-runner on the
     pushed bundle and prompts; the pulled reports merge into one, lossless like the runner's."""
-    from mtp_edge.runtime import native
+    from mtp_edge.runtime import native_runner
 
     set_scenario, commands, root = fake_adb
     set_scenario("exec")  # the stand-in reports an x86_64 device, like the host-built runner
-    runner = native.build(jobs=1)
+    runner = native_runner.build(jobs=1)
     result = run_profile(bundle, prompts, runner, tmp_path, "--max-new-tokens", "8")
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "device.json").read_text())

@@ -11,8 +11,8 @@ from tiny import hf_reference, save_hf_dir, save_random_heads, setup_options
 
 from mtp_edge.cli import bench, export, run
 from mtp_edge.errors import UserError
-from mtp_edge.exporter import export as export_module
-from mtp_edge.exporter.export import ExportOptions, export_bundle
+from mtp_edge.exporter import pipeline
+from mtp_edge.exporter.pipeline import ExportOptions, export_bundle
 from mtp_edge.manifest import DrafterSpec, Manifest
 
 PROMPT = "the cat the cat the cat"
@@ -280,7 +280,7 @@ def test_drafter_vocabulary_checked_at_export(model_dir, tmp_path):
     options = ExportOptions(model=str(model_dir), drafter=str(other), quality_tokens=0)
     with pytest.raises(UserError, match="vocabulary"):
         export_bundle(options, tmp_path / "b", open_program=None, progress=lambda _: None)
-    assert export_module.default_out(options, "m").name == "m-android"
+    assert pipeline.default_out(options, "m").name == "m-android"
 
 
 def test_exported_fp32_logits_match_eager(model_dir, tmp_path):

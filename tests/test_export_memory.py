@@ -78,7 +78,7 @@ def test_export_warns_before_it_starts_when_memory_is_short(monkeypatch):
     from mtp_edge import memory
     from mtp_edge.api import ExportOptions
     from mtp_edge.config import ModelConfig
-    from mtp_edge.exporter.export import forecast_memory
+    from mtp_edge.exporter.pipeline import forecast_memory
 
     # Qwen2.5-1.5B's shapes: a 1.78 GB program at 8da8w and a 0.12 GB cache of 2048 positions,
     # measured peak 5.97 GB.

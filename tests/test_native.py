@@ -29,7 +29,7 @@ import torch
 from tiny import setup_options, without_drafting_policy
 
 from mtp_edge.devices.harness import NEAR_TIE, load_prompts
-from mtp_edge.runtime import native
+from mtp_edge.runtime import native_runner
 from mtp_edge.runtime.bundle import bundle_drafter, open_bundle, target_session
 from mtp_edge.runtime.drafters import HybridDrafter, NgramDrafter
 from mtp_edge.runtime.loop import GenerationConfig, first_divergence, generate
@@ -40,8 +40,8 @@ PROMPT_TOKENS = 160  # the tail of each built-in prompt in the tiny tokenizer (c
 
 
 @pytest.fixture(scope="module")
-def runner(native_runner):
-    return native_runner
+def runner(host_runner):
+    return host_runner
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -247,7 +247,9 @@ def same_drafts(python_steps, native_steps, what: str, tie: float = NEAR_TIE) ->
 
 
 def test_cpp_unit_tests(runner):
-    done = subprocess.run([str(native.UNIT_TESTS)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [str(native_runner.UNIT_TESTS)], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr
     assert "all native core tests passed" in done.stdout
 
@@ -418,7 +420,7 @@ def test_runner_text_prompts_and_c_api_match_python(request, runner, tmp_path, b
     [(_, expected)] = python_runs(mtp_bundle, [("p", "c", ids)], "bundle")
     options = json.dumps({"max_new_tokens": MAX_NEW_TOKENS, "k": 4})
     done = subprocess.run(
-        [str(native.UNIT_TESTS), mtp_bundle, text, options],
+        [str(native_runner.UNIT_TESTS), mtp_bundle, text, options],
         capture_output=True,
         text=True,
         timeout=300,
@@ -523,7 +525,7 @@ def test_c_api_stop_strings_match_python(runner, mtp_bundle):
     assert len(expected.token_ids) == n and expected.stop_reason == "stop_string"
     options = {"max_new_tokens": MAX_NEW_TOKENS, "k": 4, "stop_strings": [NEVER, stop]}
     done = subprocess.run(
-        [str(native.UNIT_TESTS), mtp_bundle, text, json.dumps(options)],
+        [str(native_runner.UNIT_TESTS), mtp_bundle, text, json.dumps(options)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -552,7 +554,7 @@ def policy_mtp_bundle(mtp_bundle, tmp_path_factory):
 def c_api(bundle_dir: str, text: str, options: dict) -> subprocess.CompletedProcess:
     """tests/test_core.cpp's C API run: mtp_generate(text, options) on the bundle."""
     return subprocess.run(
-        [str(native.UNIT_TESTS), bundle_dir, text, json.dumps(options)],
+        [str(native_runner.UNIT_TESTS), bundle_dir, text, json.dumps(options)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -928,7 +930,7 @@ def test_python_and_native_readers_share_the_stamp(runner, mlp_mtp_bundle, tmp_p
 
 
 def mtp_runner_command(*args) -> list[str]:
-    return [sys.executable, "-c", "from mtp_edge.runtime.native import main; main()", *args]
+    return [sys.executable, "-c", "from mtp_edge.runtime.native_runner import main; main()", *args]
 
 
 def test_mtp_runner_checks_arguments_before_building(runner, tmp_path):
@@ -976,11 +978,11 @@ def test_mtp_runner_checks_arguments_before_building(runner, tmp_path):
 def test_options_taking_values_match_the_runner_source():
     """mtp-runner reads the options that take a value from the usage text of mtp_runner.cpp;
     they are the options whose branch in run() reads a value."""
-    source = native.RUNNER_SOURCE.read_text()
+    source = native_runner.RUNNER_SOURCE.read_text()
     branches = re.findall(r'flag == "(--[\w-]+)"[^{]*\{(.*?)\n    \}', source, re.S)
     assert len(branches) > 20
     reads_value = {flag for flag, body in branches if "value()" in body}
-    assert native.value_flags(native.usage()) == reads_value
+    assert native_runner.value_flags(native_runner.usage()) == reads_value
 
 
 def test_failed_configure_then_fixed_one_builds(tmp_path):
@@ -990,13 +992,13 @@ def test_failed_configure_then_fixed_one_builds(tmp_path):
     pip package's headers (the fallback when the system has none), and builds."""
     from mtp_edge.errors import UserError
 
-    include = native.nlohmann_include()
+    include = native_runner.nlohmann_include()
     if include is None:
         pytest.skip("the nlohmann_json pip package is not installed (pip install nlohmann_json)")
     build_dir = tmp_path / "build"
     hidden = "-DCMAKE_DISABLE_FIND_PACKAGE_nlohmann_json=TRUE"
     with pytest.raises(UserError) as refused:
-        native.build(
+        native_runner.build(
             jobs=1, build_dir=build_dir, configure_args=[hidden, "-DMTP_NLOHMANN_INCLUDE="]
         )
     assert str(refused.value) == (
@@ -1005,12 +1007,12 @@ def test_failed_configure_then_fixed_one_builds(tmp_path):
     )
     assert not build_dir.exists()
 
-    command = ["cmake", "-S", str(native.SOURCE_DIR), "-B", str(build_dir), hidden]
+    command = ["cmake", "-S", str(native_runner.SOURCE_DIR), "-B", str(build_dir), hidden]
     done = subprocess.run(command, capture_output=True, text=True)
     assert done.returncode != 0
     assert (build_dir / "CMakeCache.txt").is_file() and not (build_dir / "Makefile").exists()
 
-    runner = native.build(jobs=1, build_dir=build_dir, configure_args=[hidden])
+    runner = native_runner.build(jobs=1, build_dir=build_dir, configure_args=[hidden])
     cache = (build_dir / "CMakeCache.txt").read_text()
     assert f"MTP_NLOHMANN_INCLUDE:UNINITIALIZED={include}" in cache
     flags = (build_dir / "CMakeFiles" / "mtp_edge.dir" / "flags.make").read_text()

@@ -46,7 +46,7 @@ def _run(command: list[str]) -> None:
 @pytest.fixture(scope="session")
 def mtp_tokenize() -> Path:
     """Build only mtp-tokenize in runtime/native/build, configured (once) as
-    mtp_edge.runtime.native.build configures it."""
+    mtp_edge.runtime.native_runner.build configures it."""
     print("building mtp-tokenize with cmake (-j1)...", file=sys.stderr)
     with file_lock(NATIVE_BUILD_LOCK):  # other test processes may build there too
         if not (BUILD / "CMakeCache.txt").is_file():

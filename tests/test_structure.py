@@ -1,4 +1,5 @@
-"""The house plan's doors, checked on the source: who may import whom, and no import cycle.
+"""The house plan's doors, checked on the source: who may import whom, no import cycle, and one
+meaning per file name (no two modules share one, no module shares a stem with a folder beside it).
 
 Every `import` of an mtp_edge module counts, also inside functions: a lazy import still ties the
 two modules together. The rooms (see the README's map):
@@ -49,6 +50,26 @@ def package_files() -> dict[str, Path]:
                 parts = parts[:-1]
             modules[".".join((package, *parts))] = file
     return modules
+
+
+def name_clashes(files: list[Path], root: Path = ROOT) -> list[str]:
+    """Module files that share a name (`__init__.py` aside), and modules beside a folder of their
+    stem (runtime/x.py next to runtime/x/): either makes a traceback or a reader guess which."""
+    by_name: dict[str, list[Path]] = {}
+    for file in files:
+        if file.name != "__init__.py":
+            by_name.setdefault(file.name, []).append(file)
+    clashes = [
+        f"{name}: " + ", ".join(str(f.relative_to(root)) for f in sorted(same))
+        for name, same in sorted(by_name.items())
+        if len(same) > 1
+    ]
+    clashes += [
+        f"{file.relative_to(root)} sits beside the folder {file.relative_to(root).with_suffix('')}/"
+        for file in sorted(files)
+        if file.with_suffix("").is_dir()
+    ]
+    return clashes
 
 
 def room(module: str) -> str:
@@ -108,9 +129,26 @@ def graph() -> dict[str, set[str]]:
 def test_every_package_is_found():
     modules = set(package_files())
     names = ("mtp_edge.cli", "mtp_edge.cli.run", "mtp_edge.manifest", "mtp_edge.runtime.loop",
-             "mtp_edge.train", "mtp_edge.exporter.export", "mtp_edge.devices.harness")  # fmt: skip
+             "mtp_edge.train", "mtp_edge.exporter.pipeline",
+             "mtp_edge.devices.harness")  # fmt: skip
     for name in names:
         assert name in modules
+
+
+def test_one_meaning_per_file_name():
+    clashes = name_clashes(list(package_files().values()))
+    assert not clashes, "rename so that each file name is one module's:\n" + "\n".join(clashes)
+
+
+def test_the_name_check_sees_shared_names_and_folders(tmp_path):
+    for path in ("a/report.py", "b/report.py", "b/native.py", "b/native/x.cpp", "a/__init__.py",
+                 "b/__init__.py", "a/only.py"):  # fmt: skip
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("")
+    assert name_clashes(list(tmp_path.rglob("*.py")), tmp_path) == [
+        "report.py: a/report.py, b/report.py",
+        "b/native.py sits beside the folder b/native/",
+    ]
 
 
 def test_imports_go_through_the_doors():
@@ -169,15 +207,19 @@ def test_the_package_root_is_in_the_graph_and_the_ground_does_not_reach_it():
 
 
 def test_the_export_child_does_not_reenter_the_parent():
-    """The parent (exporter.export, through exporter.isolated) starts the child
+    """The parent (exporter.pipeline, through exporter.lowering_parent) starts the child
     (exporter.lowering_child); both import the loading module, and the child reaches neither
     the parent's modules nor the API or the CLI."""
     edges = graph()
     child = "mtp_edge.exporter.lowering_child"
-    assert child in edges["mtp_edge.exporter.isolated"]  # seen through `-m`
+    assert child in edges["mtp_edge.exporter.lowering_parent"]  # seen through `-m`
     assert "mtp_edge.exporter.loading" in edges[child]
-    assert "mtp_edge.exporter.loading" in edges["mtp_edge.exporter.export"]
-    parent_side = {"mtp_edge.exporter.export", "mtp_edge.exporter.isolated", "mtp_edge.api"}
+    assert "mtp_edge.exporter.loading" in edges["mtp_edge.exporter.pipeline"]
+    parent_side = {
+        "mtp_edge.exporter.pipeline",
+        "mtp_edge.exporter.lowering_parent",
+        "mtp_edge.api",
+    }
     assert not reachable(edges, child) & parent_side
     assert not any(room(m) == "cli" for m in reachable(edges, child))
 

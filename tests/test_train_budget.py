@@ -27,6 +27,7 @@ from mtp_edge.train.budget import (
     SELF_WRITTEN_SHARE,
     Budget,
 )
+from mtp_edge.train.final_report import final_report
 from mtp_edge.train.labels import (
     AUTO_VOCAB_RANGE,
     COVERAGE_GOAL,
@@ -35,7 +36,6 @@ from mtp_edge.train.labels import (
 )
 from mtp_edge.train.losses import IGNORE, evaluate, rope_tables
 from mtp_edge.train.options import artifact_paths
-from mtp_edge.train.report import final_report
 
 WORDS = "the cat sat on a mat and then the dog ran to the park while birds sang in trees".split()
 

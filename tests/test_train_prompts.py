@@ -17,7 +17,7 @@ from mtp_edge.request_log import RequestLog
 from mtp_edge.train import Sequence, TrainOptions, train_heads
 from mtp_edge.train.options import artifact_paths
 from mtp_edge.train.prompts import YOURS, read_prompts
-from mtp_edge.train.run import _split_text
+from mtp_edge.train.stages import _split_text
 
 WORDS = "the cat sat on a mat and then the dog ran to the park while birds sang in trees".split()
 
@@ -119,7 +119,7 @@ def test_the_users_requests_are_split_on_their_own():
     train, heldout = _split_text(plain + yours, 0.1, 0, 1)
     assert not set(train) & set(heldout) and len(train) + len(heldout) == 60
     assert sum(i >= 40 for i in heldout) == 2 and sum(i < 40 for i in heldout) == 4
-    from mtp_edge.train.run import _split
+    from mtp_edge.train.stages import _split
 
     assert _split_text(plain, 0.1, 0, 1) == _split(40, 0.1, 0, 1)
 

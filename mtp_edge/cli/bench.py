@@ -84,10 +84,10 @@ def bench(
     """Plain vs speculative greedy decoding on the same backend, over a prompt suite."""
     import dataclasses
 
-    from mtp_edge.devices.bench import Stopped, partial_markdown
-    from mtp_edge.devices.bench import bench as measure
+    from mtp_edge.devices.bench_setups import Stopped, partial_markdown
+    from mtp_edge.devices.bench_setups import bench as measure
     from mtp_edge.devices.harness import load_prompts, to_markdown
-    from mtp_edge.devices.isolated import compare_spec
+    from mtp_edge.devices.workers import compare_spec
 
     if compare and opts["bundle"] is None:
         raise UserError("--compare puts bundles side by side: give the first one with --bundle")

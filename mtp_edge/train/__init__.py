@@ -19,7 +19,7 @@ Four stages, each a plain function:
 
 `--minutes N` gives the stages one wall-clock budget (budget.py: how it is split, measured on
 this machine as the run goes); the output is the best held-out heads of the run, and the run
-ends with a one-screen report (report.py).
+ends with a one-screen report (final_report.py).
 
 Runs under `torchrun --nproc_per_node=N` (gloo): ranks share the generation, label and train on
 their own shard of sequences, and DistributedDataParallel averages the gradients. Only rank 0
@@ -44,10 +44,10 @@ Modules, each importing only those above it:
 - context: the attention of heads that attend, for all origins at once (TrainContext).
 - losses: stage 4's test: batches, losses, held-out evaluation.
 - resume: checkpoints and the checks a resumed run makes.
-- loop: the step loop and the learning-rate schedule.
+- step_loop: the step loop and the learning-rate schedule.
 - rates: what the run measures (labelling and training-step rates; a draft step's cost).
-- report: the final report.
-- run: the run (train_heads): the stages in order, DDP, the best held-out heads.
+- final_report: the report a run ends with.
+- stages: the run (train_heads): the stages in order, DDP, the best held-out heads.
 """
 
 from mtp_edge.train.corpus import Sequence, doc_topics
@@ -57,7 +57,7 @@ from mtp_edge.train.int8 import Int8Linear, int8_writer
 from mtp_edge.train.labels import Labels, draft_vocabulary, label_sequences, label_with_session
 from mtp_edge.train.losses import rope_tables, sequence_batch
 from mtp_edge.train.options import TrainOptions
-from mtp_edge.train.run import train_heads
+from mtp_edge.train.stages import train_heads
 from mtp_edge.train.writer import build_corpus
 
 __all__ = [

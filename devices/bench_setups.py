@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from mtp_edge.devices.harness import Prompt, Suite, bench_report, progress_line
-from mtp_edge.devices.isolated import IsolatedSetup
+from mtp_edge.devices.workers import IsolatedSetup
 from mtp_edge.errors import Terminated
 from mtp_edge.logs import progress_bar
 from mtp_edge.runtime.assemble import LoadOptions, assemble
@@ -57,7 +57,7 @@ def bench(
     peer: bool = True,
 ) -> list[dict]:
     """Each setup's report. One setup runs here; several run in a worker process each
-    (devices/isolated.py: runtimes in one process slow each other down), prompt by prompt in
+    (devices/workers.py: runtimes in one process slow each other down), prompt by prompt in
     turn so that machine drift hits all alike. Interrupted after at least one prompt, it raises
     `Stopped` with the reports of the prompts done (no peer baselines: they take minutes).
     `peer` False leaves the peer baselines out of the finished reports too."""

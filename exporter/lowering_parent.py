@@ -1,5 +1,6 @@
-"""The heavy half of an export in a process of its own: load (quantizing a part at a time),
-take the fp32 reference perplexity, lower, write the programs; then exit.
+"""The parent's side of the heavy half of an export, which runs in a process of its own: load
+(quantizing a part at a time), take the fp32 reference perplexity, lower, write the programs;
+then exit.
 
 Lowering a quantized model to XNNPACK leaves memory allocated that nothing in Python holds any
 more (measured on Qwen2.5-0.5B: ~1.3 GB after `gc.collect()`), and the quality checks that

@@ -1,5 +1,5 @@
 """The run, in stages: setup (the target, who writes and labels), writing, labelling, the heads
-and their optimizer, the step loop (loop.py), evaluation of the best heads and the report. The
+and their optimizer, the step loop (step_loop.py), evaluation of the best heads and the report. The
 stages share a Run (state.py) and hand each other what they made; under --minutes, each stage
 runs on its deadline (budget.py).
 
@@ -33,6 +33,7 @@ from mtp_edge.mtp import (
 )
 from mtp_edge.train.budget import Budget, minutes_left
 from mtp_edge.train.engines import set_up_engines
+from mtp_edge.train.final_report import final_report
 from mtp_edge.train.labels import (
     Labels,
     cached_labels,
@@ -44,14 +45,13 @@ from mtp_edge.train.labels import (
     labels_to,
     select_sequences,
 )
-from mtp_edge.train.loop import held_out, train_steps
 from mtp_edge.train.losses import IGNORE, describe, rope_tables
 from mtp_edge.train.options import TrainOptions, artifact_paths
 from mtp_edge.train.prompts import YOURS, encode_request, read_prompts
 from mtp_edge.train.rates import measure_rates
-from mtp_edge.train.report import final_report
 from mtp_edge.train.resume import comparable, load_checkpoint, read_state
 from mtp_edge.train.state import Labelled, Run, Scores, Trainer
+from mtp_edge.train.step_loop import held_out, train_steps
 from mtp_edge.train.writer import build_corpus
 
 

@@ -1,4 +1,6 @@
-"""`mtp-export`: load a target (and drafter), quantize, export, measure quality, write a bundle."""
+"""`export_bundle`, what `mtp-export` and the API's `export` run: load a target (and drafter),
+quantize, export, measure quality, write a bundle; and the disk and memory it will need,
+forecast before it starts."""
 
 from __future__ import annotations
 
@@ -99,10 +101,10 @@ def export_bundle(
 
     The options are decided and checked first (resolve_options), before anything loads. A
     platform whose row declares a `load_hook` (it quantizes while loading) loads and lowers in a
-    process of its own (exporter/isolated.py): what lowering leaves allocated dies with that
+    process of its own (exporter/lowering_parent.py): what lowering leaves allocated dies with that
     process, before the quality checks load the program. The others load and convert here.
     """
-    from mtp_edge.exporter.bundle import check_writable, write_bundle
+    from mtp_edge.exporter.bundle_writer import check_writable, write_bundle
 
     options = resolve_options(options, progress)
     if options.quant == "auto":  # exporter/choose.py exports each candidate through this
@@ -135,7 +137,7 @@ def export_bundle(
     isolated = options.isolate and row.load_hook
 
     if isolated:
-        from mtp_edge.exporter.isolated import export_in_child
+        from mtp_edge.exporter.lowering_parent import export_in_child
 
         # Nothing of the model is loaded here: the child process loads, quantizes and lowers.
         target = LoadedModel(None, tokenizer, config, checkpoint.name, checkpoint.path)  # type: ignore[arg-type]
