@@ -127,7 +127,13 @@ def main() -> None:
             f"{elapsed:.0f} s, ~{left:.0f} s left",
             flush=True,
         )
+        if done % 20 == 0 and done < len(requests):
+            write(args, rows, elapsed)
 
+    print(write(args, rows, time.perf_counter() - start))
+
+def write(args, rows: list[dict], seconds: float) -> str:
+    """The results of the requests so far (a partial stream says so)."""
     half = len(rows) // 2
     adaptation = rows[-1]["adaptation"]
     summary = {
@@ -144,14 +150,15 @@ def main() -> None:
             "at_end": rows[-1]["rss_mb"],
             "max": max(r["rss_mb"] for r in rows),
         },
-        "seconds": round(time.perf_counter() - start, 1),
+        "seconds": round(seconds, 1),
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
     last, first = summary["last_half"], summary["first_half"]
     lines = [
-        f"# Online adaptation on a {len(rows)}-request stream (Python stdlib questions)",
+        f"# Online adaptation on a {len(rows)}-request stream (Python stdlib questions)"
+        + ("" if len(rows) == args.requests else f" (partial: {args.requests} planned)"),
         "",
         f"Bundle {args.bundle}, greedy, {args.max_new_tokens} new tokens, "
         f"output identical to plain: {summary['identical']}/{len(rows)}.",
@@ -180,7 +187,7 @@ def main() -> None:
         "",
     ]
     out.with_suffix(".md").write_text("\n".join(lines))
-    print("\n".join(lines))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

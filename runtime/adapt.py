@@ -17,17 +17,24 @@ The target decides every token as before: only the drafts change, so greedy outp
 token-identical to plain decoding and sampling keeps the target's distribution (the draft
 distribution q is taken from the corrected logits, before drawing).
 
-Cost, bounded by accounting: each request earns `share` (default 10%) of its generation time as
-credit (capped, so idle time does not pile up into a long burst); optimizer steps run while the
-credit covers the measured time of one step, and what they take is charged. The correction adds
-a rank-r product per draft step (r * (D + Vd) multiply-adds; r = 32 on a 576-wide head with 8192
-draft tokens: ~280k, about 4% of the head's step).
+Training needs no weights of the program: a pair keeps the features f (float32), the draft
+logits the program returned for them (float16) and the target's token; a step fits U and V by
+cross-entropy of (stored logits + U V f) on a batch drawn from the buffer. The buffer is
+preallocated (2048 pairs: 38 MB for a 576-wide head with 8192 draft tokens), so memory stays
+flat however long the stream.
 
-What needs what: training scores the correction against the head's own output layer (lm_head and
-final_norm), so the heads file the drafter was made from must be at hand: the eager drafter has
-it; a bundle's program does not expose its weights, and bundles do not carry the heads file, so
-the runtime takes `--heads FILE` or the heads shipped for the model, checked against the bundle
-(same draft vocabulary and training recipe as its manifest records).
+Cost, bounded by accounting: each request earns `share` (default 10%) of its generation time as
+credit (capped at 2 s, so idle time does not pile up into a long burst); optimizer steps run
+after the request while the credit covers the measured time of one step, and what they take is
+charged. Over a stream, adaptation time is at most the share of generation time plus one step.
+Drafting pays a rank-r product per draft step (r * (D + Vd) multiply-adds, r = 32: ~280k on the
+default head, ~4% of its step) and a copy of each step's outputs for the pairs.
+
+What needs what: the features are final_norm(next_h), and saving folds U V into lm_head, so the
+heads file the drafter was made from must be at hand. The eager drafter has it; a bundle's
+program does not expose its weights and bundles do not carry the heads file, so the runtime
+takes `--heads FILE` or the heads shipped for the model, checked against the bundle (same draft
+vocabulary, and the training recipe its manifest records).
 """
 
 from __future__ import annotations
@@ -47,33 +54,52 @@ from mtp_edge.runtime.mtp_drafter import MtpDrafter
 
 DEFAULT_SHARE = 0.10  # of generation time
 DEFAULT_RANK = 32
-DEFAULT_BUFFER = 4096  # pairs (D floats + one label each: 9.4 MB for D = 576)
+# pairs: D float32 features, Vd float16 logits and a label each (38 MB for D = 576, Vd = 8192)
+DEFAULT_BUFFER = 2048
 CREDIT_CAP_S = 2.0  # most seconds of adaptation saved up between requests
 MIN_PAIRS = 64  # no step before the buffer holds this many pairs
 TAIL = 8  # tokens before a draft kept to recognise the context it was drafted in
 
 
 class ReplayBuffer:
-    """The last `capacity` (features, draft-vocabulary label) pairs, in preallocated tensors: its
+    """The last `capacity` pairs: the head's features, the draft logits the program gave for
+    them (float16) and the target's token as a draft-vocabulary index. Preallocated tensors: its
     memory is fixed at creation however long the stream."""
 
-    def __init__(self, capacity: int, dim: int):
+    def __init__(self, capacity: int, dim: int, vocab: int):
         if capacity < 1:
             raise UserError(f"the adaptation buffer needs >= 1 pair, got {capacity}")
         self.features = torch.zeros(capacity, dim)
+        self.logits = torch.zeros(capacity, vocab, dtype=torch.float16)
         self.labels = torch.zeros(capacity, dtype=torch.long)
         self.capacity, self.size, self.next, self.added = capacity, 0, 0, 0
 
-    def add(self, feature: torch.Tensor, label: int) -> None:
-        self.features[self.next] = feature
-        self.labels[self.next] = label
-        self.next = (self.next + 1) % self.capacity
-        self.size = min(self.size + 1, self.capacity)
-        self.added += 1
+    def add(self, features: torch.Tensor, logits: torch.Tensor, labels: list[int]) -> None:
+        """Rows of pairs, oldest first (of more than `capacity`, the newest are kept)."""
+        self.added += len(labels)
+        keep = min(len(labels), self.capacity)
+        features, logits = features[len(labels) - keep :], logits[len(labels) - keep :]
+        labels = torch.tensor(labels[len(labels) - keep :], dtype=torch.long)
+        done = 0
+        for lo, hi in self._slots(keep):
+            rows = slice(done, done + hi - lo)
+            self.features[lo:hi], self.logits[lo:hi] = features[rows], logits[rows]
+            self.labels[lo:hi] = labels[rows]
+            done += hi - lo
 
-    def sample(self, n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    def _slots(self, n: int) -> list[tuple[int, int]]:
+        """The slice(s) of the ring the next `n` (<= capacity) rows go to."""
+        first = min(n, self.capacity - self.next)
+        slots = [(self.next, self.next + first)]
+        if n > first:
+            slots.append((0, n - first))
+        self.next = (self.next + n) % self.capacity
+        self.size = min(self.size + n, self.capacity)
+        return slots
+
+    def sample(self, n: int, generator: torch.Generator):
         rows = torch.randint(self.size, (min(n, self.size),), generator=generator)
-        return self.features[rows], self.labels[rows]
+        return self.features[rows], self.logits[rows].float(), self.labels[rows]
 
 
 class Adapter:
@@ -86,29 +112,26 @@ class Adapter:
         share: float = DEFAULT_SHARE,
         rank: int = DEFAULT_RANK,
         capacity: int = DEFAULT_BUFFER,
-        batch: int = 128,
-        lr: float = 2e-3,
+        batch: int = 256,
+        lr: float = 1e-3,
         seed: int = 0,
     ):
         if not 0 < share <= 1:
             raise UserError(f"the adaptation share of generation time is in (0, 1], got {share}")
-        self.head = head  # the heads the drafter was made from (their output layer is read)
+        self.head = head  # the heads the drafter was made from (folded into when saving)
         self.source = source  # where they came from, for the saved file's recipe
         self.share, self.batch = share, batch
-        w = head.lm_head.weight.detach().float()
-        self.lm_head = w  # [Vd, D]
         self.norm_weight = head.final_norm.weight.detach().float()
         self.eps = head.final_norm.eps
-        vd, d = w.shape
+        vd, d = head.lm_head.weight.shape
         self.rng = torch.Generator().manual_seed(seed)
         self.u = torch.zeros(vd, rank, requires_grad=True)
         self.v = (torch.randn(rank, d, generator=self.rng) / math.sqrt(d)).requires_grad_()
         self.optimizer = torch.optim.Adam([self.u, self.v], lr=lr)
-        self.buffer = ReplayBuffer(capacity, d)
-        ids = head.draft_ids.long()
-        self.index = torch.full((int(ids.max()) + 1,), -1, dtype=torch.long)
-        self.index[ids] = torch.arange(len(ids))
+        self.buffer = ReplayBuffer(capacity, d, vd)
+        self.index = {int(t): i for i, t in enumerate(head.draft_ids.tolist())}
         self.active = False  # a correction is applied once a step has trained one
+        self._vw = self._ut = None  # V with the norm's weight folded in, U transposed
         self.credit = 0.0
         self.step_s: float | None = None  # measured time of one optimizer step
         self.steps = 0
@@ -120,37 +143,48 @@ class Adapter:
         x = g.float()
         return self.norm_weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
-    def correct(self, logits: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    def correct(self, logits: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """The draft logits of the step whose next_h is `g`, corrected: U V final_norm(g), with
+        the norm's weight folded into V (a few small operations per draft step)."""
         if not self.active:
             return logits
-        with torch.no_grad():
-            return (logits.float() + (f @ self.v.T) @ self.u.T).to(logits.dtype)
+        x = g.float()
+        scale = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return logits + ((x @ self._vw) * scale @ self._ut).to(logits.dtype)
 
-    def add(self, feature: torch.Tensor, token: int) -> None:
-        label = int(self.index[token]) if token < len(self.index) else -1
-        if label >= 0:  # a token outside the draft vocabulary teaches the head nothing
-            self.buffer.add(feature, label)
+    def add(self, gs: list[torch.Tensor], logits: list[torch.Tensor], tokens: list[int]) -> None:
+        """Pairs of (a draft step's next_h and uncorrected draft logits, the target's token)."""
+        rows = [i for i, t in enumerate(tokens) if t in self.index]
+        if not rows:  # tokens outside the draft vocabulary teach the head nothing
+            return
+        f = self.features(torch.stack([gs[i] for i in rows]))
+        base = torch.stack([logits[i] for i in rows]).to(torch.float16)
+        self.buffer.add(f, base, [self.index[tokens[i]] for i in rows])
 
     def train_step(self) -> float:
-        f, y = self.buffer.sample(self.batch, self.rng)
-        with torch.no_grad():
-            base = f @ self.lm_head.T
-        logits = base + (f @ self.v.T) @ self.u.T
-        loss = F.cross_entropy(logits, y)
+        f, base, y = self.buffer.sample(self.batch, self.rng)
+        loss = F.cross_entropy(base + (f @ self.v.T) @ self.u.T, y)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.optimizer.step()
-        self.active = True
+        self.refresh()
         self.steps += 1
         return loss.item()
+
+    def refresh(self) -> None:
+        """Drafting uses U and V as they are now."""
+        with torch.no_grad():
+            self._vw = (self.v * self.norm_weight).T.contiguous()
+            self._ut = self.u.T.contiguous()
+        self.active = True
 
     def after_request(self, generation_seconds: float) -> int:
         """Spend this request's share of time on optimizer steps; returns how many ran."""
         self.generation_seconds += generation_seconds
         self.credit = min(self.credit + self.share * generation_seconds, CREDIT_CAP_S)
         ran = 0
-        while self.buffer.size >= MIN_PAIRS and self.credit >= (self.step_s or 0.0):
-            if self.step_s is None and self.credit <= 0:
+        while self.buffer.size >= MIN_PAIRS and self.credit > 0:
+            if self.step_s is not None and self.credit < self.step_s:
                 break
             start = time.perf_counter()
             self.train_step()
@@ -205,17 +239,15 @@ class AdaptingDrafter:
 
     def __init__(self, inner: MtpDrafter, adapter: Adapter):
         self.inner, self.adapter = inner, adapter
-        self.drafting = False
-        self.features: list[torch.Tensor] = []
-        self.pending: tuple | None = None  # (start, tail, tokens, features) of the last draft
+        self.steps: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # while drafting
+        self.pending: tuple | None = None  # (start, tail, tokens, steps) of the last draft
         step = inner.step_fn
 
         def corrected(h, tokens, position):
             logits, g = step(h, tokens, position)
-            f = adapter.features(g)
-            if self.drafting:
-                self.features.append(f[-1])
-            return adapter.correct(logits, f), g
+            if self.steps is not None:  # copies: a program may reuse its output buffers
+                self.steps.append((g[-1].clone(), logits[-1].clone()))
+            return adapter.correct(logits, g), g
 
         inner.step_fn = corrected
 
@@ -223,28 +255,30 @@ class AdaptingDrafter:
         """Pair the last draft's steps with the target's tokens, up to the first it rejected."""
         if self.pending is None:
             return
-        start, tail, tokens, features = self.pending
+        start, tail, drafted, steps = self.pending
         if len(context) <= start or context[start - len(tail) : start] != tail:
             return  # not yet verified, or another context: keep it for the next call
         self.pending = None
-        for i, (drafted, f) in enumerate(zip(tokens, features, strict=False)):
-            if start + i >= len(context):
-                break
-            self.adapter.add(f, context[start + i])
-            if context[start + i] != drafted:
-                break
+        n = 0
+        while n < len(drafted) and start + n < len(context):
+            n += 1
+            if context[start + n - 1] != drafted[n - 1]:
+                break  # the first rejected step counts too
+        gs, logits = [g for g, _ in steps[:n]], [z for _, z in steps[:n]]
+        self.adapter.add(gs, logits, context[start : start + n])
 
     def propose(self, context, hidden, k, sampler) -> Draft:
         self.take_pairs(context)
-        self.drafting, self.features = True, []
+        self.steps = []
         try:
             draft = self.inner.propose(context, hidden, k, sampler)
+            steps = self.steps
         finally:
-            self.drafting = False
+            self.steps = None
         if draft.tokens:
             start = len(context)
             tail = list(context[max(0, start - TAIL) : start])
-            self.pending = (start, tail, draft.tokens, self.features[: len(draft.tokens)])
+            self.pending = (start, tail, draft.tokens, steps[: len(draft.tokens)])
         return draft
 
     def observe(self, context, hidden) -> None:
