@@ -111,8 +111,12 @@ def load(model: str | Path = "default", *, bundle: str | Path | None = None, **o
     """A model ready to generate: `model` (HF directory, .gguf file or "default", on the eager
     backend) or an exported `bundle` (with its own drafter unless `drafter=` says otherwise).
     Keyword options are LoadOptions' fields: drafter, k, heads, adaptive_k, fallback, ngram_sizes,
-    draft_confidence, max_seq_len, chat, threads, parse_special. Each is checked before anything
-    loads (a UserError saying what is wrong).
+    draft_confidence, max_seq_len, chat, threads, parse_special, adapt. Each is checked before
+    anything loads (a UserError saying what is wrong).
+
+    `adapt=True` (MTP heads only) lets the heads learn from what the target verifies, between
+    requests, within 10% of generation time (runtime/adapt.py); output is unchanged, drafts
+    improve on the traffic served. `Model.save_heads(PATH)` writes the adapted heads.
 
     `log=DIR` appends every request to a local request log (mtp_edge/request_log.py: its
     messages, the answer's token ids and its tau), the text `mtp-train --prompts DIR` trains
@@ -131,6 +135,7 @@ _LOAD_TYPES = {
     "drafter": (str, True),
     "heads": (_PATH, True),
     "adaptive_k": (bool, False),
+    "adapt": (bool, False),
     "fallback": (bool, True),
     "ngram_sizes": (str, True),
     "chat": (bool, False),
@@ -287,6 +292,23 @@ class Model:
         with self._lock:
             return self._chunks(self._message_ids(messages), settings, messages)
 
+    @property
+    def adaptation(self) -> dict | None:
+        """With adapt=True: pairs learned from, optimizer steps, their time and its share of
+        generation time; else None."""
+        adapter = self.generator.adapter
+        return None if adapter is None else adapter.report()
+
+    def save_heads(self, path: str | Path) -> Path:
+        """Write the adapted MTP heads to `path` (.safetensors): the correction folded into the
+        heads' output layer, a heads file that `--heads` and `mtp-export --heads` take."""
+        with self._lock:
+            self._take_turn()
+            adapter = self.generator.adapter
+            if adapter is None:
+                raise UserError("save_heads needs a model loaded with adapt=True")
+            return adapter.save(path)
+
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             return self.generator.encode(prompt)
@@ -349,18 +371,21 @@ class Model:
         text = StreamText(gen.tokenizer.decode, config.stop_strings)
         steps = decode(gen.session, ids, gen.drafter, config, gen.tokenizer.decode, cached=keep)
         generated: list[int] = []
+        stats = None
         try:
             for step in steps:
                 generated += step.tokens
                 self._cache = (ids + generated)[: step.cache_len]
                 last = step.stop_reason is not None
                 piece = text.finish(generated) if last else text.feed(generated)
-                stats = step.stats if last else None
+                stats = step.stats
                 if last and logged is not None and self._log is not None:
                     self._log.append(
                         logged, generated, step.stats.tau, step.stop_reason, gen.name
                     )
-                yield Chunk(piece, step.tokens, len(ids), keep, step.stop_reason, stats)
+                yield Chunk(
+                    piece, step.tokens, len(ids), keep, step.stop_reason, stats if last else None
+                )
         except GeneratorExit:
             raise  # closed by its reader: the cache record is that of the last step
         except BaseException:
@@ -368,6 +393,8 @@ class Model:
             raise
         finally:
             steps.close()  # lets the drafter take in the last verified step
+            if gen.adapter is not None and stats is not None:  # learn, within its time share
+                gen.adapter.after_request(stats.ttft_ms / 1e3 + stats.decode_seconds)
             with self._lock:
                 self._open = None
                 self._stream_ends.notify_all()

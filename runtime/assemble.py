@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from mtp_edge.errors import UserError
+from mtp_edge.runtime.adapt import adapting, bundle_heads, check_can_adapt
 from mtp_edge.runtime.drafters import (
     Drafter,
     DraftModelDrafter,
@@ -56,6 +57,9 @@ class LoadOptions:
     # recognise special tokens (<|im_end|>...) typed in prompts; by default they are plain text,
     # so that user text cannot close its turn or speak as another role
     parse_special: bool = False
+    # MTP heads learn from verification while serving (runtime/adapt.py): drafts change, the
+    # output does not
+    adapt: bool = False
 
 
 @dataclass
@@ -71,6 +75,7 @@ class Generator:
     bundle: str | None
     draft_confidence: float = 0.0
     parse_special: bool = False
+    adapter: object | None = None  # runtime/adapt.py's Adapter, when the heads adapt
 
     def encode(self, prompt: str | list[dict]) -> list[int]:
         """A prompt's ids (one user turn in the chat template), or a conversation's."""
@@ -132,6 +137,10 @@ def assemble(
             raise UserError("give either --model or --bundle, not both")
         bundle = open_bundle(options.bundle)
         spec = bundle.manifest.drafter
+        if options.adapt:  # before the programs load
+            own = spec.kind + ("+ngram" if spec.lookup is not None else "")
+            check_can_adapt(drafter or own)
+            head, source = bundle_heads(bundle, options.heads)
         session = target_session(bundle)
         tokenizer, name, target = bundle.tokenizer, bundle.manifest.model_name, None
         if drafter is None:  # the bundle's drafter, as its exporter set it to run
@@ -143,6 +152,8 @@ def assemble(
         k = spec.k if k is None else k
     else:
         bundle = None
+        if options.adapt:
+            check_can_adapt(drafter or "ngram")
         target = load_model(options.model)
         tokenizer, name = target.tokenizer, target.name
         max_seq_len = min(options.max_seq_len, target.config.max_position_embeddings)
@@ -159,9 +170,21 @@ def assemble(
         stop_strings=tuple(stop_strings),
         eos_ids=tuple(tokenizer.eos_ids),
     )
+    if options.adapt and bundle is None:
+        head, source = _heads_to_adapt(target, options.heads)
     draft = build_drafter(
-        drafter, target, bundle, session.max_seq_len, ngram_sizes, confidence, options.heads
+        drafter,
+        target,
+        bundle,
+        session.max_seq_len,
+        ngram_sizes,
+        confidence,
+        options.heads,
+        loaded=head if options.adapt and bundle is None else None,
     )
+    adapter = None
+    if options.adapt:
+        draft, adapter = adapting(draft, head, source)
     return Generator(
         name,
         tokenizer,
@@ -172,7 +195,21 @@ def assemble(
         options.bundle,
         confidence,
         options.parse_special,
+        adapter,
     )
+
+
+def _heads_to_adapt(target, heads: str | None):
+    """The heads an adapting drafter on a model starts from (their output layer scores the
+    correction), and where they came from."""
+    from mtp_edge.mtp import heads_file, load_heads
+
+    path = heads_file(target.name, heads)
+    if path is None:
+        raise UserError(
+            f"no MTP heads ship for {target.name}: pass --heads (train them with mtp-train)"
+        )
+    return load_heads(path, target.model, target.name), str(path)
 
 
 def build_drafter(

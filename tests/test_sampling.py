@@ -94,3 +94,34 @@ def test_top_k_and_top_p_filtering():
 def test_invalid_sampling_values(kwargs, message):
     with pytest.raises(UserError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_adapting_mtp_drafts_keep_the_target_distribution(models):
+    """An MTP drafter whose correction learns and changes during the run (runtime/adapt.py):
+    every sample is still drawn as the target alone would draw it."""
+    from mtp_edge.mtp import MTPConfig, MTPHead
+    from mtp_edge.runtime.adapt import adapting
+    from mtp_edge.runtime.mtp_drafter import mtp_drafter
+
+    target, _ = models
+    torch.manual_seed(13)
+    head = MTPHead(MTPConfig(16, 32, VOCAB, VOCAB)).to(torch.float64).eval()
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.5)
+    drafter, adapter = adapting(mtp_drafter(head, target.model), head, "test")
+    dist = exact_distribution(target, SamplingParams(**PARAMS))
+    counts = Counter()
+    for seed in range(SAMPLES):
+        config = GenerationConfig(
+            max_new_tokens=NEW, k=2, sampling=SamplingParams(seed=seed, **PARAMS)
+        )
+        counts[tuple(generate(target, PROMPT, drafter, config).token_ids)] += 1
+        if seed % 2000 == 1999:  # learn, then exaggerate: the drafts move far from the head's
+            for _ in range(5):
+                adapter.train_step()
+            with torch.no_grad():
+                adapter.u *= 4.0
+            adapter.refresh()
+    assert adapter.buffer.added > SAMPLES  # drafted and verified all along
+    assert chi_square_pvalue(counts, dist, SAMPLES) > 1e-3

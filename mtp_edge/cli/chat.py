@@ -17,6 +17,8 @@ import click
 from mtp_edge import logs
 from mtp_edge.cli.common import (
     OneLineErrors,
+    adapt_option,
+    check_adapt,
     drafter_options,
     load_options,
     log_option,
@@ -29,6 +31,7 @@ from mtp_edge.tokenizer import _check_utf8 as check_utf8
 HELP = """commands:
   /reset   start a new conversation (the system prompt stays)
   /stats   speed and drafting of the last answer
+  /save P  write the adapted MTP heads to P (.safetensors; needs --adapt)
   /help    this list
   /exit    quit (also Ctrl-D); Ctrl-C stops an answer"""
 
@@ -38,13 +41,17 @@ HELP = """commands:
 @sampling_options
 @click.option("--system", default=None, help="System prompt that opens the conversation.")
 @log_option
-def chat(system, log, max_new_tokens, temperature, top_k, top_p, seed, stop_strings, **opts):
+@adapt_option
+def chat(
+    system, log, max_new_tokens, temperature, top_k, top_p, seed, stop_strings, save_heads, **opts
+):
     """Chat with a model or bundle in the terminal (multi-turn, streaming, KV cache reused)."""
     if opts["no_chat_template"]:
         raise UserError("mtp-chat renders the conversation with the chat template: drop "
                         "--no-chat-template (mtp-run takes raw text)")  # fmt: skip
     for text, what in [(system or "", "--system"), *((s, "--stop") for s in stop_strings)]:
         check_utf8(text, what)
+    check_adapt(opts["adapt"], save_heads)
     # Every check of the flags comes before the imports (torch, the backends) and the load.
     from mtp_edge.api import Model
     from mtp_edge.runtime.assemble import assemble
@@ -69,6 +76,12 @@ def chat(system, log, max_new_tokens, temperature, top_k, top_p, seed, stop_stri
     interrupts = Interrupts()
     signal.signal(signal.SIGINT, interrupts)
     conversation = Conversation(llm, opening, sampling, interrupts)
+    _converse(conversation, interrupts)
+    if save_heads:  # the conversation ended (/exit, Ctrl-D)
+        show(f"adapted heads written to {llm.save_heads(save_heads)}")
+
+
+def _converse(conversation, interrupts) -> None:
     while True:
         try:
             interrupts.at_prompt = True
@@ -128,6 +141,8 @@ class Conversation:
                 show("new conversation")
             elif command == "/stats":
                 show(_stats_line(self.last) if self.last else "no answer yet")
+            elif command == "/save":
+                self.save(text.split(maxsplit=1)[1:])
             elif command == "/help":
                 show(HELP)
             else:
@@ -144,6 +159,26 @@ class Conversation:
         if answer["finish_reason"] == "context_full":
             show("[the context is full: /reset starts a new conversation]")
         return False
+
+
+    def save(self, args: list[str]) -> None:
+        """/save PATH: the adapted heads, now (a bad path is a reply, not the end of the chat)."""
+        from mtp_edge.files import check_output
+
+        if self.llm.generator.adapter is None:
+            show("/save writes adapted heads: start mtp-chat with --adapt")
+            return
+        if not args or not args[0].endswith(".safetensors"):
+            show("/save takes a path ending in .safetensors, e.g. /save heads.safetensors")
+            return
+        try:
+            check_output(args[0], "/save")
+            path = self.llm.save_heads(args[0])
+        except UserError as e:
+            show(f"error: {e}")
+            return
+        a = self.llm.adaptation
+        show(f"adapted heads written to {path} ({a['steps']} steps on {a['pairs']} pairs)")
 
 
 def _answer(llm, messages: list[dict], sampling: dict, interrupts: Interrupts) -> dict:

@@ -252,6 +252,38 @@ def log_option(f):
     )(f)
 
 
+def adapt_option(f):
+    """--adapt and --save-heads PATH: MTP heads that learn while the command serves
+    (runtime/adapt.py), and where the adapted heads are written when it ends."""
+    f = click.option(
+        "--save-heads",
+        default=None,
+        metavar="PATH",
+        help="With --adapt: write the adapted heads to PATH (.safetensors) when the command ends, "
+        "for --heads and mtp-export --heads.",
+    )(f)
+    return click.option(
+        "--adapt",
+        is_flag=True,
+        help="MTP heads learn from what the target verifies, between requests, within 10% of "
+        "generation time; the output is unchanged, drafts improve on the text served (Python "
+        "runtime; MTP drafters only).",
+    )(f)
+
+
+def check_adapt(adapt: bool, save_heads: str | None) -> None:
+    """The --adapt flags, before anything loads."""
+    from mtp_edge.files import check_output
+
+    if save_heads is None:
+        return
+    if not adapt:
+        raise UserError("--save-heads writes adapted heads: add --adapt")
+    if not save_heads.endswith(".safetensors"):
+        raise UserError(f"--save-heads takes a .safetensors path, got {save_heads}")
+    check_output(save_heads, "--save-heads")
+
+
 def sampling_options(f):
     """Options shared by the commands that generate: length, sampling and stop strings (short
     names as llama.cpp's: -n, -s; --temp as MLX-LM's)."""
@@ -315,4 +347,5 @@ def load_options(opts: dict):
         chat=not opts["no_chat_template"],
         parse_special=opts["parse_special"],
         threads=opts["threads"],
+        adapt=opts.get("adapt", False),
     )

@@ -9,6 +9,8 @@ import click
 
 from mtp_edge.cli.common import (
     OneLineErrors,
+    adapt_option,
+    check_adapt,
     drafter_options,
     load_options,
     sampling_options,
@@ -74,6 +76,7 @@ def check_prompt(prompt: str, system: str | None, chat: bool) -> None:
     help="Write {text, token_ids, stop_reason, stats} as JSON to PATH (- for stdout, instead "
     "of the text).",
 )
+@adapt_option
 def run(
     prompt,
     prompt_file,
@@ -85,10 +88,12 @@ def run(
     seed,
     stop_strings,
     json_out,
+    save_heads,
     **opts,
 ):
     """Generate text with speculative decoding."""
     check_output(json_out, "--json")
+    check_adapt(opts["adapt"], save_heads)
     prompt = read_prompt(prompt, prompt_file)
     check_prompt(prompt, system, chat=not opts["no_chat_template"])
     for stop in stop_strings:
@@ -136,3 +141,5 @@ def run(
         f"{s.decode_tokens_per_s:.1f} tok/s, "
         f"tau {s.tau:.2f}, acceptance {s.acceptance_rate:.2f}, ttft {s.ttft_ms:.0f} ms"
     )
+    if save_heads:
+        say(f"adapted heads written to {model.save_heads(save_heads)}")

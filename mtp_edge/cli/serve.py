@@ -13,6 +13,8 @@ import click
 
 from mtp_edge.cli.common import (
     OneLineErrors,
+    adapt_option,
+    check_adapt,
     drafter_options,
     load_options,
     log_option,
@@ -45,9 +47,11 @@ from mtp_edge.tokenizer import _check_utf8 as check_utf8
 )
 @click.option("--model-name", default=None, help="The model's id for clients (default: its name).")
 @log_option
+@adapt_option
 def serve(
     host,
     log,
+    save_heads,
     port,
     max_queue,
     model_name,
@@ -62,6 +66,7 @@ def serve(
     """Serve a model with OpenAI's chat and completions API, one request at a time.
 
     The sampling flags are the defaults of requests that do not set them (-n: max_tokens).
+    With --adapt the heads learn after each request; --save-heads writes them at shutdown.
     """
     try:
         from mtp_edge.server import Defaults, Server, create_app
@@ -72,6 +77,7 @@ def serve(
         check_utf8(stop, "--stop")
     if log:
         RequestLog(log)  # an unwritable folder fails before the port is taken and the load
+    check_adapt(opts["adapt"], save_heads)
     listener = _listen(host, port)  # a taken port fails before the model loads
     try:
         from mtp_edge.api import load
@@ -93,6 +99,8 @@ def serve(
         server.run(sockets=[listener])
     finally:
         listener.close()
+    if save_heads:  # after a clean shutdown, a signal's included
+        say(f"mtp-serve: adapted heads written to {llm.save_heads(save_heads)}")
     # A signal stopped it, after a clean shutdown: exit as every command does, 128 + its number
     # (130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP).
     if server.stopped_by is None:

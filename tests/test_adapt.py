@@ -1,0 +1,165 @@
+"""Online adaptation of MTP heads (runtime/adapt.py): drafts change, the output never does; the
+buffer is bounded; the saved heads reproduce the adapted drafts; setups that cannot adapt say so
+in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from click.testing import CliRunner
+from tiny import amplify_cache_attention, save_random_heads
+
+import mtp_edge
+from mtp_edge.errors import UserError
+from mtp_edge.mtp import load_heads
+from mtp_edge.runtime.adapt import ReplayBuffer
+
+PROMPTS = ["abc abc abc", "the cat sat on the mat", "0123456789", "hello, hello", "zzz"]
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def heads_of(chat_tiny_dir, tmp_path_factory):
+    """kind -> random MTP heads for chat_tiny_dir (as the bundles' fixture makes them)."""
+    root = tmp_path_factory.mktemp("adapt-heads")
+
+    def heads(kind: str) -> str:
+        path = root / f"{kind}.safetensors"
+        if not path.exists():
+            save_random_heads(chat_tiny_dir, path, kind)
+            if kind != "none":
+                amplify_cache_attention(path)
+        return str(path)
+
+    return heads
+
+
+def adapt_hard(llm, steps: int = 20, scale: float = 50.0) -> None:
+    """Learn from PROMPTS, then blow the correction up: whatever it drafts, the output must not
+    change (and the drafts surely do)."""
+    for prompt in PROMPTS:
+        llm.generate(prompt, max_new_tokens=NEW)
+    adapter = llm.generator.adapter
+    assert adapter.buffer.size > 0  # verification gave pairs
+    for _ in range(steps):
+        adapter.train_step()
+    with torch.no_grad():
+        adapter.u *= scale
+    adapter.refresh()
+    assert adapter.active and float((adapter.u @ adapter.v).detach().abs().max()) > 0
+
+
+def drafting(llm) -> list[tuple]:
+    out = []
+    for prompt in PROMPTS:
+        s = llm.generate(prompt, max_new_tokens=NEW).stats
+        out.append((s.drafted_tokens, s.accepted_tokens, tuple(s.accepted_per_position)))
+    return out
+
+
+SETUPS = [
+    ("model", "none", "mtp"),
+    ("model", "target_cache", "mtp+ngram"),
+    ("bundle", "none", None),
+    ("bundle", "target_cache", None),
+    ("bundle", "self", None),
+]
+
+
+@pytest.mark.parametrize(("where", "kind", "drafter"), SETUPS)
+def test_adapted_greedy_output_is_plain_output(
+    where, kind, drafter, chat_tiny_dir, mtp_bundle_of, heads_of
+):
+    if where == "model":
+        heads = heads_of(kind)
+        source = dict(model=str(chat_tiny_dir), max_seq_len=256)
+        static = mtp_edge.load(**source, drafter=drafter, heads=heads)
+        adapting = mtp_edge.load(**source, drafter=drafter, heads=heads, adapt=True)
+    else:
+        bundle = mtp_bundle_of(kind)
+        heads = str(bundle.parent / "heads.safetensors")  # the bundle's own
+        # the head alone, ungated: random heads seldom pass the bundle's confidence floor
+        ungated = dict(bundle=bundle, drafter="mtp", draft_confidence=0.0)
+        static = mtp_edge.load(**ungated)
+        adapting = mtp_edge.load(**ungated, heads=heads, adapt=True)
+        source = dict(bundle=bundle)
+    plain = mtp_edge.load(**source, drafter="none")
+    adapt_hard(adapting)
+    before = drafting(static)
+    after = drafting(adapting)
+    assert after != before  # the drafts changed
+    for prompt in [*PROMPTS, "a different prompt, longer than the others were"]:
+        expected = plain.generate(prompt, max_new_tokens=NEW).token_ids
+        assert adapting.generate(prompt, max_new_tokens=NEW).token_ids == expected
+    report = adapting.adaptation
+    assert report["pairs"] > 0 and report["steps"] >= 20
+
+
+def test_the_buffer_is_bounded():
+    buffer = ReplayBuffer(8, 4, 5)
+    storage = buffer.features.data_ptr(), buffer.logits.data_ptr()
+    for i in range(0, 100, 3):  # in batches of 3, which wrap around the ring
+        rows = torch.arange(i, i + 3, dtype=torch.float32)
+        buffer.add(rows[:, None].expand(3, 4), rows[:, None].expand(3, 5), list(range(i, i + 3)))
+    buffer.add(torch.zeros(20, 4), torch.zeros(20, 5), list(range(200, 220)))  # > capacity
+    assert (buffer.size, buffer.added) == (8, 122)
+    assert (buffer.features.data_ptr(), buffer.logits.data_ptr()) == storage
+    assert sorted(buffer.labels.tolist()) == list(range(212, 220))  # the newest are kept
+
+
+def test_a_long_stream_keeps_the_buffer_within_its_capacity(chat_tiny_dir, heads_of):
+    llm = mtp_edge.load(str(chat_tiny_dir), drafter="mtp", heads=heads_of("none"), adapt=True)
+    adapter = llm.generator.adapter
+    dim, vocab = adapter.buffer.features.shape[1], adapter.buffer.logits.shape[1]
+    adapter.buffer = ReplayBuffer(16, dim, vocab)
+    for i in range(12):
+        llm.generate(f"{i} {PROMPTS[i % len(PROMPTS)]}", max_new_tokens=NEW)
+    assert adapter.buffer.added > 16 and adapter.buffer.size == 16
+
+
+@pytest.mark.parametrize("kind", ["none", "target_cache"])
+def test_saved_heads_reproduce_the_adapted_drafts(kind, chat_tiny_dir, heads_of, tmp_path):
+    heads = heads_of(kind)
+    source = dict(model=str(chat_tiny_dir), drafter="mtp")
+    adapting = mtp_edge.load(**source, heads=heads, adapt=True)
+    adapt_hard(adapting, scale=5.0)
+    adapter = adapting.generator.adapter
+    adapter.after_request = lambda seconds: 0  # frozen from here on, to compare
+    saved = adapting.save_heads(tmp_path / "adapted.safetensors")
+
+    target = adapting.generator.session.model
+    head = load_heads(saved, target, adapting.name)  # the existing loader takes it
+    assert head.config.recipe["adapted"]["steps"] == adapter.steps
+    g = torch.randn(32, head.config.hidden_size)
+    folded = head.float().lm_head(head.float().final_norm(g))
+    original = adapter.head.lm_head(adapter.head.final_norm(g.to(adapter.head.lm_head.weight)))
+    corrected = adapter.correct(original.float(), g)
+    scale = float(corrected.abs().max())
+    assert torch.allclose(folded, corrected, atol=2e-3 * scale)  # fp16 storage of the sum
+
+    reloaded = mtp_edge.load(**source, heads=str(saved))
+    assert drafting(reloaded) == drafting(adapting)
+
+
+def test_cannot_adapt_without_mtp_heads(chat_tiny_dir, ngram_bundle_8da4w, draft_lm_bundle_256):
+    from mtp_edge.cli import run
+
+    cases = [
+        ["--bundle", str(ngram_bundle_8da4w)],
+        ["--bundle", str(draft_lm_bundle_256)],
+        ["--model", str(chat_tiny_dir)],  # its default drafter is n-gram lookup
+        ["--model", str(chat_tiny_dir), "--drafter", "none"],
+    ]
+    for args in cases:
+        result = CliRunner().invoke(run, [*args, "--adapt", "--prompt", "hi", "-n", "2"])
+        assert result.exit_code == 2, result.output
+        lines = result.output.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: --adapt adapts MTP heads"), lines
+    result = CliRunner().invoke(run, ["--model", "x", "--save-heads", "h.safetensors"])
+    assert result.exit_code == 2 and "add --adapt" in result.output
+    with pytest.raises(UserError, match="--adapt adapts MTP heads"):
+        mtp_edge.load(str(chat_tiny_dir), drafter="ngram", adapt=True)
+    with pytest.raises(UserError, match="adapt must be bool"):
+        mtp_edge.load(str(chat_tiny_dir), adapt="yes")
+    with pytest.raises(UserError, match="adapt=True"):
+        mtp_edge.load(str(chat_tiny_dir)).save_heads("x.safetensors")
