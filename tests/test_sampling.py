@@ -112,16 +112,17 @@ def test_adapting_mtp_drafts_keep_the_target_distribution(models):
     drafter, adapter = adapting(mtp_drafter(head, target.model), head, "test")
     dist = exact_distribution(target, SamplingParams(**PARAMS))
     counts = Counter()
-    for seed in range(SAMPLES):
+    samples = 3000  # fewer than the other checks': each draft step runs the head eagerly
+    for seed in range(samples):
         config = GenerationConfig(
             max_new_tokens=NEW, k=2, sampling=SamplingParams(seed=seed, **PARAMS)
         )
         counts[tuple(generate(target, PROMPT, drafter, config).token_ids)] += 1
-        if seed % 2000 == 1999:  # learn, then exaggerate: the drafts move far from the head's
+        if seed % 500 == 499:  # learn, then exaggerate: the drafts move far from the head's
             for _ in range(5):
                 adapter.train_step()
             with torch.no_grad():
                 adapter.u *= 4.0
             adapter.refresh()
-    assert adapter.buffer.added > SAMPLES  # drafted and verified all along
-    assert chi_square_pvalue(counts, dist, SAMPLES) > 1e-3
+    assert adapter.buffer.added > samples  # drafted and verified all along
+    assert chi_square_pvalue(counts, dist, samples) > 1e-3
