@@ -89,9 +89,16 @@ def _includes(jdk: Path) -> list[str]:
     return includes
 
 
+def _cxx() -> list[str]:
+    """g++, through ccache when it is installed (as the native build compiles), with paths
+    hashed relative to the repository so that another checkout finds the same entries."""
+    ccache = shutil.which("ccache")
+    return ["env", f"CCACHE_BASEDIR={ROOT}", ccache, "g++"] if ccache else ["g++"]
+
+
 def test_jni_compiles_warning_free(jdk, tmp_path):
     _run(
-        ["g++", "-std=c++17", "-Wall", "-Wextra", "-Werror", "-c", str(JNI_SOURCE)]
+        [*_cxx(), "-std=c++17", "-Wall", "-Wextra", "-Werror", "-c", str(JNI_SOURCE)]
         + _includes(jdk)
         + ["-o", str(tmp_path / "mtp_jni.o")]
     )
@@ -150,7 +157,7 @@ def jni_build(jdk, tools, tmp_path_factory) -> tuple[Path, str]:
     core_dir = Path(native_runner.build(jobs=1)).parent  # libmtp_edge.so sits beside mtp-runner
     out = tmp_path_factory.mktemp("jni")
     _run(
-        ["g++", "-std=c++17", "-O1", "-shared", "-fPIC", str(JNI_SOURCE)]
+        [*_cxx(), "-std=c++17", "-O1", "-shared", "-fPIC", str(JNI_SOURCE)]
         + _includes(jdk)
         + [f"-L{core_dir}", "-lmtp_edge", f"-Wl,-rpath,{core_dir}"]
         + ["-o", str(out / "libmtp_demo_jni.so")]
