@@ -112,7 +112,7 @@ def test_two_turns_stats_reset_and_ctrl_d(model_dir):
         terminal.type("/nonsense\n")
         terminal.expect(r"unknown command /nonsense; /help lists them\n> ")
         terminal.type("/help\n")
-        terminal.expect(r"/reset.*\n.*/stats.*\n.*\n.*Ctrl-C stops an answer\n> ")
+        terminal.expect(r"/reset.*\n.*/stats.*\n.*/save.*\n.*/help.*\n.*Ctrl-C stops an answer\n> ")
         terminal.leave_with_ctrl_d()
     finally:
         code = terminal.close()
