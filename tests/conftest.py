@@ -178,6 +178,26 @@ def copy_bundle(tmp_path):
 
 
 @pytest.fixture(scope="session", autouse=True)
+def ccache_stays_the_users():
+    """ccache keeps its cache under XDG_CACHE_HOME, which some tests point at a temporary
+    directory (test_native's verified-once stamps): pinned here, before any test moves it, so
+    that every native build of the run (host, ARM64, the tests' own) compiles from the user's
+    cache rather than into an empty one."""
+    if os.environ.get("CCACHE_DIR") or shutil.which("ccache") is None:
+        yield
+        return
+    import subprocess
+
+    found = subprocess.run(["ccache", "-k", "cache_dir"], capture_output=True, text=True)
+    if found.returncode != 0 or not found.stdout.strip():
+        yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CCACHE_DIR", found.stdout.strip())
+        yield
+
+
+@pytest.fixture(scope="session", autouse=True)
 def one_native_build_at_a_time():
     """mtp_edge.runtime.native_runner.build under NATIVE_BUILD_LOCK for the whole run: test
     modules in other processes (xdist workers) build in the same runtime/native/build."""

@@ -985,17 +985,28 @@ def test_options_taking_values_match_the_runner_source():
     assert native_runner.value_flags(native_runner.usage()) == reads_value
 
 
-def test_failed_configure_then_fixed_one_builds(tmp_path):
+def test_failed_configure_then_fixed_one_builds():
     """A configure that fails (nlohmann/json not found: the system's made invisible, no pip
     headers) is one line and leaves nothing behind; so does a half-configured directory left by
     a plain cmake run (a cache, no Makefile): the next build configures afresh, here with the
     pip package's headers (the fallback when the system has none), and builds."""
-    from mtp_edge.errors import UserError
-
     include = native_runner.nlohmann_include()
     if include is None:
         pytest.skip("the nlohmann_json pip package is not installed (pip install nlohmann_json)")
-    build_dir = tmp_path / "build"
+    # Beside the main build directory: ccache hashes the sources' paths relative to the build
+    # directory, so a directory at a fixed place in the checkout compiles from the cache where a
+    # fresh temporary one (another place each run) compiles everything again.
+    build_dir = native_runner.SOURCE_DIR / "build-configure-check"
+    shutil.rmtree(build_dir, ignore_errors=True)
+    try:
+        failed_then_fixed(build_dir, include)
+    finally:
+        shutil.rmtree(build_dir, ignore_errors=True)
+
+
+def failed_then_fixed(build_dir: Path, include: Path) -> None:
+    from mtp_edge.errors import UserError
+
     hidden = "-DCMAKE_DISABLE_FIND_PACKAGE_nlohmann_json=TRUE"
     with pytest.raises(UserError) as refused:
         native_runner.build(
