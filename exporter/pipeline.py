@@ -102,7 +102,8 @@ def export_bundle(
     The options are decided and checked first (resolve_options), before anything loads. A
     platform whose row declares a `load_hook` (it quantizes while loading) loads and lowers in a
     process of its own (exporter/lowering_parent.py): what lowering leaves allocated dies with that
-    process, before the quality checks load the program. The others load and convert here.
+    process, before the quality checks load the program (unless the model is too small for that
+    to matter: lowers_in_child). The others load and convert here.
     """
     from mtp_edge.exporter.bundle_writer import check_writable, write_bundle
 
@@ -134,7 +135,7 @@ def export_bundle(
     if options.quality_tokens:
         heldout = tokenizer.encode(heldout_text())[: min(options.quality_tokens, max_seq_len)]
         quality["heldout_tokens"] = len(heldout)
-    isolated = options.isolate and row.load_hook
+    isolated = row.load_hook and lowers_in_child(options, config)
 
     if isolated:
         from mtp_edge.exporter.lowering_parent import export_in_child
@@ -232,6 +233,25 @@ def export_bundle(
         )
     progress(f"[done] {out} in {log['seconds']:.0f} s, peak RSS {log['peak_rss_mb']} MB")
     return out, manifest
+
+
+# A child process costs a second interpreter's start and its imports of torch and ExecuTorch
+# (~8 CPU s, more than lowering a model of a few layers of width 64 takes); what lowering leaves
+# allocated, the reason for the child, grows with the program (~1.3 GB after Qwen2.5-0.5B's
+# 0.5 GB). Below this program size the export lowers in its own process.
+IN_PROCESS_BELOW_GB = 0.02
+
+
+def lowers_in_child(options: ExportOptions, config) -> bool:
+    """Whether an export that quantizes while loading loads and lowers in a child process:
+    `options.isolate` when set, else whether the target's program reaches IN_PROCESS_BELOW_GB
+    (the default model's is 0.16 GB at 8da8w: a child)."""
+    from mtp_edge.memory import program_gb
+
+    if options.isolate is not None:
+        return options.isolate
+    program = program_gb(config, options.quant, options.group_size, options.embedding_quant)
+    return program >= IN_PROCESS_BELOW_GB
 
 
 def forecast_disk(options: ExportOptions, config, out: Path) -> None:

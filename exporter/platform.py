@@ -70,8 +70,10 @@ class ExportOptions:
     attention_kernel: str = "mtp"
     # A platform that quantizes while loading (android) loads and lowers in a child process,
     # so that what lowering leaves allocated is gone before the quality checks (pipeline.py).
-    # False keeps everything in this process (a debugger sees it all).
-    isolate: bool = True
+    # None: a child for a model of any size that matters, this process for a model so small
+    # that what lowering leaves is noise (pipeline.lowers_in_child); False keeps everything in
+    # this process (a debugger sees it all); True always uses a child.
+    isolate: bool | None = None
 
 
 @dataclass
