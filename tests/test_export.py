@@ -19,30 +19,15 @@ PROMPT = "the cat the cat the cat"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_dir):
-    return tiny_dir  # conftest.py's, shared
+def model_dir(tiny_dir_seed5):
+    return tiny_dir_seed5  # conftest.py's, shared
 
 
 @pytest.fixture(scope="module")
-def bundle(model_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("bundles") / "tiny-android"
-    args = [
-        "--model",
-        str(model_dir),
-        "--out",
-        str(out),
-        "--max-seq-len",
-        "96",
-        "--quant",
-        "8da4w",
-        "--group-size",
-        "32",
-        "--quality-tokens",
-        "64",
-    ]
-    result = CliRunner().invoke(export, args)
-    assert result.exit_code == 0, result.output
-    return out
+def bundle(ngram_bundle_8da4w):
+    """model_dir exported with --max-seq-len 96 --quant 8da4w --group-size 32
+    --quality-tokens 64 (the n-gram drafter): conftest.py's, shared."""
+    return ngram_bundle_8da4w
 
 
 def error_line(result) -> str:
@@ -208,7 +193,10 @@ def test_interrupted_lowering_process_leaves_nothing(model_dir, tmp_path):
     import time
 
     out = tmp_path / "bundles" / "b"
-    command = [sys.executable, "-c", "from mtp_edge.cli import export; export()"]
+    # A model this small lowers in the exporting process (pipeline.lowers_in_child): every size
+    # in a child here, as a model of any size that matters is.
+    child_always = "from mtp_edge.exporter import pipeline; pipeline.IN_PROCESS_BELOW_GB = 0"
+    command = [sys.executable, "-c", f"{child_always}; from mtp_edge.cli import export; export()"]
     command += ["-m", str(model_dir), "-o", str(out)]
     command += ["--max-seq-len", "64", "--quality-tokens", "0"]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, bufsize=1)
