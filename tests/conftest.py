@@ -18,6 +18,18 @@ import pytest
 # tests/tiny.py is imported as a plain module by the tests.
 sys.path.insert(0, os.path.dirname(__file__))
 
+# One compute thread per test process, and per command a test starts (OMP_NUM_THREADS is
+# inherited). The README's command runs two test processes on a 2-core machine; with torch's
+# default each process's tiny eager steps wake an OpenMP team that spins on the core the other
+# process computes on: 600 speculative samples of a 1-layer model took 101 s that way on a
+# loaded machine, 3.1 s on one thread. The runtime does the same where it hands the cores to
+# a backend (mtp_edge/machine.py claim_cores).
+os.environ["OMP_NUM_THREADS"] = "1"
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
 from tiny import (  # noqa: E402
     NATIVE_BUILD_LOCK,
     amplify_cache_attention,
@@ -49,14 +61,17 @@ def built_once(factory: pytest.TempPathFactory, name: str, build) -> Path:
     return out
 
 
-def export_cli(*args: str) -> None:
-    """mtp-export in this process with `args`; it must succeed."""
+def export_cli(*args: str, stderr_to: Path | None = None) -> None:
+    """mtp-export in this process with `args`; it must succeed. What it printed on stderr (its
+    progress) is kept in `stderr_to`, for the tests of what an export shows."""
     from click.testing import CliRunner
 
     from mtp_edge.cli import export
 
     result = CliRunner().invoke(export, [*args])
     assert result.exit_code == 0, result.output
+    if stderr_to is not None:
+        stderr_to.write_text(result.stderr)
 
 
 # --- model directories ---------------------------------------------------------------------
@@ -136,14 +151,31 @@ def draft_lm_bundle_256(tmp_path_factory, chat_tiny_dir) -> Path:
 @pytest.fixture(scope="session")
 def ngram_bundle_8da4w(tmp_path_factory, tiny_dir_seed5) -> Path:
     """An android bundle of tiny_dir_seed5 named tiny-8da4w: 8da4w in groups of 32, 96
-    positions, the n-gram drafter (no heads ship for a random model), no quality measurement."""
+    positions, the n-gram drafter (no heads ship for a random model), 64 held-out tokens
+    measured. What the export printed is beside it: bundle.parent / "export.stderr"."""
 
     def build(root: Path) -> None:
-        out = root / "tiny-8da4w"
+        out = _mkdir(root) / "tiny-8da4w"
         args = ["--model", str(tiny_dir_seed5), "--out", str(out), "--max-seq-len", "96"]
-        export_cli(*args, "--quality-tokens", "0", "--quant", "8da4w", "--group-size", "32")
+        args += ["--quality-tokens", "64", "--quant", "8da4w", "--group-size", "32"]
+        export_cli(*args, stderr_to=root / "export.stderr")
 
     return built_once(tmp_path_factory, "ngram-8da4w", build) / "tiny-8da4w"
+
+
+@pytest.fixture(scope="session")
+def ngram_bundle_8da8w(tmp_path_factory, tiny_dir_seed5) -> Path:
+    """The same model as an android bundle named tiny-8da8w: 8da8w per channel, 96 positions,
+    the n-gram drafter, no quality measurement, exported with -q. What the export printed is
+    beside it: bundle.parent / "export.stderr"."""
+
+    def build(root: Path) -> None:
+        out = _mkdir(root) / "tiny-8da8w"
+        args = ["--model", str(tiny_dir_seed5), "--out", str(out), "--max-seq-len", "96"]
+        args += ["--quality-tokens", "0", "--quant", "8da8w", "--group-size", "0", "-q"]
+        export_cli(*args, stderr_to=root / "export.stderr")
+
+    return built_once(tmp_path_factory, "ngram-8da8w", build) / "tiny-8da8w"
 
 
 @pytest.fixture(scope="session")

@@ -30,9 +30,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from mtp_edge.cli import export
 from mtp_edge.manifest import Manifest
 from mtp_edge.runtime import native_runner
 from mtp_edge.tokenizer import Tokenizer
@@ -225,19 +223,11 @@ def test_apk_build_names_missing_tools(tmp_path):
     assert done.returncode == 2 and done.stderr.startswith("error: --out"), done.stderr
 
 
-def _export(model_dir: Path, out: Path, *drafter: str) -> Path:
-    """A tiny random llama with a chat template exported for android."""
-    args = ["--model", str(model_dir), "--out", str(out), "--max-seq-len", "256"]
-    args += ["--quality-tokens", "0", "--drafter", *drafter]
-    result = CliRunner().invoke(export, args)
-    assert result.exit_code == 0, result.output
-    return out
-
-
 @pytest.fixture(scope="module")
-def bundle(chat_tiny_dir, tmp_path_factory) -> Path:
-    """With the n-gram drafter."""
-    return _export(chat_tiny_dir, tmp_path_factory.mktemp("bundle") / "bundle", "ngram")
+def bundle(mtp_bundle_of) -> Path:
+    """With MLP heads in a drafter.pte of their own, behind prompt lookup (the exporter's
+    default drafting policy): conftest.py's, the same tiny llama and chat template, shared."""
+    return mtp_bundle_of("none")
 
 
 @pytest.fixture(scope="module")
@@ -245,6 +235,13 @@ def mtp_bundle(mtp_bundle_of) -> Path:
     """With MTP heads that write their K/V into the target's cache (what a kept cache must
     survive): conftest.py's, the same tiny llama and chat template, shared."""
     return mtp_bundle_of("target_cache")
+
+
+def own_drafter(bundle: Path) -> str:
+    """What both runtimes draft with on `bundle` by default: its drafter, behind prompt lookup
+    where its drafting policy has one (runtime/assemble.py, engine.cpp with_bundle_policy)."""
+    policy = Manifest.load(bundle).drafter
+    return f"{policy.kind}+ngram" if policy.lookup else policy.kind
 
 
 def test_jni_bridge_on_a_bundle(jni_build, jdk, bundle, tmp_path):
@@ -268,7 +265,7 @@ def test_jni_bridge_on_a_bundle(jni_build, jdk, bundle, tmp_path):
     assert len(lines) == 9, done.stdout
 
     # Streaming: the pieces the listener got are exactly the reply's text.
-    for result_line, pieces_line, drafter in ((0, 1, "none"), (2, 3, "ngram")):
+    for result_line, pieces_line, drafter in ((0, 1, "none"), (2, 3, own_drafter(bundle))):
         result, pieces = json.loads(lines[result_line]), json.loads(lines[pieces_line])
         assert result["drafter"] == drafter
         assert "".join(pieces) == result["text"]
@@ -343,7 +340,7 @@ def test_chat_keeps_the_cache_between_turns(request, bundle_name):
         """The tokens a later turn adds: the template's frame around the user's text."""
         return len(tokenizer.encode(frame["next_turn"] + text + frame["suffix"]))
 
-    drafter = "mtp+ngram" if bundle_name == "mtp_bundle" else "ngram"  # the bundles' own
+    drafter = own_drafter(bundle_dir)
     for mode in ("plain", "speculative"):
         turns = answers[mode]
         assert [t["drafter"] for t in turns] == ["none" if mode == "plain" else drafter] * 3
@@ -404,7 +401,8 @@ def test_jni_chat(jni_build, jdk, bundle):
         first, second = kept1["result"], kept2["result"]
         assert second["reused_tokens"] >= first["prompt_tokens"] + len(first["token_ids"]) - 1
         assert second["prefilled_tokens"] < second["prompt_tokens"] - first["prompt_tokens"]
-    assert lines[1]["result"]["drafter"] == "none" and lines[7]["result"]["drafter"] == "ngram"
+    assert lines[1]["result"]["drafter"] == "none"
+    assert lines[7]["result"]["drafter"] == own_drafter(bundle)
 
     # The stop button: the listener returned false after three pieces.
     stopped, after = lines[12], lines[13]

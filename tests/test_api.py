@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny import hf_reference, save_hf_dir, save_random_heads
@@ -513,17 +512,10 @@ def test_messages_render_with_the_template_and_specials_stay_text(model_dir, tmp
 
 
 @pytest.fixture(scope="module")
-def mtp_bundle(model_dir, tmp_path_factory):
-    """A tiny fp32 ExecuTorch bundle whose target program drafts with the MTP heads."""
-    from mtp_edge.cli import export
-
-    out = tmp_path_factory.mktemp("bundle") / "tiny-mtp"
-    heads = model_dir.parent / "heads.safetensors"
-    args = ["--model", str(model_dir), "--out", str(out), "--quant", "fp32", "--drafter", "mtp",
-            "--heads", str(heads), "--max-seq-len", "160", "--quality-tokens", "0"]  # fmt: skip
-    result = CliRunner().invoke(export, args)
-    assert result.exit_code == 0, result.output
-    return out
+def mtp_bundle(mtp_bundle_of):
+    """A tiny ExecuTorch bundle whose target program drafts with MTP heads that read its cache
+    (a `draft` method): conftest.py's, shared."""
+    return mtp_bundle_of("target_cache")
 
 
 def test_a_stock_runner_decodes_an_mtp_bundle(mtp_bundle):

@@ -39,13 +39,14 @@ CLICK_COMMANDS = sorted(n for n, v in commands().items() if v.startswith("mtp_ed
 
 
 @pytest.fixture(scope="module")
-def bundle(tiny_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("bundles") / "tiny"
-    args = ["-m", str(tiny_dir), "-o", str(out), "-c", "96", "--quality-tokens", "0", "-q"]
-    result = CliRunner().invoke(export, args)
-    assert result.exit_code == 0, result.output
-    assert ours(result.stderr) == []  # -q: no progress at all
-    return out
+def bundle(ngram_bundle_8da8w):
+    """A tiny android bundle exported with -q: conftest.py's, shared."""
+    return ngram_bundle_8da8w
+
+
+def test_a_quiet_export_prints_nothing(bundle):
+    """-q: no progress at all (conftest.py keeps what the export printed)."""
+    assert ours((bundle.parent / "export.stderr").read_text()) == []
 
 
 @pytest.fixture()
@@ -380,16 +381,15 @@ def test_bench_progress_is_plain_lines_off_a_terminal_and_silent_with_q(bundle, 
     assert silent.exit_code == 0 and ours(silent.stderr) == []
 
 
-def test_export_stages_show_bars(tiny_dir, tmp_path):
-    args = ["-m", str(tiny_dir), "-o", str(tmp_path / "b"), "-c", "96", "--quality-tokens", "48"]
-    result = CliRunner().invoke(export, args)
-    assert result.exit_code == 0, result.output
+def test_export_stages_show_bars(ngram_bundle_8da4w):
+    """What conftest.py's export with 64 held-out tokens printed (not -q)."""
+    stderr = (ngram_bundle_8da4w.parent / "export.stderr").read_text()
     # loading carries the fp32 perplexity and the quantization, a layer at a time
     for stage in ("loading target: 100%", "verify vs steps: 100%"):
-        assert stage in result.stderr, result.stderr
+        assert stage in stderr, stderr
     # an estimated stage ends full, or, past its estimate, with the time it took
     ends = ("lowering to XNNPACK: 100%", "lowering to XNNPACK: done in")
-    assert any(end in result.stderr for end in ends), result.stderr
+    assert any(end in stderr for end in ends), stderr
 
 
 def test_estimated_stage_reaches_its_end_early_or_late(capsys):

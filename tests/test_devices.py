@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from mtp_edge.cli import bench, devices, export, predict, profile
+from mtp_edge.cli import bench, devices, predict, profile
 from mtp_edge.devices import cost as cost_module
 from mtp_edge.devices import predict as roofline
 from mtp_edge.devices.catalog import Device, catalog, find_device, host_device
@@ -38,13 +38,6 @@ def model_dir(tiny_dir_seed5):
     return tiny_dir_seed5  # conftest.py's, shared
 
 
-def export_tiny(model_dir, out: Path, *extra: str) -> Path:
-    args = ["--model", str(model_dir), "--out", str(out), "--max-seq-len", "96"]
-    result = CliRunner().invoke(export, [*args, "--quality-tokens", "0", *extra])
-    assert result.exit_code == 0, result.output
-    return out
-
-
 @pytest.fixture(scope="module")
 def bundle(ngram_bundle_8da4w):
     """A tiny 8da4w bundle of model_dir with the n-gram drafter (no heads ship for a random
@@ -53,9 +46,9 @@ def bundle(ngram_bundle_8da4w):
 
 
 @pytest.fixture(scope="module")
-def bundle_8bit(model_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("bundles8")
-    return export_tiny(model_dir, root / "tiny-8da8w", "--quant", "8da8w", "--group-size", "0")
+def bundle_8bit(ngram_bundle_8da8w):
+    """The same model as an 8da8w bundle named tiny-8da8w: conftest.py's, shared."""
+    return ngram_bundle_8da8w
 
 
 @pytest.fixture()

@@ -610,13 +610,18 @@ def test_save_writes_fp16_and_json(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def fp32_bundle(tiny_dir, trained):
+def fp32_bundle(tiny_dir):
+    """tiny_dir's model exported in fp32 with heads (random, of the MLP kind), so that its
+    target program returns the hidden states the training reads. What these tests check is
+    the exported target's, whatever heads ride along: one export, not one per kind of head."""
     from click.testing import CliRunner
+    from tiny import save_random_heads
 
     from mtp_edge.cli import export
 
     out = tiny_dir / "bundle"
-    args = ["--model", str(tiny_dir / "model"), "--drafter", "mtp", "--heads", str(trained[0])]
+    heads = save_random_heads(tiny_dir / "model", tiny_dir / "random-heads.safetensors", "none")
+    args = ["--model", str(tiny_dir / "model"), "--drafter", "mtp", "--heads", str(heads)]
     args += ["--quant", "fp32", "--embedding-quant", "none", "--max-seq-len", "128"]
     result = CliRunner().invoke(export, [*args, "--quality-tokens", "0", "--out", str(out)])
     assert result.exit_code == 0, result.output
