@@ -304,9 +304,9 @@ def runner():
     "edit, says",
     [
         (lambda b: edit_manifest(b, lambda m: m.update(max_seq_len=MAX_SEQ_LEN + 1)),
-         "says max_seq_len is 65 but target.pte was exported with 64"),
+         f"says max_seq_len is {MAX_SEQ_LEN + 1} but target.pte was exported with {MAX_SEQ_LEN}"),
         (lambda b: edit_manifest(b, lambda m: m.update(max_chunk=MAX_SEQ_LEN - 1)),
-         "says max_chunk is 63 but target.pte was exported with 64"),
+         f"says max_chunk is {MAX_SEQ_LEN - 1} but target.pte was exported with {MAX_SEQ_LEN}"),
         (lambda b: edit_manifest(b, lambda m: m.update(eos_ids=[99999])),
          "says eos_ids is [99999] but tokenizer_meta.json was exported with [2]"),
         (lambda b: edit_manifest(b, lambda m: m.update(vocab_size=98)),
