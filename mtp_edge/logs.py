@@ -39,6 +39,9 @@ NOISE = [
     for p in (
         # ExecuTorch's CPU probing, at every program load
         r"\[cpuinfo_utils\.cpp:\d+\] (Reading file |Failed to open midr file |CPU info and manual)",
+        # ExecuTorch's thread pool given another size than its default (--threads N, or a
+        # process whose torch keeps fewer threads than the machine has cores)
+        r"\[threadpool\.cpp:\d+\] Resetting threadpool to \d+ threads",
         # ExecuTorch's TextLLMRunner (the peer baseline of mtp-bench): its info lines and stats
         r"I tokenizers:regex\.cpp:\d+\] Registering override fallback regex",
         r"\[llm_runner_helper\.cpp:\d+\] (Loaded json tokenizer|Reading metadata|Metadata: |"
