@@ -113,14 +113,17 @@ def write_stream(work: Path, max_new_tokens: int) -> dict:
     }
 
 
-RUN_SETTINGS = {"minutes": 0.0, "share": 0.75, "k": 4, "steps": 1000, "gen": 60000,
-                "raw": 50000}  # fmt: skip
+# A run's settings (--run NAME:key=value,...): minutes (> 0: mtp-train --minutes, one
+# wall-clock budget; 0: the fixed amounts below, which a machine shared with other work does
+# not distort), share (--prompts-share), k, steps, gen (--gen-tokens: response tokens written
+# in all, the stream's answers taking up to share x gen of them, template answers the rest),
+# raw (--raw-tokens: offline text), max_new (--gen-max-new: the longest answer written).
+RUN_SETTINGS = {"minutes": 0.0, "share": 0.85, "k": 4, "steps": 600, "gen": 24000,
+                "raw": 20000, "max_new": 96}  # fmt: skip
 
 
 def parse_run(text: str) -> dict:
-    """NAME:setting=value,... (minutes, share, k, steps, gen, raw; each optional). minutes > 0
-    gives mtp-train one wall-clock budget (--minutes); 0 fixes the amounts instead (--steps,
-    --gen-tokens, --raw-tokens), which a machine shared with other work does not distort."""
+    """NAME:setting=value,... (RUN_SETTINGS' keys, each optional)."""
     name, _, settings = text.partition(":")
     run = {"name": name, **RUN_SETTINGS}
     for item in filter(None, settings.split(",")):
@@ -190,7 +193,7 @@ def train(runner: Runner, run: dict, stream: dict, threads: int) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     argv = [bin_("mtp-train"), "--init", shipped_heads(), "--prompts", stream["train_file"],
             "--prompts-share", f"{run['share']:g}", "--k", str(run["k"]),
-            "--threads", str(threads), "-o", str(out),
+            "--gen-max-new", str(run["max_new"]), "--threads", str(threads), "-o", str(out),
             "--json", str(out.with_suffix(".summary.json"))]  # fmt: skip
     if run["minutes"] > 0:
         argv += ["--minutes", f"{run['minutes']:g}"]
@@ -331,7 +334,7 @@ def main() -> None:
     parser.add_argument("--work", required=True, help="Where the stream, heads, bundles go.")
     parser.add_argument("--run", action="append", default=[],
                         help="NAME:minutes=M,share=S,k=K, a training run (repeatable; default "
-                        "main: steps=1000, gen=60000, share=0.75, k=4).")  # fmt: skip
+                        "main with RUN_SETTINGS).")  # fmt: skip
     parser.add_argument(
         "--floor",
         action="append",
@@ -340,7 +343,7 @@ def main() -> None:
         help="Also bench each refined bundle with this draft-confidence floor.",
     )
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--nice", action="store_true", help="Run every command under nice -n 19.")
     parser.add_argument("--stream-only", action="store_true", help="Write the stream and stop.")
     parser.add_argument("--out", default="benchmarks/results/drafting/refine_stream")
