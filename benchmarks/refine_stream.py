@@ -2,8 +2,8 @@
 themed stream, measured on 100 requests of the same stream that training never saw, against
 the shipped heads and plain decoding, side by side in one run.
 
-    python benchmarks/refine_stream.py --work DIR [--run NAME:minutes=M,share=S,k=K ...]
-        [--floor P ...] [--threads 2] [--max-new-tokens 96]
+    python benchmarks/refine_stream.py --work DIR [--run NAME:key=value,... ...] [--floor P ...]
+        [--threads 2] [--max-new-tokens 64] [--nice] [--shipped-only]
         [--out benchmarks/results/drafting/refine_stream]
 
 The stream is adapt_stream.py's (questions about Python standard-library modules, a theme
@@ -16,8 +16,10 @@ about the 10 modules training never saw ("new-module"). No test request is a tra
 Steps, each skipped when its output is in --work already (so a stopped run continues; delete a
 file to redo its step):
 1. the stream: DIR/train.txt (mtp-train --prompts), DIR/test.jsonl (mtp-bench --prompts);
-2. per --run: mtp-train --init SHIPPED_HEADS --prompts DIR/train.txt --minutes M
-   --prompts-share S --k K -o DIR/NAME/heads.safetensors;
+2. per --run (default: one, "main", with RUN_SETTINGS): mtp-train --init SHIPPED_HEADS
+   --prompts DIR/train.txt --prompts-share S --k K --gen-max-new N, with --minutes M or with
+   fixed amounts (--steps, --gen-tokens, --raw-tokens), -o DIR/NAME/heads.safetensors; the
+   target's answers are cached next to it, so a stopped run continues where it was;
 3. bundles: the shipped heads' (mtp-export --target android, the README's defaults) and one per
    run (the same with --heads), full exports, as the default bundle's head is a method of its
    target program;
@@ -28,7 +30,8 @@ file to redo its step):
    setup and by module split, the training minutes and the exact commands.
 
 Every command runs under `nice -n 19` when --nice is given (a shared machine); its progress
-goes to the terminal and to DIR/logs/.
+goes to the terminal and to DIR/logs/. --shipped-only skips training and benches the shipped
+heads' bundle alone (DIR/bench-shipped.json): the baseline, when there is no time for more.
 """
 
 from __future__ import annotations
@@ -227,14 +230,24 @@ def terms(summary: dict) -> dict:
     return {k: summary.get(k) for k in keys}
 
 
-def report(args, stream: dict, runs: list[dict], bench: dict, runner: Runner) -> None:
-    names = {str(runner.work / "bundles" / "shipped"): "shipped heads"}
-    names.update({str(runner.work / "bundles" / r["name"]): f"refined: {r['name']}" for r in runs})
+def describe(spec: str, work: Path) -> tuple[str, float | None]:
+    """A --compare spec's setup name and draft-confidence floor (None: the bundle's)."""
+    path, *settings = spec.split(",")
+    name = Path(path).name
+    label = "shipped heads" if name == "shipped" else f"refined: {name}"
+    floor = None
+    for item in settings:
+        key, _, value = item.partition("=")
+        if key == "draft_confidence":
+            floor = float(value)
+    return label, floor
+
+
+def report(args, stream: dict, runs: list[dict], bench: dict, runner: Runner, specs) -> None:
     rows = []
-    for entry in bench["runs"]:
-        bundle = entry["bundle"]
-        label = names.get(bundle, bundle)
-        floor = entry.get("draft_confidence")
+    # mtp-bench's runs come in the order of the setups: --bundle, then each --compare.
+    for spec, entry in zip(specs, bench["runs"], strict=True):
+        label, floor = describe(spec, runner.work)
         s = entry["summary"]
         identical = sum(bool(p["identical"]) for p in entry["prompts"])
         rows.append({
@@ -251,11 +264,14 @@ def report(args, stream: dict, runs: list[dict], bench: dict, runner: Runner) ->
     for r in runs:
         path = runner.work / r["name"] / "heads.summary.json"
         summary = json.loads(path.read_text()) if path.exists() else {}
+        ran = next((c for c in runner.commands if c["step"] == f"train-{r['name']}"), {})
         trained.append({
             **r,
+            "wall_minutes": round(ran["seconds"] / 60, 1) if "seconds" in ran else None,
+            "cpu_minutes": round(ran["cpu_seconds"] / 60, 1) if "cpu_seconds" in ran else None,
             "your_requests_tau": summary.get("your_requests_tau"),
             "heldout_tau": summary.get("heldout_tau"),
-            "steps": summary.get("steps"),
+            "trained_steps": summary.get("steps"),
             "draft_vocab": summary.get("draft_vocab"),
             "train_tokens": summary.get("train_tokens"),
             "report": summary.get("report"),
@@ -308,9 +324,9 @@ def markdown(result: dict) -> str:
         "",
         "Training (from the shipped heads, on the 200 training requests):",
         "",
-        "| run | minutes | prompts share | k | steps | draft vocab | tau on its held-out "
-        "requests | held-out tau (all text) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| run | settings | training minutes (wall / CPU) | steps | draft vocab | tau on its "
+        "held-out requests | held-out tau (all text) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in result["runs"]:
 
@@ -318,7 +334,8 @@ def markdown(result: dict) -> str:
             return "-" if v is None else (f"{v:.2f}" if isinstance(v, float) else str(v))
 
         lines.append(
-            f"| {r['name']} | {r['minutes']:g} | {r['share']:g} | {r['k']} | {fmt(r['steps'])} | "
+            f"| {r['name']} | {', '.join(f'{k}={r[k]:g}' for k in RUN_SETTINGS)} | "
+            f"{fmt(r['wall_minutes'])} / {fmt(r['cpu_minutes'])} | {fmt(r['trained_steps'])} | "
             f"{fmt(r['draft_vocab'])} | {fmt(r['your_requests_tau'])} | {fmt(r['heldout_tau'])} |"
         )
     lines += ["", "Commands:", "", "```bash", result["command"]]
@@ -346,6 +363,11 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--nice", action="store_true", help="Run every command under nice -n 19.")
     parser.add_argument("--stream-only", action="store_true", help="Write the stream and stop.")
+    parser.add_argument(
+        "--shipped-only",
+        action="store_true",
+        help="No training: the shipped heads' bundle alone on the test requests (the baseline).",
+    )
     parser.add_argument("--out", default="benchmarks/results/drafting/refine_stream")
     args = parser.parse_args()
 
@@ -355,20 +377,21 @@ def main() -> None:
     print(f"[stream] {json.dumps(stream)}", flush=True)
     if args.stream_only:
         return
-    runs = [parse_run(r) for r in args.run or ["main"]]
+    runs = [] if args.shipped_only else [parse_run(r) for r in args.run or ["main"]]
     runner = Runner(work, args.nice)
     heads = {r["name"]: train(runner, r, stream, args.threads) for r in runs}
     shipped = export(runner, "shipped", None, 4)
     refined = {r["name"]: export(runner, r["name"], heads[r["name"]], r["k"]) for r in runs}
-    bench_json = work / "bench.json"
+    bench_json = work / ("bench-shipped.json" if args.shipped_only else "bench.json")
     argv = [bin_("mtp-bench"), "--bundle", str(shipped)]
-    for setup in setups(shipped, refined, args.floor)[1:]:
+    specs = setups(shipped, refined, args.floor)
+    for setup in specs[1:]:
         argv += ["--compare", setup]
     argv += ["--prompts", str(work / "test.jsonl"), "--threads", str(args.threads),
              "--max-new-tokens", str(args.max_new_tokens), "--json", str(bench_json),
-             "--markdown", str(work / "bench.md")]  # fmt: skip
-    runner.run("bench", argv, bench_json)
-    report(args, stream, runs, json.loads(bench_json.read_text()), runner)
+             "--markdown", str(bench_json.with_suffix(".md"))]  # fmt: skip
+    runner.run(bench_json.stem, argv, bench_json)
+    report(args, stream, runs, json.loads(bench_json.read_text()), runner, specs)
 
 
 if __name__ == "__main__":
