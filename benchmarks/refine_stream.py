@@ -185,7 +185,10 @@ class Runner:
         entry["cpu_seconds"] = round(
             after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 1
         )
-        if code != 0:
+        if code == 130 and output.exists():  # mtp-bench stopped: what it measured, marked partial
+            entry["stopped"] = True
+            print(f"[{name}] stopped: reporting what it measured", flush=True)
+        elif code != 0:
             raise SystemExit(f"error: step {name} failed (exit {code}); its log: {log}")
         print(f"[{name}] done in {seconds / 60:.1f} min", flush=True)
         return seconds
@@ -246,7 +249,8 @@ def describe(spec: str, work: Path) -> tuple[str, float | None]:
 def report(args, stream: dict, runs: list[dict], bench: dict, runner: Runner, specs) -> None:
     rows = []
     # mtp-bench's runs come in the order of the setups: --bundle, then each --compare.
-    for spec, entry in zip(specs, bench["runs"], strict=True):
+    # One setup alone: mtp-bench writes its report flat, not as a list of runs.
+    for spec, entry in zip(specs, bench.get("runs", [bench]), strict=True):
         label, floor = describe(spec, runner.work)
         s = entry["summary"]
         identical = sum(bool(p["identical"]) for p in entry["prompts"])
@@ -256,6 +260,7 @@ def report(args, stream: dict, runs: list[dict], bench: dict, runner: Runner, sp
             "k": entry.get("k"),
             **terms(s),
             "identical": identical,
+            "partial": entry.get("partial"),
             "per_split": {c: {"tau": v["tau"], "speedup": v["speedup"], "prompts": v["prompts"],
                               "identical": v["identical"]}
                           for c, v in entry["per_category"].items()},
@@ -320,6 +325,11 @@ def markdown(result: dict) -> str:
             f"{r['ar_tokens_per_s']:.1f} | {r['spec_tokens_per_s']:.1f} | "
             f"**{r['speedup']:.2f}x** | {r['identical']}/{r['prompts']} |"
         )
+    for r in result["setups"]:
+        if r.get("partial"):
+            p = r["partial"]
+            lines += ["", f"{r['setup']}: stopped ({p['stopped_by']}) after {p['prompts_done']} "
+                      f"of {p['prompts']} test requests; the figures are over those."]  # fmt: skip
     lines += [
         "",
         "Training (from the shipped heads, on the 200 training requests):",
