@@ -185,7 +185,7 @@ class Runner:
         entry["cpu_seconds"] = round(
             after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 1
         )
-        if code == 130 and output.exists():  # mtp-bench stopped: what it measured, marked partial
+        if code in (130, 143) and output.exists():  # mtp-bench stopped: what it measured, partial
             entry["stopped"] = True
             print(f"[{name}] stopped: reporting what it measured", flush=True)
         elif code != 0:
