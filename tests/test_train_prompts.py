@@ -151,3 +151,25 @@ def test_a_run_answers_your_requests_and_reports_them(tmp_path):
     assert "tau on your requests" in summary["report"]
     recipe = json.loads(out.with_suffix(".json").read_text())
     assert recipe["recipe"]["prompts"] == "asks.jsonl" and recipe["recipe"]["prompts_share"] == 0.75
+
+
+def test_gen_max_new_reaches_the_writer(tmp_path, monkeypatch):
+    """--gen-max-new caps every response the target writes (shorter answers to --prompts cost
+    less to write); 0 is refused before any work."""
+    import mtp_edge.train
+
+    seen = {}
+
+    def fake_train_heads(options, progress):
+        seen["gen_max_new"] = options.gen_max_new
+        return {}
+
+    monkeypatch.setattr(mtp_edge.train, "train_heads", fake_train_heads)
+    out = str(tmp_path / "heads.safetensors")
+    result = CliRunner().invoke(train_cli, ["--gen-max-new", "96", "--out", out])
+    assert result.exit_code == 0, result.output
+    assert seen == {"gen_max_new": 96}
+    result = CliRunner().invoke(train_cli, ["--out", out])
+    assert seen == {"gen_max_new": 256}
+    refused = CliRunner().invoke(train_cli, ["--gen-max-new", "0", "--out", out])
+    assert refused.exit_code == 2 and "--gen-max-new" in refused.output

@@ -169,6 +169,15 @@ from mtp_edge.files import check_output
     help="Responses (and requests) written together by an eager writer.",
 )
 @click.option(
+    "--gen-max-new",
+    type=click.IntRange(min=1),
+    default=256,
+    show_default=True,
+    help="Longest response the target writes (tokens): shorter answers to --prompts cost less "
+    "to write when the heads will draft only the start of each (answers already cached keep "
+    "their length).",
+)
+@click.option(
     "--write-only",
     is_flag=True,
     help="Write (or extend) the cached training text next to --out, then stop.",
