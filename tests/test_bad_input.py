@@ -22,6 +22,7 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiny import cache_home_sharing_kernels
 
 from mtp_edge.cli import OneLineErrors, bench, export, predict, run, train
 from mtp_edge.errors import Fault, UserError
@@ -355,7 +356,7 @@ def test_every_manifest_field_edited_runs_or_is_one_line(exported, tmp_path, key
     API: it either generates or refuses with a one-line UserError, never anything else."""
     import mtp_edge
 
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache_home_sharing_kernels(tmp_path / "cache")))
     manifest = json.loads((exported / "manifest.json").read_text())
     section, _, name = key.rpartition(".")
     where = manifest["drafter"] if section else manifest

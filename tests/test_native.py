@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import setup_options, without_drafting_policy
+from tiny import cache_home_sharing_kernels, setup_options, without_drafting_policy
 
 from mtp_edge.devices.harness import NEAR_TIE, load_prompts
 from mtp_edge.runtime import native_runner
@@ -46,9 +46,11 @@ def runner(host_runner):
 
 @pytest.fixture(scope="module", autouse=True)
 def verified_stamps(tmp_path_factory):
-    """The readers' verified-once stamps go to a cache of the tests' own, not the user's."""
+    """The readers' verified-once stamps go to a cache of the tests' own, not the user's (the
+    compiled attention kernel is shared with the user's cache)."""
+    cache = cache_home_sharing_kernels(tmp_path_factory.mktemp("cache"))
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+        patch.setenv("XDG_CACHE_HOME", str(cache))
         patch.delenv("MTP_EDGE_VERIFY", raising=False)
         yield
 

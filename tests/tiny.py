@@ -234,3 +234,19 @@ def setup_options(bundle, max_seq_len: int):
     from mtp_edge.runtime.assemble import LoadOptions
 
     return LoadOptions(bundle=str(bundle), max_seq_len=max_seq_len, chat=False)
+
+
+def cache_home_sharing_kernels(path: Path) -> Path:
+    """A fresh cache directory for XDG_CACHE_HOME at `path` (for tests of what mtp-edge keeps
+    there, e.g. the verified-once stamps) in which the attention kernel library the user's cache
+    holds is already present: a process loading ExecuTorch bundles under it would otherwise
+    compile the kernel again (runtime/executorch_ops.py, ~20 s)."""
+    from mtp_edge.runtime import executorch_ops
+
+    library = executorch_ops.library_path()  # the user's cache: XDG_CACHE_HOME as it is now
+    if not library.is_file():
+        executorch_ops.build(library)
+    ops = path / "mtp-edge" / "ops"
+    ops.parent.mkdir(parents=True, exist_ok=True)
+    ops.symlink_to(library.parent, target_is_directory=True)
+    return path
