@@ -41,13 +41,16 @@ def _cache_dir() -> Path:
     return Path(base) / "mtp-edge" / "ops"
 
 
-def library_path() -> Path:
-    """Where the compiled kernel library for these sources and this ExecuTorch is cached."""
+def library_path(flags: list[str] | tuple[str, ...] = ()) -> Path:
+    """Where the compiled kernel library for these sources, this ExecuTorch and these extra
+    compiler `flags` (see `build`) is cached."""
     root = _executorch_root()
     digest = hashlib.sha256()
     for path in SOURCES + HEADERS:
         digest.update(path.read_bytes())
     digest.update(str(root).encode())
+    for flag in flags:
+        digest.update(b"\0" + flag.encode())
     digest.update((root / "lib" / "libexecutorch.so").read_bytes()[:4096])
     return _cache_dir() / f"libmtp_ops-{digest.hexdigest()[:16]}.so"
 
