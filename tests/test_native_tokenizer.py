@@ -9,6 +9,7 @@ what they produced. Ids and strings must be identical.
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 import random
@@ -513,12 +514,14 @@ def test_decode_arbitrary_ids(mtp_tokenize, tokenizer_file):
     assert native_decode(mtp_tokenize, path, id_lists) == want
 
 
-def newer_code_points() -> list[int]:
-    """Code points Python's unicodedata calls unassigned but `tokenizers`' regex engine knows."""
+@functools.cache
+def newer_code_points() -> tuple[int, ...]:
+    """Code points Python's unicodedata calls unassigned but `tokenizers`' regex engine knows
+    (once per test process: a scan of every code point)."""
     unknown = "".join(chr(c) for c in range(0x110000) if unicodedata.category(chr(c)) == "Cn")
     split = pre_tokenizers.Split(Regex(r"\P{Cn}"), behavior="removed")
     kept = set("".join(piece for piece, _ in split.pre_tokenize_str(unknown)))
-    return [ord(c) for c in unknown if c not in kept]
+    return tuple(ord(c) for c in unknown if c not in kept)
 
 
 def test_every_code_point(mtp_tokenize, tokenizer_file):
@@ -527,7 +530,7 @@ def test_every_code_point(mtp_tokenize, tokenizer_file):
     path, reference = tokenizer_file
     rng = random.Random(4)
     fillers = ["a", "1", " ", "'", "\u0301", "x ", "'s", "\n"]
-    code_points = ASSIGNED + newer_code_points()
+    code_points = ASSIGNED + list(newer_code_points())
     assert len(code_points) > len(ASSIGNED)
     text = "".join(chr(c) + rng.choice(fillers) for c in code_points)
     docs = _cut(text)
