@@ -271,23 +271,38 @@ def test_drafter_vocabulary_checked_at_export(model_dir, tmp_path):
     assert pipeline.default_out(options, "m").name == "m-android"
 
 
-def test_exported_fp32_logits_match_eager(model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def fp32_self_bundle(model_dir, tmp_path_factory):
+    """model_dir exported in fp32 with random heads of the kind that keeps a cache of its own
+    (an fp32 drafter.pte), 64 positions, chunks of 8: (bundle, heads file). The target's and the
+    drafter's programs are each checked against the eager model below: one export for both."""
+    root = tmp_path_factory.mktemp("fp32-self")
+    heads = save_random_heads(model_dir, root / "heads.safetensors", "self")
+    options = ExportOptions(
+        model=str(model_dir),
+        drafter="mtp",
+        heads=str(heads),
+        quant="fp32",
+        draft_quant="fp32",
+        group_size=0,
+        embedding_quant="none",
+        max_seq_len=64,
+        max_chunk=8,
+        quality_tokens=0,
+    )
+    out, _ = export_bundle(options, root / "b", None, progress=lambda _: None)
+    return out, heads
+
+
+def test_exported_fp32_logits_match_eager(model_dir, fp32_self_bundle):
     """The fp32 program computes what the eager model computes, also after a rollback."""
     from mtp_edge.checkpoints import load_model
     from mtp_edge.runtime.executorch_session import ExecuTorchSession
     from mtp_edge.runtime.session import EagerSession
 
-    options = ExportOptions(
-        model=str(model_dir),
-        quant="fp32",
-        group_size=0,
-        embedding_quant="none",
-        max_seq_len=64,
-        max_chunk=16,
-        quality_tokens=0,
-    )
-    out, manifest = export_bundle(options, tmp_path / "fp32", None, progress=lambda _: None)
-    program = ExecuTorchSession(out / "target.pte", 64, manifest.vocab_size, 16)
+    out, _ = fp32_self_bundle
+    manifest = Manifest.load(out)
+    program = ExecuTorchSession(out / "target.pte", 64, manifest.vocab_size, 8)
     eager = EagerSession(load_model(str(model_dir)).model, 64)
     prompt = [5, 9, 2, 7, 7, 1, 30, 4]
     torch.testing.assert_close(
@@ -344,7 +359,7 @@ def test_mtp_bundle_is_lossless_greedy_and_sampled(mtp_bundle):
     assert sampled.exit_code == 0, sampled.output
 
 
-def test_exported_self_head_drafts_as_the_eager_head(model_dir, tmp_path):
+def test_exported_self_head_drafts_as_the_eager_head(model_dir, fp32_self_bundle):
     """The self head's fp32 program (its own cache in buffers, chunks of T rows) gives the
     eager head's draft logits: a chunk of verified rows, recurrent steps past it, then a chunk
     that starts inside the drafted slots and overwrites them."""
@@ -353,25 +368,12 @@ def test_exported_self_head_drafts_as_the_eager_head(model_dir, tmp_path):
     from mtp_edge.runtime.executorch_session import ExecuTorchStep
     from mtp_edge.runtime.mtp_drafter import eager_step_fn
 
-    heads = save_random_heads(model_dir, tmp_path / "heads.safetensors", "self")
+    out, heads = fp32_self_bundle
     loaded = load_model(str(model_dir))
     head = load_heads(heads, loaded.model, loaded.name)
-    options = ExportOptions(
-        model=str(model_dir),
-        drafter="mtp",
-        heads=str(heads),
-        quant="fp32",
-        draft_quant="fp32",
-        group_size=0,
-        embedding_quant="none",
-        max_seq_len=64,
-        max_chunk=8,
-        quality_tokens=0,
-    )
-    export_bundle(options, tmp_path / "b", None, progress=lambda _: None)
-    manifest = Manifest.load(tmp_path / "b")
+    manifest = Manifest.load(out)
     assert manifest.drafter.own_cache and manifest.drafter.max_chunk == 8
-    program = ExecuTorchStep(tmp_path / "b" / "drafter.pte", max_chunk=8)
+    program = ExecuTorchStep(out / "drafter.pte", max_chunk=8)
     model = loaded.model
     model.setup_cache(64)
     eager = eager_step_fn(head, model)
