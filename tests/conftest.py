@@ -107,12 +107,12 @@ def chat_tiny_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def mtp_bundle_of(tmp_path_factory, chat_tiny_dir):
-    """kind -> an android (ExecuTorch, 8da4w) bundle of chat_tiny_dir with random MTP heads of
-    that attention kind (mtp.py: "target_cache", "none" or "self"; lossless needs no good
-    drafts), 256 positions and the exporter's default drafting policy. The heads that attend
-    have their attention output amplified (tiny.amplify_cache_attention) so that their drafts
-    depend on what they read; the self head's program is fp32 (test_native says why). The heads
-    file sits beside the bundle: bundle.parent / "heads.safetensors"."""
+    """kind -> an android (ExecuTorch, the default 8da8w) bundle of chat_tiny_dir with random
+    MTP heads of that attention kind (mtp.py: "target_cache", "none" or "self"; lossless needs
+    no good drafts), 256 positions and the exporter's default drafting policy. The heads that
+    attend have their attention output amplified (tiny.amplify_cache_attention) so that their
+    drafts depend on what they read; the self head's program is fp32 (test_native says why).
+    The heads file sits beside the bundle: bundle.parent / "heads.safetensors"."""
 
     def build(kind: str, root: Path) -> None:
         heads = save_random_heads(chat_tiny_dir, _mkdir(root) / "heads.safetensors", kind)
@@ -135,9 +135,9 @@ def mtp_bundle_of(tmp_path_factory, chat_tiny_dir):
 
 @pytest.fixture(scope="session")
 def draft_lm_bundle_256(tmp_path_factory, chat_tiny_dir) -> Path:
-    """An android 8da4w bundle of chat_tiny_dir with a draft model of the same vocabulary (the
-    target's own weights, so that drafts are often right: a random draft model never is), 256
-    positions, without a drafting policy (the draft model runs alone, ungated)."""
+    """An android bundle (the default 8da8w) of chat_tiny_dir with a draft model of the same
+    vocabulary (the target's own weights, so that drafts are often right: a random draft model
+    never is), 256 positions, without a drafting policy (the draft model runs alone, ungated)."""
 
     def build(root: Path) -> None:
         draft = save_chat_dir(root / "draft", seed=3)

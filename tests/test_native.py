@@ -57,7 +57,7 @@ def verified_stamps(tmp_path_factory):
 
 def unpoliced(tmp_path_factory, bundle: Path) -> str:
     """A copy of one of conftest.py's shared MTP bundles (a tiny llama with a chat template,
-    256 positions, 8da4w, random heads with their attention amplified) without a drafting
+    256 positions, 8da8w, random heads with their attention amplified) without a drafting
     policy, as `--ngram-sizes none --draft-confidence 0` exports it: the bundle's drafter runs
     alone, ungated, unless a test sets a policy (test_bundle_drafting_policy_matches_python)."""
     copy = tmp_path_factory.mktemp("native") / "bundle"
@@ -68,7 +68,7 @@ def unpoliced(tmp_path_factory, bundle: Path) -> str:
 
 @pytest.fixture(scope="module")
 def mtp_bundle(mtp_bundle_of, tmp_path_factory):
-    """An 8da4w target with random MTP heads (lossless needs no good drafts) that read the
+    """An 8da8w target with random MTP heads (lossless needs no good drafts) that read the
     target's cache (the default kind): the target program's `draft` method, no drafter.pte."""
     bundle = unpoliced(tmp_path_factory, mtp_bundle_of("target_cache"))
     m = open_bundle(bundle).manifest
@@ -91,7 +91,7 @@ def mlp_mtp_bundle(mtp_bundle_of, tmp_path_factory):
 def self_mtp_bundle(mtp_bundle_of, tmp_path_factory):
     """The same with self-attending (EAGLE-style) heads: a drafter.pte with a KV cache of its
     own, fed the rows the target verified in chunks of at most max_chunk (128 < the 160-token
-    prompts), then one drafted token per step. The drafter in fp32 (the target stays 8da4w):
+    prompts), then one drafted token per step. The drafter in fp32 (the target stays 8da8w):
     the random head's draft logits often nearly tie (16% of its drafts within 0.02), and with
     8-bit activations the runtimes' rounding flips some of them, so that draft-by-draft
     comparison would have to excuse differences as large as those of a broken rule (a step
