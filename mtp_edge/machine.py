@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from mtp_edge.errors import UserError
+
 
 @dataclass(frozen=True)
 class Int8Path:
@@ -48,10 +50,24 @@ INT8_PATHS = {
 }
 
 
+# Names this CPU's int8 path instead of reading it from the CPU's flags (a VM that hides them;
+# the tests, which must not depend on the CPU they run on). The native runtime reads it too.
+INT8_PATH_ENV = "MTP_EDGE_INT8_PATH"
+
+
 def int8_path(cpuinfo: str | None = None) -> Int8Path:
     """The int8 path of this CPU (or of a /proc/cpuinfo text): the best of VNNI, AVX-512,
     AVX2 and SSE4 from an x86 `flags` line; SME, i8mm, dot product and NEON from an ARM
-    `Features` line. Without /proc/cpuinfo (macOS), sysctl's hw.optional.arm.FEAT_* keys."""
+    `Features` line. Without /proc/cpuinfo (macOS), sysctl's hw.optional.arm.FEAT_* keys.
+    For this CPU, MTP_EDGE_INT8_PATH (one of INT8_PATHS' names) overrides the flags."""
+    if cpuinfo is None and os.environ.get(INT8_PATH_ENV):
+        name = os.environ[INT8_PATH_ENV]
+        if name not in INT8_PATHS:
+            raise UserError(
+                f"{INT8_PATH_ENV}={name} is not an int8 path: use one of {', '.join(INT8_PATHS)}"
+                f", or unset it to read the CPU's flags"
+            )
+        return INT8_PATHS[name]
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
