@@ -58,6 +58,11 @@ class Platform:
     # - its programs are exported for one verification width, k+1 (mtp-export --quant auto then
     #   measures no other k: each would be an export of its own).
     verify_width_in_program: bool = False
+    # - schemes whose verification runs XNNPACK's per-channel 8-bit GEMM: on a CPU without an
+    #   int8 dot product, whose tile has few rows (mtp_edge/machine.py: 4 on AVX2), k + 1
+    #   rows past the tile take a second pass over the weights, so the runtime keeps k + 1
+    #   within it unless k is given (runtime/assemble.py k_for_this_cpu).
+    int8_tile_schemes: tuple[str, ...] = ()
 
 
 PLATFORMS: dict[str, Platform] = {}
@@ -94,6 +99,7 @@ register(
         threads="executorch_threads",
         textllmrunner_peer=True,
         predictable=True,
+        int8_tile_schemes=("8da8w",),
     )
 )
 register(

@@ -31,6 +31,36 @@ DEFAULT_K = 4
 DEFAULT_NGRAM_SIZES = "1-3"
 
 
+def k_for_this_cpu(k: int, manifest) -> int:
+    """The bundle's k on this CPU: lowered to fit one pass of the int8 GEMM's tile where the
+    CPU has no int8 dot product and the target's scheme runs that GEMM (the platform table's
+    int8_tile_schemes). There k + 1 rows beyond the tile's make a second pass over the weights:
+    on an AVX2 host (4-row tile) k = 3 ran 1.10-1.11x against k = 4's 0.98-1.02x, side by side
+    on the default model (benchmarks/README.md, "CPUs without an int8 dot product"). Where the
+    CPU has a dot product (VNNI: 5 rows; the phones' SDOT/SMMLA) the bundle's k stands. An
+    explicit k (--k) is never changed; the native runtime applies the same rule."""
+    from mtp_edge.machine import int8_path
+    from mtp_edge.platforms import by_backend
+
+    row = by_backend(manifest.backend)
+    target = manifest.models.get("target")
+    scheme = (target.quant or {}).get("scheme") if target is not None else None
+    if row is None or scheme not in row.int8_tile_schemes:
+        return k
+    path = int8_path()
+    if path.dot_product or path.xnnpack_rows is None or k + 1 <= path.xnnpack_rows:
+        return k
+    fitted = max(1, path.xnnpack_rows - 1)
+    from mtp_edge import logs
+
+    logs.say(
+        f"[k] {fitted} tokens drafted per step, not the bundle's {k}: this CPU ({path.name}) has "
+        f"no int8 dot product and verifies up to {path.xnnpack_rows} tokens in one pass over "
+        f"the weights (--k {k} to draft {k})"
+    )
+    return fitted
+
+
 @dataclass
 class LoadOptions:
     """What to decode with; None means "the bundle's choice, else the default"."""
@@ -149,7 +179,7 @@ def assemble(
                 drafter += "+ngram"
                 ngram_sizes = ngram_sizes or spec.lookup
         confidence = spec.draft_confidence if confidence is None else confidence
-        k = spec.k if k is None else k
+        k = k_for_this_cpu(spec.k, bundle.manifest) if k is None else k
     else:
         bundle = None
         if options.adapt:
