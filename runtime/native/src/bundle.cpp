@@ -1,6 +1,7 @@
 #include "bundle.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <climits>
 #include <cstdio>
@@ -477,7 +478,8 @@ Manifest Manifest::load(const std::string& dir, bool verify) {
     for (auto& [name, entry] : data["models"].items()) {
       check_keys(entry, kModelFileKeys, path + ": models." + name, "");
       m.models[name] = {entry["file"].get<std::string>(), entry["sha256"].get<std::string>(),
-                        entry["quant"].value("attention", std::string())};
+                        entry["quant"].value("attention", std::string()),
+                        entry["quant"].value("scheme", std::string())};
     }
     check_file_names(m, path);
     m.drafter = read_drafter(data["drafter"], path);
@@ -507,6 +509,90 @@ Manifest Manifest::load(const std::string& dir, bool verify) {
     check_against_tokenizer(m, data);
   }
   return m;
+}
+
+namespace {
+
+struct Int8PathRow {
+  const char* name;
+  bool dot_product;
+  int rows;
+  std::vector<std::string> needs;  // the /proc/cpuinfo flags that make it this CPU's
+};
+
+const std::vector<Int8PathRow>& int8_paths() {
+  static const std::vector<Int8PathRow> rows = {
+      {"avx512-vnni", true, 5, {"avx512_vnni"}},
+      {"avx-vnni", true, 5, {"avx_vnni"}},
+      {"avx512", false, 8, {"avx512f", "avx512bw"}},
+      {"avx2", false, 4, {"avx2"}},
+      {"sse4", false, 4, {"sse4_1"}},
+      {"sme", true, 4, {"sme", "i8mm"}},
+      {"i8mm", true, 4, {"i8mm"}},
+      {"neon-dot", true, 4, {"asimddp"}},
+      {"neon", false, 0, {"asimd"}},
+      {"unknown", false, 0, {}},
+  };
+  return rows;
+}
+
+std::string lower(std::string text) {
+  std::transform(text.begin(), text.end(), text.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return text;
+}
+
+}  // namespace
+
+Int8Path host_int8_path() {
+  const auto& rows = int8_paths();
+  std::string name = "unknown";
+  const char* given = std::getenv("MTP_EDGE_INT8_PATH");
+  if (given != nullptr && *given != '\0') {
+    name = given;
+    if (std::none_of(rows.begin(), rows.end(), [&](const Int8PathRow& r) { return name == r.name; })) {
+      std::string names;
+      for (const auto& r : rows) names += (names.empty() ? "" : ", ") + std::string(r.name);
+      throw UserError("MTP_EDGE_INT8_PATH=" + name + " is not an int8 path: use one of " + names +
+                      ", or unset it to read the CPU's flags");
+    }
+  } else {
+    std::ifstream cpuinfo("/proc/cpuinfo");
+    std::vector<std::string> flags;
+    std::string line;
+    while (std::getline(cpuinfo, line)) {
+      const auto colon = line.find(':');
+      if (colon == std::string::npos) continue;
+      std::string key = lower(line.substr(0, colon));
+      key.erase(key.find_last_not_of(" \t") + 1);
+      key.erase(0, key.find_first_not_of(" \t"));
+      if (key != "flags" && key != "features") continue;
+      std::istringstream words(lower(line.substr(colon + 1)));
+      for (std::string word; words >> word;) flags.push_back(word);
+    }
+    auto has = [&flags](const std::string& flag) {
+      return std::find(flags.begin(), flags.end(), flag) != flags.end();
+    };
+    for (const auto& r : rows) {
+      if (!r.needs.empty() && std::all_of(r.needs.begin(), r.needs.end(), has)) {
+        name = r.name;
+        break;
+      }
+    }
+  }
+  for (const auto& r : rows)
+    if (name == r.name) return {r.name, r.dot_product, r.rows};
+  return {"unknown", false, 0};
+}
+
+int64_t Manifest::k_for_this_cpu() const {
+  const int64_t k = drafter.k;
+  const auto target = models.find("target");
+  if (backend != "executorch" || target == models.end() || target->second.scheme != "8da8w")
+    return k;
+  const Int8Path path = host_int8_path();
+  if (path.dot_product || path.rows == 0 || k + 1 <= path.rows) return k;
+  return std::max<int64_t>(1, path.rows - 1);
 }
 
 }  // namespace mtp

@@ -19,7 +19,19 @@ struct ModelFile {
   // quant.attention: "mtp" when the program's attention is our row-exact op (every width of
   // forward gives the rows of one-token calls), "executorch" or empty otherwise.
   std::string attention;
+  std::string scheme;  // quant.scheme: "8da8w", "8da4w", "fp32"...
 };
+
+// How this CPU multiplies int8 (mtp_edge/machine.py INT8_PATHS: the same names and rows):
+// whether it has a dot-product instruction, and the rows of XNNPACK's per-channel 8-bit GEMM
+// tile on it (0: not known). MTP_EDGE_INT8_PATH names it instead of the CPU's flags; a name
+// that is not a path throws UserError.
+struct Int8Path {
+  std::string name;
+  bool dot_product = false;
+  int rows = 0;
+};
+Int8Path host_int8_path();
 
 // The chat template rendered around one user message at export time (C++ runs no jinja).
 // A conversation renders as prefix (or system_prefix + system prompt + system_suffix) + user +
@@ -64,6 +76,9 @@ struct Manifest {
   std::string path(const std::string& model) const;  // absolute path of models[model]
   std::string drafter_kind() const { return drafter.kind; }
   int default_k() const { return static_cast<int>(drafter.k); }
+  // The bundle's k on this CPU (runtime/assemble.py k_for_this_cpu, the same rule): an 8da8w
+  // ExecuTorch target on a CPU without an int8 dot product keeps k + 1 within the GEMM's tile.
+  int64_t k_for_this_cpu() const;
 
   // Throws UserError (missing, malformed, wrong format version, or hash mismatch when verify).
   static Manifest load(const std::string& dir, bool verify = true);

@@ -51,7 +51,7 @@ Settings parse_settings(mtp::Engine& engine, const char* options_json) {
   Settings settings;
   mtp::GenerationConfig& config = settings.config;
   config.max_new_tokens = options.value("max_new_tokens", int64_t(128));
-  config.k = options.value("k", int64_t(engine.manifest().default_k()));
+  config.k = options.value("k", engine.manifest().k_for_this_cpu());
   engine.check_k(config.k);
   config.sampling.temperature = options.value("temperature", 0.0);
   config.sampling.top_k = options.value("top_k", 0);

@@ -39,7 +39,8 @@ const char* kUsage =
     "--drafter (as mtp-run --drafter; default: the bundle's drafter, behind a prompt lookup\n"
     "when the bundle says so): X+ngram is prompt lookup (--ngram-sizes, default 1-3 or the\n"
     "bundle's) where the context repeats itself, the bundle's model drafter X elsewhere.\n"
-    "--k: 1..15 (default: the bundle's); --draft-confidence: in [0, 1) (default: the bundle's).\n"
+    "--k: 1..15 (default: the bundle's; an 8da8w bundle's at most 3 on a CPU without an int8\n"
+    "dot product, e.g. AVX2); --draft-confidence: in [0, 1) (default: the bundle's).\n"
     "--fallback: draft each step only as many tokens as measured acceptance and costs say pay\n"
     "(as mtp-run --fallback; off by default). --fallback-costs: the fallback reads these fixed\n"
     "costs instead of timings (a call of width w: VERIFY_MS * (1 + SLOPE * (w - 1)); a drafted\n"
@@ -251,7 +252,16 @@ int run(int argc, char** argv) {
   mtp::Engine engine(bundle, engine_options);
   if (!options.config.stop_strings.empty() && !engine.has_tokenizer())
     throw mtp::UserError("--stop needs the bundle's tokenizer.json, which " + bundle + " lacks");
-  options.config.k = k >= 0 ? k : engine.manifest().default_k();
+  options.config.k = k >= 0 ? k : engine.manifest().k_for_this_cpu();
+  if (k < 0 && options.config.k != engine.manifest().default_k()) {
+    const mtp::Int8Path path = mtp::host_int8_path();
+    const std::string given = std::to_string(engine.manifest().default_k());
+    std::cerr << "[k] " << options.config.k << " tokens drafted per step, not the bundle's "
+              << given << ": this CPU (" << path.name
+              << ") has no int8 dot product and verifies up to " << path.rows
+              << " tokens in one pass over the weights (--k " << given << " to draft " << given
+              << ")" << std::endl;
+  }
   engine.check_k(options.config.k);
   options.config.eos_ids = engine.manifest().eos_ids;
   nlohmann::json body = mtp::run_suite(engine, prompts, options, [](const std::string& line) {
