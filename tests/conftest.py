@@ -25,6 +25,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 # loaded machine, 3.1 s on one thread. The runtime does the same where it hands the cores to
 # a backend (mtp_edge/machine.py claim_cores).
 os.environ["OMP_NUM_THREADS"] = "1"
+# The int8 path the runtimes see (mtp_edge/machine.py), named rather than read from this CPU's
+# flags, so that what the tests expect (a bundle's k, for one: runtime/assemble.py
+# k_for_this_cpu) is the same on every CPU: a VNNI path, on which bundles keep their k. The
+# tests of the rule name the other paths themselves.
+os.environ["MTP_EDGE_INT8_PATH"] = "avx512-vnni"
 
 import torch  # noqa: E402
 

@@ -555,6 +555,48 @@ def test_int8_path_from_cpuinfo(text, name, dot, rows):
     assert (path.name, path.dot_product, path.xnnpack_rows) == (name, dot, rows)
 
 
+@pytest.mark.parametrize(
+    "path, scheme, k, expected",
+    [
+        ("avx2", "8da8w", None, 3),  # no dot product, a 4-row tile: k + 1 within it
+        ("sse4", "8da8w", None, 3),
+        ("avx512", "8da8w", None, 4),  # an 8-row tile holds 5 rows
+        ("avx512-vnni", "8da8w", None, 4),  # a dot product: the bundle's k
+        ("i8mm", "8da8w", None, 4),
+        ("neon", "8da8w", None, 4),  # tile not known: the bundle's k
+        ("avx2", "8da4w", None, 4),  # a scheme the rule does not cover
+        ("avx2", "8da8w", 4, 4),  # a k given is never changed
+    ],
+)
+def test_a_bundle_s_k_fits_this_cpu_s_int8_tile(
+    ngram_bundle_8da8w, ngram_bundle_8da4w, monkeypatch, path, scheme, k, expected
+):
+    from dataclasses import replace
+
+    from tiny import setup_options
+
+    from mtp_edge.runtime.assemble import assemble
+
+    bundle = {"8da8w": ngram_bundle_8da8w, "8da4w": ngram_bundle_8da4w}[scheme]
+    monkeypatch.setenv("MTP_EDGE_INT8_PATH", path)
+    assert assemble(replace(setup_options(bundle, 96), k=k)).config.k == expected
+
+
+def test_an_int8_path_that_is_none_is_one_line(ngram_bundle_8da8w, monkeypatch):
+    from click.testing import CliRunner
+
+    from mtp_edge.cli import run
+
+    monkeypatch.setenv("MTP_EDGE_INT8_PATH", "avx3")
+    result = CliRunner().invoke(run, ["--bundle", str(ngram_bundle_8da8w), "--prompt", "x"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: MTP_EDGE_INT8_PATH=avx3 is not an int8 path: use one of avx512-vnni, avx-vnni, "
+        "avx512, avx2, sse4, sme, i8mm, neon-dot, neon, unknown, or unset it to read the CPU's "
+        "flags"
+    )
+
+
 def test_host_reports_its_int8_path_and_rates():
     from mtp_edge.machine import INT8_PATHS, int8_path
 

@@ -747,6 +747,33 @@ def refusal(done: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
+def test_both_runtimes_fit_k_to_the_int8_tile_alike(runner, mlp_mtp_bundle, monkeypatch, capsys):
+    """The bundle's k on a named CPU (MTP_EDGE_INT8_PATH), natively and in Python
+    (runtime/assemble.py k_for_this_cpu): an 8da8w bundle of k = 4 drafts 3 where the CPU has no
+    int8 dot product and a 4-row tile, saying so in the same line, 4 elsewhere; a name that is
+    no path, one line alike."""
+    from mtp_edge.errors import UserError
+    from mtp_edge.runtime.assemble import assemble
+
+    for path, expected in (("avx2", 3), ("sse4", 3), ("avx512", 4), ("avx512-vnni", 4),
+                           ("neon-dot", 4), ("neon", 4)):  # fmt: skip
+        env = {**os.environ, "MTP_EDGE_INT8_PATH": path}
+        done = run_runner(runner, mlp_mtp_bundle, env)
+        assert done.returncode == 0, done.stderr[-800:]
+        assert json.loads(done.stdout)["k"] == expected, path
+        capsys.readouterr()
+        monkeypatch.setenv("MTP_EDGE_INT8_PATH", path)
+        assert assemble(setup_options(mlp_mtp_bundle, 256)).config.k == expected, path
+        said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[k]")]
+        assert said == [line for line in done.stderr.splitlines() if line.startswith("[k]")]
+        assert len(said) == (expected == 3), (path, said)
+    monkeypatch.setenv("MTP_EDGE_INT8_PATH", "avx3")
+    with pytest.raises(UserError) as python_error:
+        assemble(setup_options(mlp_mtp_bundle, 256))
+    native = refusal(run_runner(runner, mlp_mtp_bundle, {**os.environ}))
+    assert native == f"error: {python_error.value}"
+
+
 def edited_copy(bundle, to: Path, edit) -> Path:
     shutil.copytree(bundle, to)
     manifest = json.loads((to / "manifest.json").read_text())
