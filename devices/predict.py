@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from mtp_edge.devices.catalog import Device, host_device, int8_path_label
@@ -335,6 +335,7 @@ def predict(
     out = {
         "device": device.name,
         "bundle": cost.name,
+        "k": k,
         "context": context,
         "int8_path": device.int8_path,
         "bandwidth_gbs_used": round(bandwidth / 1e9, 2),
@@ -484,6 +485,10 @@ def predict_bundle(bundle, device_names, from_bench, command: str, progress) -> 
     chosen = [find_device(name) for name in names]  # unknown names fail before measuring
     bench_report = None if from_bench is None else load_bench(from_bench)
     cost = bundle_cost(bundle)
+    if bench_report is not None and isinstance(bench_report.get("k"), int):
+        # Predict at the k the measurement ran: the runtime may have drafted fewer tokens than
+        # the bundle's k (on a CPU without an int8 dot product, runtime/assemble.py), or --k.
+        cost = replace(cost, k=bench_report["k"])
     progress("[calibrate] timing the bundle's programs on this machine")
     calibration = calibrate(bundle, cost)
     acceptance = acceptance_from(bench_report, Manifest.load(bundle, verify=False), cost.k)

@@ -215,6 +215,17 @@ def test_predict_cli_compares_with_the_bench_on_host(bundle, prompts, tmp_path):
     assert validation["speculative"]["measured"] == measured["spec_tokens_per_s"]
     assert validation["plain"]["predicted"] > 0
     assert data["predictions"][0]["acceptance"]["tau"] == measured["tau"]
+    ran = json.loads(bench_json.read_text())["k"]
+    assert [p["k"] for p in data["predictions"]] == [ran, ran]
+    # A measurement at another k (--k, or the k the runtime drafts on this CPU): predicted at it.
+    other = json.loads(bench_json.read_text())
+    other["k"] = ran - 1
+    bench_json.write_text(json.dumps(other))
+    result = CliRunner().invoke(
+        predict, [*args, "--from-bench", str(bench_json), "--json", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    assert [p["k"] for p in json.loads(out.read_text())["predictions"]] == [ran - 1, ran - 1]
 
 
 def test_predict_refuses_a_file_that_is_not_a_bench_report(bundle, tmp_path):
