@@ -210,6 +210,19 @@ class Model:
         self._open: weakref.ref[Stream] | None = None  # a stream not yet finished
         self._lock = threading.RLock()  # held by a call, or by a stream computing a chunk
         self._stream_ends = threading.Condition(self._lock)
+        if log is not None and generator.adapter is not None:
+            self._seed_store(log)
+
+    def _seed_store(self, log: RequestLog) -> None:
+        """An adapting model drafts from the answers its request log kept (the newest that fit
+        the store): a restarted server keeps what it learned of its requests."""
+        from mtp_edge.request_log import read_log
+
+        vocab = self._generator.session.vocab_size
+        store = self._generator.adapter.store
+        for record in read_log(log.directory):
+            if record.answer_ids and max(record.answer_ids) < vocab:
+                store.add(record.answer_ids)
 
     def __enter__(self) -> Model:
         return self
@@ -394,7 +407,8 @@ class Model:
         finally:
             steps.close()  # lets the drafter take in the last verified step
             if gen.adapter is not None and stats is not None:  # learn, within its time share
-                gen.adapter.after_request(stats.ttft_ms / 1e3 + stats.decode_seconds)
+                seconds = stats.ttft_ms / 1e3 + stats.decode_seconds
+                gen.adapter.after_request(seconds, ids + generated)
             with self._lock:
                 self._open = None
                 self._stream_ends.notify_all()

@@ -30,6 +30,12 @@ charged. Over a stream, adaptation time is at most the share of generation time 
 Drafting pays a rank-r product per draft step (r * (D + Vd) multiply-adds, r = 32: ~280k on the
 default head, ~4% of its step) and a copy of each step's outputs for the pairs.
 
+Before the head, the adapting drafter tries the store of past requests (runtime/answer_store.py):
+where the context's last tokens were followed by the same token in earlier requests, it drafts
+those tokens and the head does not run. Each request's tokens enter the store after it ends,
+charged to the same time share; a request log (`--log DIR`) seeds the store when the model
+loads.
+
 What needs what: the features are final_norm(next_h), and saving folds U V into lm_head, so the
 heads file the drafter was made from must be at hand. The eager drafter has it; a bundle's
 program does not expose its weights and bundles do not carry the heads file, so the runtime
@@ -49,6 +55,7 @@ import torch.nn.functional as F
 
 from mtp_edge.errors import UserError
 from mtp_edge.mtp import MTPConfig, MTPHead, heads_file, save_heads
+from mtp_edge.runtime.answer_store import AnswerStore
 from mtp_edge.runtime.drafters import Draft, HybridDrafter
 from mtp_edge.runtime.mtp_drafter import MtpDrafter
 
@@ -137,6 +144,7 @@ class Adapter:
         self.steps = 0
         self.adapt_seconds = 0.0
         self.generation_seconds = 0.0
+        self.store = AnswerStore()  # the requests served, drafted from before the head
 
     def features(self, g: torch.Tensor) -> torch.Tensor:
         """final_norm(g) in float32, as the head computes it before its lm_head."""
@@ -178,10 +186,17 @@ class Adapter:
             self._ut = self.u.T.contiguous()
         self.active = True
 
-    def after_request(self, generation_seconds: float) -> int:
-        """Spend this request's share of time on optimizer steps; returns how many ran."""
+    def after_request(self, generation_seconds: float, tokens: list[int] | None = None) -> int:
+        """Take in the request's tokens (prompt and answer) for the store, then spend this
+        request's share of time on optimizer steps; returns how many ran."""
         self.generation_seconds += generation_seconds
         self.credit = min(self.credit + self.share * generation_seconds, CREDIT_CAP_S)
+        if tokens:
+            start = time.perf_counter()
+            self.store.add(tokens)
+            took = time.perf_counter() - start
+            self.credit -= took
+            self.adapt_seconds += took
         ran = 0
         while self.buffer.size >= MIN_PAIRS and self.credit > 0:
             if self.step_s is not None and self.credit < self.step_s:
@@ -220,6 +235,7 @@ class Adapter:
     def report(self) -> dict:
         share = self.adapt_seconds / self.generation_seconds if self.generation_seconds else 0.0
         return {
+            **self.store.report(),
             "pairs": self.buffer.added,
             "buffered": self.buffer.size,
             "steps": self.steps,
@@ -269,6 +285,10 @@ class AdaptingDrafter:
 
     def propose(self, context, hidden, k, sampler) -> Draft:
         self.take_pairs(context)
+        stored = self.adapter.store.draft(context, k) if k > 0 else []
+        if stored:  # a confident continuation from past requests: the head need not run
+            self.inner.observe(context, hidden)
+            return Draft(stored)
         self.steps = []
         try:
             draft = self.inner.propose(context, hidden, k, sampler)

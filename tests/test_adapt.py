@@ -1,6 +1,6 @@
 """Online adaptation of MTP heads (runtime/adapt.py): drafts change, the output never does; the
-buffer is bounded; the saved heads reproduce the adapted drafts; setups that cannot adapt say so
-in one line."""
+buffer and the store of past requests are bounded; the saved heads reproduce the adapted drafts;
+a request log seeds the store; setups that cannot adapt say so in one line."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import mtp_edge
 from mtp_edge.errors import UserError
 from mtp_edge.mtp import load_heads
 from mtp_edge.runtime.adapt import ReplayBuffer
+from mtp_edge.runtime.answer_store import AnswerStore
 
 PROMPTS = ["abc abc abc", "the cat sat on the mat", "0123456789", "hello, hello", "zzz"]
 NEW = 24
@@ -124,7 +125,8 @@ def test_saved_heads_reproduce_the_adapted_drafts(kind, chat_tiny_dir, heads_of,
     adapting = mtp_edge.load(**source, heads=heads, adapt=True)
     adapt_hard(adapting, scale=5.0)
     adapter = adapting.generator.adapter
-    adapter.after_request = lambda seconds: 0  # frozen from here on, to compare
+    adapter.after_request = lambda seconds, tokens=None: 0  # frozen from here on, to compare
+    adapter.store = AnswerStore()  # the heads alone draft, as the saved heads will
     saved = adapting.save_heads(tmp_path / "adapted.safetensors")
 
     target = adapting.generator.session.model
@@ -163,3 +165,52 @@ def test_cannot_adapt_without_mtp_heads(chat_tiny_dir, ngram_bundle_8da4w, draft
         mtp_edge.load(str(chat_tiny_dir), adapt="yes")
     with pytest.raises(UserError, match="adapt=True"):
         mtp_edge.load(str(chat_tiny_dir)).save_heads("x.safetensors")
+
+
+def test_the_store_drafts_what_followed_most_often():
+    store = AnswerStore(min_count=2, min_share=0.5)
+    for tail in ([5, 6, 7], [5, 6, 7], [5, 6, 9]):
+        store.add([1, 2, 3, 4, *tail])
+    assert store.draft([8, 2, 3, 4], 3) == [5, 6, 7]  # 7 followed 2 of 3 times
+    assert store.draft([8, 2, 3, 4], 2) == [5, 6]
+    assert store.draft([9, 9, 9], 3) == []  # a context it never saw
+    once = AnswerStore(min_count=2)
+    once.add([1, 2, 3, 4])
+    assert once.draft([1, 2, 3], 2) == []  # seen once: not confident
+
+
+def test_the_store_is_bounded_and_forgets_exactly():
+    store = AnswerStore(max_tokens=50)
+    sequences = [[(7 * i + j) % 13 for j in range(9 + i % 5)] for i in range(40)]
+    for seq in sequences:
+        store.add(seq)
+        assert store.tokens <= 50
+    kept = list(store.sequences)
+    assert kept == sequences[-len(kept) :] and sum(map(len, kept)) == store.tokens
+    fresh = AnswerStore(max_tokens=50)
+    for seq in kept:
+        fresh.add(seq)
+    as_dicts = lambda s: {n: {k: dict(v) for k, v in t.items()} for n, t in s.tables.items()}  # noqa: E731
+    assert as_dicts(store) == as_dicts(fresh)  # the dropped requests' counts are all taken back
+
+
+def test_repeated_requests_draft_from_the_store_and_output_stays_plain(chat_tiny_dir, heads_of):
+    source = dict(model=str(chat_tiny_dir), max_seq_len=256)
+    plain = mtp_edge.load(**source, drafter="none")
+    adapting = mtp_edge.load(**source, drafter="mtp", heads=heads_of("none"), adapt=True)
+    for prompt in [*PROMPTS, *PROMPTS]:
+        expected = plain.generate(prompt, max_new_tokens=NEW).token_ids
+        assert adapting.generate(prompt, max_new_tokens=NEW).token_ids == expected
+    report = adapting.adaptation
+    # the second round asks what the first did: its answers come from the store
+    assert report["store_requests"] == 2 * len(PROMPTS) and report["store_drafts"] > 0
+
+
+def test_a_request_log_seeds_the_store(chat_tiny_dir, heads_of, tmp_path):
+    source = dict(model=str(chat_tiny_dir), max_seq_len=256, drafter="mtp", heads=heads_of("none"))
+    with mtp_edge.load(**source, log=tmp_path / "log") as first:
+        for prompt in PROMPTS:
+            first.chat([{"role": "user", "content": prompt}], max_new_tokens=NEW)
+    restarted = mtp_edge.load(**source, adapt=True, log=tmp_path / "log")
+    assert restarted.adaptation["store_requests"] == len(PROMPTS)
+    assert mtp_edge.load(**source, adapt=True).adaptation["store_requests"] == 0
