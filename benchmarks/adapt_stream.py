@@ -194,6 +194,9 @@ def write(args, rows: list[dict], seconds: float) -> str:
         f"Adaptation: {adaptation['steps']} optimizer steps on {adaptation['pairs']} pairs, "
         f"{adaptation['adapt_seconds']} s = {adaptation['share']:.1%} of the adapting model's "
         f"generation time ({adaptation['generation_seconds']} s).",
+        f"Store of past requests: {adaptation.get('store_drafts', 0)} drafts from it, "
+        f"{adaptation.get('store_tokens', 0)} tokens of {adaptation.get('store_requests', 0)} "
+        "requests held at the end.",
         f"RSS (whole process, three models): {summary['rss_mb']['after_first']} MB after the "
         f"first request, {summary['rss_mb']['at_half']} at the half, "
         f"{summary['rss_mb']['at_end']} at the end (max {summary['rss_mb']['max']}).",

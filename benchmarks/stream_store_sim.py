@@ -1,4 +1,4 @@
-"""Drafting from a deployment's own past answers, simulated exactly on a request stream.
+"""Drafting from a deployment's own past requests, simulated exactly on a request stream.
 
 Under greedy decoding what a drafter gets accepted is fixed by the target's output (see
 drafting_sim.py), so each policy's tau over a stream follows from the target's greedy answers
@@ -149,10 +149,11 @@ def main() -> None:
         Path(args.json).write_text(json.dumps({"command": command, "policies": results}, indent=2))
     if args.markdown:
         lines = [
-            f"# Drafting from past answers on a {len(runs)}-request stream, simulated (k={args.k})",
+            f"# Drafting from past requests on a {len(runs)}-request stream, simulated "
+            f"(k={args.k})",
             "",
             f"Greedy, {args.max_new_tokens} new tokens, bundle `{args.bundle}`; the store holds "
-            "the answers to the requests before each one.",
+            "the requests before each one (prompt and answer).",
             "",
             f"| policy | tau, requests 1-{half} | tau, {half + 1}-{len(runs)} |",
             "|---|---|---|",

@@ -66,6 +66,11 @@ DEFAULT_BUFFER = 2048
 CREDIT_CAP_S = 2.0  # most seconds of adaptation saved up between requests
 MIN_PAIRS = 64  # no step before the buffer holds this many pairs
 TAIL = 8  # tokens before a draft kept to recognise the context it was drafted in
+# Adam's step size. Fitted offline on a 200-request stream (first-step pairs of requests 1-100,
+# scored on 101-200): the rank-32 correction raised the first draft token's acceptance from
+# 53.1% to 57.4% at 3e-4 and 600 steps, to 56.2% at 1e-3 (it fits the early requests' own
+# tokens: 92% on them), 50.5% at 1e-2.
+LEARNING_RATE = 3e-4
 
 
 class ReplayBuffer:
@@ -120,7 +125,7 @@ class Adapter:
         rank: int = DEFAULT_RANK,
         capacity: int = DEFAULT_BUFFER,
         batch: int = 256,
-        lr: float = 1e-3,
+        lr: float = LEARNING_RATE,
         seed: int = 0,
     ):
         if not 0 < share <= 1:
