@@ -21,8 +21,9 @@ file to redo its step):
    fixed amounts (--steps, --gen-tokens, --raw-tokens), -o DIR/NAME/heads.safetensors; the
    target's answers are cached next to it, so a stopped run continues where it was;
 3. bundles: the shipped heads' (mtp-export --target android, the README's defaults) and one per
-   run (the same with --heads), full exports, as the default bundle's head is a method of its
-   target program;
+   run: the shipped bundle with the run's heads swapped in (mtp-export --update-heads, which
+   leaves the target program as it is), or a full export with --heads where the run drafts at
+   another k;
 4. one mtp-bench over DIR/test.jsonl: the shipped bundle, each refined bundle, and each refined
    bundle with every --floor as its draft-confidence floor, each with its own plain decoding,
    prompts interleaved;
@@ -212,6 +213,11 @@ def train(runner: Runner, run: dict, stream: dict, threads: int) -> Path:
 
 def export(runner: Runner, name: str, heads: Path | None, k: int) -> Path:
     bundle = runner.work / "bundles" / name
+    shipped = runner.work / "bundles" / "shipped"
+    if heads is not None and k == 4 and name != "shipped":  # the shipped bundle's k
+        argv = [bin_("mtp-export"), "--update-heads", str(shipped), "--heads", str(heads)]
+        runner.run(f"export-{name}", [*argv, "-o", str(bundle)], bundle / "manifest.json")
+        return bundle
     argv = [bin_("mtp-export"), "--target", "android", "-o", str(bundle)]
     if heads is not None:
         argv += ["--heads", str(heads)]
