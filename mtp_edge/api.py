@@ -221,8 +221,22 @@ class Model:
         vocab = self._generator.session.vocab_size
         store = self._generator.adapter.store
         for record in read_log(log.directory):
-            if record.answer_ids and max(record.answer_ids) < vocab:
-                store.add(record.answer_ids)
+            if not record.answer_ids or max(record.answer_ids) >= vocab:
+                continue  # nothing answered, or another model's tokens
+            store.add(self._logged_prompt_ids(record.messages) + record.answer_ids)
+
+    def _logged_prompt_ids(self, messages: list[dict]) -> list[int]:
+        """A logged request's prompt as it was encoded (a raw prompt as plain text, else through
+        the chat template); nothing where it cannot be encoded here."""
+        tokenizer = self.tokenizer
+        try:
+            if len(messages) == 1 and messages[0].get("raw"):
+                return tokenizer.encode_prompt(messages[0]["content"], chat=False)
+            if tokenizer.chat_template is not None:
+                return tokenizer.encode_messages(messages)
+        except UserError:
+            pass
+        return []
 
     def __enter__(self) -> Model:
         return self

@@ -12,6 +12,7 @@ from tiny import amplify_cache_attention, save_random_heads
 import mtp_edge
 from mtp_edge.errors import UserError
 from mtp_edge.mtp import load_heads
+from mtp_edge.request_log import read_log
 from mtp_edge.runtime.adapt import ReplayBuffer
 from mtp_edge.runtime.answer_store import AnswerStore
 
@@ -213,4 +214,6 @@ def test_a_request_log_seeds_the_store(chat_tiny_dir, heads_of, tmp_path):
             first.chat([{"role": "user", "content": prompt}], max_new_tokens=NEW)
     restarted = mtp_edge.load(**source, adapt=True, log=tmp_path / "log")
     assert restarted.adaptation["store_requests"] == len(PROMPTS)
+    answered = sum(len(r.answer_ids) for r in read_log(tmp_path / "log"))
+    assert restarted.adaptation["store_tokens"] > answered  # the prompts too, as encoded
     assert mtp_edge.load(**source, adapt=True).adaptation["store_requests"] == 0
