@@ -30,11 +30,13 @@ charged. Over a stream, adaptation time is at most the share of generation time 
 Drafting pays a rank-r product per draft step (r * (D + Vd) multiply-adds, r = 32: ~280k on the
 default head, ~4% of its step) and a copy of each step's outputs for the pairs.
 
-Before the head, the adapting drafter tries the store of past requests (runtime/answer_store.py):
-where the context's last tokens were followed by the same token in earlier requests, it drafts
-those tokens and the head does not run. Each request's tokens enter the store after it ends,
-charged to the same time share; a request log (`--log DIR`) seeds the store when the model
-loads.
+Where the head stops short of k (its confidence below the floor), the store of past requests
+(runtime/answer_store.py) goes on: where the context's last tokens were followed by the same
+token in earlier requests, it drafts those tokens. The head always drafts first: measured on
+refined heads, a store drafting before the head took positions from a head that knew them
+better (benchmarks/README.md, "Online adaptation with a store of past requests"). Each
+request's tokens enter the store after it ends, charged to the same time share; a request log
+(`--log DIR`) seeds the store when the model loads.
 
 What needs what: the features are final_norm(next_h), and saving folds U V into lm_head, so the
 heads file the drafter was made from must be at hand. The eager drafter has it; a bundle's
@@ -290,10 +292,6 @@ class AdaptingDrafter:
 
     def propose(self, context, hidden, k, sampler) -> Draft:
         self.take_pairs(context)
-        stored = self.adapter.store.draft(context, k) if k > 0 else []
-        if stored:  # a confident continuation from past requests: the head need not run
-            self.inner.observe(context, hidden)
-            return Draft(stored)
         self.steps = []
         try:
             draft = self.inner.propose(context, hidden, k, sampler)
@@ -303,12 +301,26 @@ class AdaptingDrafter:
         if draft.tokens:
             start = len(context)
             tail = list(context[max(0, start - TAIL) : start])
-            self.pending = (start, tail, draft.tokens, steps[: len(draft.tokens)])
+            self.pending = (start, tail, list(draft.tokens), steps[: len(draft.tokens)])
+        if len(draft.tokens) < k:  # the head stopped short: past requests may go on
+            more = self.adapter.store.draft(list(context) + draft.tokens, k - len(draft.tokens))
+            if more:
+                draft = with_tokens(draft, more)
         return draft
 
     def observe(self, context, hidden) -> None:
         self.take_pairs(context)
         self.inner.observe(context, hidden)
+
+
+def with_tokens(draft: Draft, tokens: list[int]) -> Draft:
+    """`draft` continued by deterministic `tokens` (one-hot rows where the draft has a
+    distribution per token, so that rejection sampling stays exact)."""
+    if draft.probs is None:
+        return Draft(draft.tokens + tokens)
+    one_hot = torch.zeros(len(tokens), draft.probs.shape[1], dtype=draft.probs.dtype)
+    one_hot[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
+    return Draft(draft.tokens + tokens, torch.cat((draft.probs, one_hot)))
 
 
 def check_can_adapt(spec: str | None) -> None:

@@ -13,8 +13,9 @@ import mtp_edge
 from mtp_edge.errors import UserError
 from mtp_edge.mtp import load_heads
 from mtp_edge.request_log import read_log
-from mtp_edge.runtime.adapt import ReplayBuffer
+from mtp_edge.runtime.adapt import ReplayBuffer, with_tokens
 from mtp_edge.runtime.answer_store import AnswerStore
+from mtp_edge.runtime.drafters import Draft
 
 PROMPTS = ["abc abc abc", "the cat sat on the mat", "0123456789", "hello, hello", "zzz"]
 NEW = 24
@@ -198,7 +199,10 @@ def test_the_store_is_bounded_and_forgets_exactly():
 def test_repeated_requests_draft_from_the_store_and_output_stays_plain(chat_tiny_dir, heads_of):
     source = dict(model=str(chat_tiny_dir), max_seq_len=256)
     plain = mtp_edge.load(**source, drafter="none")
-    adapting = mtp_edge.load(**source, drafter="mtp", heads=heads_of("none"), adapt=True)
+    # a floor random heads never reach: the head stops at once, and the store goes on
+    adapting = mtp_edge.load(
+        **source, drafter="mtp", heads=heads_of("none"), adapt=True, draft_confidence=0.999
+    )
     for prompt in [*PROMPTS, *PROMPTS]:
         expected = plain.generate(prompt, max_new_tokens=NEW).token_ids
         assert adapting.generate(prompt, max_new_tokens=NEW).token_ids == expected
@@ -217,3 +221,22 @@ def test_a_request_log_seeds_the_store(chat_tiny_dir, heads_of, tmp_path):
     answered = sum(len(r.answer_ids) for r in read_log(tmp_path / "log"))
     assert restarted.adaptation["store_tokens"] > answered  # the prompts too, as encoded
     assert mtp_edge.load(**source, adapt=True).adaptation["store_requests"] == 0
+
+
+def test_store_tokens_after_sampled_head_tokens_are_one_hot_proposals():
+    head_probs = torch.softmax(torch.randn(2, 7, dtype=torch.float64), -1)
+    draft = with_tokens(Draft([3, 1], head_probs), [5, 0])
+    assert draft.tokens == [3, 1, 5, 0]
+    assert torch.equal(draft.probs[:2], head_probs)
+    assert draft.probs[2].tolist() == [0, 0, 0, 0, 0, 1, 0]
+    assert draft.probs[3].tolist() == [1, 0, 0, 0, 0, 0, 0]
+    assert with_tokens(Draft([4]), [2]) == Draft([4, 2])  # greedy: deterministic throughout
+
+
+def test_sampled_generation_drafts_from_the_store(chat_tiny_dir, heads_of):
+    source = dict(model=str(chat_tiny_dir), max_seq_len=256, drafter="mtp", heads=heads_of("none"))
+    adapting = mtp_edge.load(**source, adapt=True, draft_confidence=0.2)
+    for n, prompt in enumerate([*PROMPTS, *PROMPTS]):
+        c = adapting.generate(prompt, max_new_tokens=NEW, temperature=0.7, seed=n)
+        assert len(c.token_ids) == NEW or c.finish_reason == "eos"
+    assert adapting.adaptation["store_drafts"] > 0  # its drafts went through rejection sampling
