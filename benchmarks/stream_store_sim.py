@@ -9,8 +9,9 @@ deployment's does, never request i's own.
 Policies (k tokens per draft):
 - the bundle's: prompt lookup over the request's own context, else the head at its floor;
 - past requests: prompt lookup, else the store of past requests (runtime/answer_store.py);
-- past requests, then head: lookup, the store where it is confident, else the head (what an
-  adapting drafter does, without its correction of the head).
+- past requests, then head: lookup, the store where it is confident, else the head;
+- head, then past requests: lookup, else the head, the store going on where the head stops
+  short of k (what an adapting drafter does, without its correction of the head).
 
     python benchmarks/stream_store_sim.py --bundle B [--heads H] [--requests 200] [--k 3]
         [--max-new-tokens 64] [--answers FILE] [--json OUT] [--markdown OUT]
@@ -109,10 +110,20 @@ def main() -> None:
             found = lookup(context(run, i), k) or store.draft(context(run, i), k)
             return found or head_chain(run, i, k)
 
+        def head_then_store(run, i, k):
+            found = lookup(context(run, i), k)
+            if found:
+                return found
+            chain = head_chain(run, i, k)
+            if len(chain) < k:
+                chain = chain + store.draft(context(run, i) + chain, k - len(chain))
+            return chain
+
         return {
             "lookup, then head (the bundle's)": bundle_policy,
             "lookup, then past requests": store_only,
-            "lookup, then past requests, then head (--adapt's store)": store_then_head,
+            "lookup, then past requests, then head": store_then_head,
+            "lookup, then head, past requests where it stops short (--adapt's)": head_then_store,
         }
 
     store = AnswerStore()
