@@ -1,12 +1,12 @@
-"""Drafting from a deployment's own past answers: an n-gram table over the recent requests.
+"""Drafting from a deployment's own past requests: an n-gram table over the recent ones.
 
 Requests to one deployment resemble each other (the same kinds of questions, the same phrasing
 and code in the answers), and prompt lookup sees only the request at hand. The store keeps the
 token sequences of the last requests served (prompt and answer) and, for each context of 4, 3
 or 2 tokens in them, how often each next token followed. A draft continues the context with the
 most frequent next token of its longest known context, for as long as that token followed at
-least `min_count` times and in at least `min_share` of the cases (a confident continuation);
-otherwise it drafts nothing and the next drafter in line (the MTP head) drafts.
+least `min_count` times and in at least `min_share` of the cases (a confident continuation).
+The adapting drafter (runtime/adapt.py) asks it where the MTP head stops short of k.
 
 The drafts are deterministic, like prompt lookup's, so the target's verification treats them as
 one-hot proposals: greedy output stays identical to plain decoding and sampling keeps the
