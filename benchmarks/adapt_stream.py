@@ -56,6 +56,18 @@ def rss_mb() -> float:
     return 0.0
 
 
+def step_counts(st) -> dict:
+    """What a request's stats add to the speedup's three terms over many requests."""
+    return {
+        "step_tokens": st.step_tokens,
+        "verify_steps": st.verify_steps,
+        "decoded": st.decoded_tokens,
+        "decode_seconds": st.decode_seconds,
+        "draft_seconds": st.draft_seconds,
+        "verify_seconds": st.verify_seconds,
+    }
+
+
 def totals(rows: list[dict], key: str) -> dict:
     rows = [r for r in rows if key in r]
     return {f: sum(r[key][f] for r in rows) for f in rows[0][key]}
@@ -111,16 +123,8 @@ def main() -> None:
             if name == "plain" and i % args.plain_every:
                 continue
             c = llm.generate(prompt, max_new_tokens=args.max_new_tokens)
-            st = c.stats
             tokens[name] = c.token_ids
-            row[name] = {
-                "step_tokens": st.step_tokens,
-                "verify_steps": st.verify_steps,
-                "decoded": st.decoded_tokens,
-                "decode_seconds": st.decode_seconds,
-                "draft_seconds": st.draft_seconds,
-                "verify_seconds": st.verify_seconds,
-            }
+            row[name] = step_counts(c.stats)
         plain = tokens.get("plain", tokens["adapt"])
         row["identical"] = tokens["static"] == tokens["adapt"] == plain
         row["checked_against_plain"] = "plain" in tokens

@@ -23,12 +23,16 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from mtp_edge import load
-from mtp_edge.request_log import log_files
+sys.path.insert(0, str(Path(__file__).parent))
+from adapt_stream import step_counts  # noqa: E402
+
+from mtp_edge import load  # noqa: E402
+from mtp_edge.request_log import log_files  # noqa: E402
 
 
 def serve_training_requests(bundle: str, prompts: list[str], log: Path, max_new: int) -> None:
@@ -102,16 +106,8 @@ def main() -> None:
         for name, llm in models.items():
             messages = [{"role": "user", "content": request["prompt"]}]
             c = llm.chat(messages, max_new_tokens=args.max_new_tokens)
-            st = c.stats
             tokens[name] = c.token_ids
-            row[name] = {
-                "step_tokens": st.step_tokens,
-                "verify_steps": st.verify_steps,
-                "decoded": st.decoded_tokens,
-                "decode_seconds": st.decode_seconds,
-                "draft_seconds": st.draft_seconds,
-                "verify_seconds": st.verify_seconds,
-            }
+            row[name] = step_counts(c.stats)
         row["identical"] = {name: tokens[name] == tokens["plain"] for name in models}
         rows.append(row)
         left = (time.perf_counter() - start) / n * (len(test) - n)
