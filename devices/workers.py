@@ -12,6 +12,7 @@ Parent and workers talk JSON over a pipe: prompts out, result rows and the final
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import multiprocessing
@@ -71,18 +72,27 @@ class IsolatedSetup:
         self.label = self._receive()["label"]
 
     def run_prompt(self, prompt: Prompt) -> dict:
-        self.conn.send_bytes(json.dumps({"prompt": dataclasses.asdict(prompt)}).encode())
-        self.pending = True
-        row = self._receive()
-        self.pending, self.done = False, self.done + 1
-        return row
+        # A stop (Ctrl-C, SIGTERM) comes between two steps, never inside one: `pending` and
+        # `done` always say what the worker was sent and what came back, so that after a stop
+        # the next message read is the report's (a stop between the send and `pending` read the
+        # row of the last prompt as the report).
+        with _stops_held():
+            self.conn.send_bytes(json.dumps({"prompt": dataclasses.asdict(prompt)}).encode())
+            self.pending = True
+        return self._receive_row()
 
     def finish_pending(self) -> None:
         """Wait for the row of a prompt sent before an interrupt (the worker ignores Ctrl-C and
         finishes it), so that the next message read is the report's."""
         if self.pending:
-            self._receive()
+            self._receive_row()
+
+    def _receive_row(self) -> dict:
+        self.conn.poll(None)  # the wait a stop may interrupt; then the row is read whole
+        with _stops_held():
+            row = self._receive()
             self.pending, self.done = False, self.done + 1
+        return row
 
     def report(self, command: str, prompts: list[Prompt], peer: bool = True) -> dict:
         message = {
@@ -116,6 +126,17 @@ class IsolatedSetup:
             self.close()
             raise RuntimeError(f"a benchmark worker failed:\n{message['crash']}")
         return message
+
+
+@contextlib.contextmanager
+def _stops_held():
+    """SIGINT and SIGTERM held back (delivered at the end of the block)."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _serve(conn, opts_json: str, repeat: int, max_new_tokens: int | None) -> None:
