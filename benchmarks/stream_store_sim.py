@@ -140,7 +140,7 @@ def main() -> None:
                 tally[0] += 1
                 tally[1] += best + 1
                 i += best + 1
-        store.add(run["prompt_ids"] + out)
+        store.add(run["prompt_ids"] + out, len(run["prompt_ids"]))
         print(f"\rsimulated {n + 1}/{len(runs)}", end="", flush=True)
     print()
     results = [

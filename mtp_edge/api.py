@@ -223,7 +223,8 @@ class Model:
         for record in read_log(log.directory):
             if not record.answer_ids or max(record.answer_ids) >= vocab:
                 continue  # nothing answered, or another model's tokens
-            store.add(self._logged_prompt_ids(record.messages) + record.answer_ids)
+            prompt = self._logged_prompt_ids(record.messages)
+            store.add(prompt + record.answer_ids, len(prompt))
 
     def _logged_prompt_ids(self, messages: list[dict]) -> list[int]:
         """A logged request's prompt as it was encoded (a raw prompt as plain text, else through
@@ -422,7 +423,7 @@ class Model:
             steps.close()  # lets the drafter take in the last verified step
             if gen.adapter is not None and stats is not None:  # learn, within its time share
                 seconds = stats.ttft_ms / 1e3 + stats.decode_seconds
-                gen.adapter.after_request(seconds, ids + generated)
+                gen.adapter.after_request(seconds, ids + generated, len(ids))
             with self._lock:
                 self._open = None
                 self._stream_ends.notify_all()

@@ -208,15 +208,18 @@ class Adapter:
             self._ut = self.u.T.contiguous()
         self.active = True
 
-    def after_request(self, generation_seconds: float, tokens: list[int] | None = None) -> int:
-        """File the request's pairs and take in its tokens (prompt and answer) for the store,
-        then spend this request's share of time on optimizer steps; returns how many ran."""
+    def after_request(
+        self, generation_seconds: float, tokens: list[int] | None = None, prompt_len: int = 0
+    ) -> int:
+        """File the request's pairs and take in its tokens (the prompt's `prompt_len`, then the
+        answer) for the store, then spend this request's share of time on optimizer steps;
+        returns how many ran."""
         self.generation_seconds += generation_seconds
         self.credit = min(self.credit + self.share * generation_seconds, CREDIT_CAP_S)
         start = time.perf_counter()
         self.file_pairs()
         if tokens:
-            self.store.add(tokens)
+            self.store.add(tokens, prompt_len)
         took = time.perf_counter() - start
         self.credit -= took
         self.adapt_seconds += took

@@ -127,7 +127,7 @@ def test_saved_heads_reproduce_the_adapted_drafts(kind, chat_tiny_dir, heads_of,
     adapting = mtp_edge.load(**source, heads=heads, adapt=True)
     adapt_hard(adapting, scale=5.0)
     adapter = adapting.generator.adapter
-    adapter.after_request = lambda seconds, tokens=None: 0  # frozen from here on, to compare
+    adapter.after_request = lambda *args: 0  # frozen from here on, to compare
     adapter.store = AnswerStore()  # the heads alone draft, as the saved heads will
     saved = adapting.save_heads(tmp_path / "adapted.safetensors")
 
@@ -172,12 +172,12 @@ def test_cannot_adapt_without_mtp_heads(chat_tiny_dir, ngram_bundle_8da4w, draft
 def test_the_store_drafts_what_followed_most_often():
     store = AnswerStore(min_count=2, min_share=0.5)
     for tail in ([5, 6, 7], [5, 6, 7], [5, 6, 9]):
-        store.add([1, 2, 3, 4, *tail])
+        store.add([1, 2, 3, 4, *tail], 4)
     assert store.draft([8, 2, 3, 4], 3) == [5, 6, 7]  # 7 followed 2 of 3 times
     assert store.draft([8, 2, 3, 4], 2) == [5, 6]
     assert store.draft([9, 9, 9], 3) == []  # a context it never saw
     once = AnswerStore(min_count=2)
-    once.add([1, 2, 3, 4])
+    once.add([1, 2, 3, 4], 2)
     assert once.draft([1, 2, 3], 2) == []  # seen once: not confident
 
 
@@ -185,15 +185,57 @@ def test_the_store_is_bounded_and_forgets_exactly():
     store = AnswerStore(max_tokens=50)
     sequences = [[(7 * i + j) % 13 for j in range(9 + i % 5)] for i in range(40)]
     for seq in sequences:
-        store.add(seq)
+        store.add(seq, 3)
         assert store.tokens <= 50
-    kept = list(store.sequences)
+    kept = [seq for seq, first in store.sequences]
     assert kept == sequences[-len(kept) :] and sum(map(len, kept)) == store.tokens
     fresh = AnswerStore(max_tokens=50)
     for seq in kept:
-        fresh.add(seq)
-    as_dicts = lambda s: {n: {k: dict(v) for k, v in t.items()} for n, t in s.tables.items()}  # noqa: E731
-    assert as_dicts(store) == as_dicts(fresh)  # the dropped requests' counts are all taken back
+        fresh.add(seq, 3)
+    assert as_counts(store) == as_counts(fresh)  # the dropped requests' counts are all taken back
+
+
+def as_counts(store: AnswerStore) -> dict:
+    return {n: {k: dict(v) for k, v in t.items()} for n, t in store.tables.items()}
+
+
+def test_a_conversation_is_counted_once_and_separate_requests_each_time():
+    turn = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]  # a prompt of 6 tokens and its answer
+    nxt = [*turn[:-1], 11, 12, 13, 14, 15]  # the next turn: its answer re-encoded differs at 10
+    chat = AnswerStore()
+    chat.add(turn, 6)
+    chat.add(nxt, 12)
+    once = AnswerStore()
+    once.add(turn, 6)
+    once._count(nxt, 9, +1)  # only the positions the first turn did not have
+    assert as_counts(chat) == as_counts(once)
+    assert chat.tokens == len(turn) + len(nxt) - 9 + 4  # kept: the new part and its context
+    twice = AnswerStore()
+    twice.add(turn, 6)
+    twice.add(turn, 6)  # the same request again is another request
+    assert twice.tables[4][(1, 2, 3, 4)] == {5: 2}
+    other = AnswerStore()
+    other.add(turn, 6)
+    other.add([1, 2, 3, 4, 5, 99, 7, 8, 9, 10, 11], 7)  # another prompt: counted whole
+    assert other.tables[4][(1, 2, 3, 4)] == {5: 2}
+
+
+def test_a_chat_fills_the_store_with_each_turn_once(chat_tiny_dir, heads_of):
+    model = mtp_edge.load(
+        str(chat_tiny_dir), max_seq_len=256, drafter="mtp", heads=heads_of("none"), adapt=True
+    )
+    messages, sent = [], 0
+    for prompt in PROMPTS[:3]:
+        messages.append({"role": "user", "content": prompt})
+        answer = model.chat(messages, max_new_tokens=NEW)
+        sent += len(model.tokenizer.encode_messages(messages)) + len(answer.token_ids)
+        messages.append({"role": "assistant", "content": answer.text})
+    first_prompt = len(model.tokenizer.encode_messages(messages[:1]))
+    report = model.adaptation
+    assert report["store_requests"] == 3
+    # the later turns did not bring the first turn's prompt again (but for a few tokens of
+    # context before their new part)
+    assert report["store_tokens"] <= sent - 2 * (first_prompt - 4)
 
 
 def test_repeated_requests_draft_from_the_store_and_output_stays_plain(chat_tiny_dir, heads_of):
