@@ -34,7 +34,9 @@ from pathlib import Path
 from mtp_edge.devices.catalog import Device, host_device, int8_path_label
 from mtp_edge.devices.cost import BundleCost, bundle_cost
 from mtp_edge.errors import UserError
+from mtp_edge.machine import INT8_PATHS, int8_path
 from mtp_edge.manifest import Manifest
+from mtp_edge.runtime.assemble import k_for_int8_path
 
 # CPU read streams on phone SoCs reach about this fraction of the LPDDR peak (assumption; the
 # host's own bandwidth is measured, not scaled).
@@ -297,6 +299,17 @@ def acceptance_from(bench: dict | None, manifest: Manifest, k: int) -> dict:
             "source": "measured on the host (--from-bench)",
         }
     recipe = manifest.drafter.recipe
+    per_position = recipe.get("heldout_acceptance")
+    if isinstance(per_position, list) and k <= len(per_position) and k != recipe.get("k"):
+        # The share of steps whose i-th drafted token was accepted, measured at the heads' k:
+        # tau at a smaller k is 1 + the first k of them.
+        return {
+            "tau": round(1 + sum(per_position[:k]), 4),
+            "drafted_per_step": float(k),
+            "context": 256,
+            "source": f"the drafter's held-out acceptance from training (manifest), at k = {k}; "
+            "pass --from-bench",
+        }
     if "heldout_tau" in recipe:
         return {
             "tau": recipe["heldout_tau"],
@@ -485,14 +498,29 @@ def predict_bundle(bundle, device_names, from_bench, command: str, progress) -> 
     chosen = [find_device(name) for name in names]  # unknown names fail before measuring
     bench_report = None if from_bench is None else load_bench(from_bench)
     cost = bundle_cost(bundle)
+    manifest = Manifest.load(bundle, verify=False)
     if bench_report is not None and isinstance(bench_report.get("k"), int):
         # Predict at the k the measurement ran: the runtime may have drafted fewer tokens than
         # the bundle's k (on a CPU without an int8 dot product, runtime/assemble.py), or --k.
-        cost = replace(cost, k=bench_report["k"])
+        ks = {d.name: bench_report["k"] for d in chosen}
+        host_k = bench_report["k"]
+    else:
+        # Each device at the k the runtime drafts there (the bundle's, or fewer where its CPU
+        # has no int8 dot product); the host's programs are timed at this machine's.
+        host_k = k_for_int8_path(cost.k, manifest, int8_path())
+        ks = {
+            d.name: host_k
+            if d.measured
+            else k_for_int8_path(cost.k, manifest, INT8_PATHS.get(d.int8_path))
+            for d in chosen
+        }
     progress("[calibrate] timing the bundle's programs on this machine")
-    calibration = calibrate(bundle, cost)
-    acceptance = acceptance_from(bench_report, Manifest.load(bundle, verify=False), cost.k)
-    predictions = [predict(cost, d, calibration, acceptance) for d in chosen]
+    calibration = calibrate(bundle, replace(cost, k=host_k))
+    predictions = []
+    for d in chosen:
+        k = ks[d.name]
+        acceptance = acceptance_from(bench_report, manifest, k)
+        predictions.append(predict(replace(cost, k=k), d, calibration, acceptance))
     validation = None
     if bench_report is not None and "host" in names:
         validation = compare_with_measured(predictions[names.index("host")], bench_report)

@@ -40,25 +40,34 @@ def k_for_this_cpu(k: int, manifest) -> int:
     CPU has a dot product (VNNI: 5 rows; the phones' SDOT/SMMLA) the bundle's k stands. An
     explicit k (--k) is never changed; the native runtime applies the same rule."""
     from mtp_edge.machine import int8_path
+
+    path = int8_path()
+    fitted = k_for_int8_path(k, manifest, path)
+    if fitted != k:
+        from mtp_edge import logs
+
+        logs.say(
+            f"[k] {fitted} tokens drafted per step, not the bundle's {k}: this CPU ({path.name}) "
+            f"has no int8 dot product and verifies up to {path.xnnpack_rows} tokens in one pass "
+            f"over the weights (--k {k} to draft {k})"
+        )
+    return fitted
+
+
+def k_for_int8_path(k: int, manifest, path) -> int:
+    """k_for_this_cpu's rule for a CPU whose int8 path (mtp_edge/machine.py Int8Path, or None
+    where unknown) is `path`: what the runtime drafts per step there (mtp-predict for a catalog
+    device)."""
     from mtp_edge.platforms import by_backend
 
     row = by_backend(manifest.backend)
     target = manifest.models.get("target")
     scheme = (target.quant or {}).get("scheme") if target is not None else None
-    if row is None or scheme not in row.int8_tile_schemes:
+    if row is None or scheme not in row.int8_tile_schemes or path is None:
         return k
-    path = int8_path()
     if path.dot_product or path.xnnpack_rows is None or k + 1 <= path.xnnpack_rows:
         return k
-    fitted = max(1, path.xnnpack_rows - 1)
-    from mtp_edge import logs
-
-    logs.say(
-        f"[k] {fitted} tokens drafted per step, not the bundle's {k}: this CPU ({path.name}) has "
-        f"no int8 dot product and verifies up to {path.xnnpack_rows} tokens in one pass over "
-        f"the weights (--k {k} to draft {k})"
-    )
-    return fitted
+    return max(1, path.xnnpack_rows - 1)
 
 
 @dataclass
@@ -297,8 +306,7 @@ def build_drafter(
             heads = heads_file(target.name, heads)
             if heads is None:
                 raise UserError(
-                    f"no MTP heads ship for {target.name}: pass --heads (train them with "
-                    "mtp-train)"
+                    f"no MTP heads ship for {target.name}: pass --heads (train them with mtp-train)"
                 )
             loaded = load_heads(heads, target.model, target.name)
         return mtp_drafter(loaded.to(target.model.dtype), target.model, confidence)

@@ -10,6 +10,7 @@ import json
 import os
 import struct
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
@@ -226,6 +227,32 @@ def test_predict_cli_compares_with_the_bench_on_host(bundle, prompts, tmp_path):
     )
     assert result.exit_code == 0, result.output
     assert [p["k"] for p in json.loads(out.read_text())["predictions"]] == [ran - 1, ran - 1]
+
+
+def test_predict_drafts_on_each_device_as_its_runtime_would(bundle_8bit, tmp_path, monkeypatch):
+    """Without a measurement, each device is predicted at the k its runtime drafts: the 8da8w
+    bundle's k on a CPU with an int8 dot product (the phone's, a VNNI host), fewer on an AVX2
+    host (runtime/assemble.py k_for_this_cpu)."""
+    bundle_k = Manifest.load(bundle_8bit, verify=False).drafter.k
+    out = tmp_path / "predict.json"
+    args = ["--bundle", str(bundle_8bit), "--device", "host", "--device", "pixel-9"]
+    for path, host_k in (("avx2", 3), ("avx512-vnni", bundle_k)):
+        monkeypatch.setenv("MTP_EDGE_INT8_PATH", path)
+        result = CliRunner().invoke(predict, [*args, "--json", str(out)])
+        assert result.exit_code == 0, result.output
+        predictions = json.loads(out.read_text())["predictions"]
+        assert [p["k"] for p in predictions] == [host_k, bundle_k], path
+
+
+def test_held_out_tau_at_a_smaller_k_adds_up_its_positions():
+    """A bundle's heads were scored at their k; at a smaller k tau is 1 + that many positions'
+    acceptance (the share of steps whose i-th drafted token was kept)."""
+    recipe = {"k": 4, "heldout_acceptance": [0.5, 0.3, 0.2, 0.1], "heldout_tau": 2.1}
+    manifest = SimpleNamespace(drafter=SimpleNamespace(recipe=recipe))
+    assert roofline.acceptance_from(None, manifest, 4)["tau"] == 2.1
+    assert roofline.acceptance_from(None, manifest, 3)["tau"] == pytest.approx(2.0)
+    assert roofline.acceptance_from(None, manifest, 1)["tau"] == pytest.approx(1.5)
+    assert "k = 3" in roofline.acceptance_from(None, manifest, 3)["source"]
 
 
 def test_predict_refuses_a_file_that_is_not_a_bench_report(bundle, tmp_path):
