@@ -203,6 +203,11 @@ Drafter* Engine::drafter(const DrafterOptions& options) {
   return out;
 }
 
+AnswerStore& Engine::store() {
+  if (store_ == nullptr) store_ = std::make_unique<AnswerStore>();
+  return *store_;
+}
+
 void Engine::check_k(int64_t k) const {
   if (k < 0 || k + 1 > target_->max_chunk)
     throw UserError("--k must be in 0.." + std::to_string(target_->max_chunk - 1) +
@@ -393,6 +398,12 @@ nlohmann::json stats_json(const GenerationStats& s) {
       {"draft_ms", rounded(s.draft_seconds * 1e3, 3)},
       {"verify_ms", rounded(s.verify_seconds * 1e3, 3)},
   };
+}
+
+nlohmann::json store_json(const AnswerStore& store) {
+  return {{"store_tokens", store.tokens()},
+          {"store_requests", store.requests()},
+          {"store_drafts", store.drafts()}};
 }
 
 }  // namespace mtp

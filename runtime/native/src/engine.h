@@ -11,6 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "answer_store.h"
 #include "bundle.h"
 #include "drafters.h"
 #include "errors.h"
@@ -90,6 +91,9 @@ class Engine {
   void check_token_ids(const std::vector<int64_t>& ids) const;
   // The target's call costs measured so far, which the fallback reads (kept across calls).
   StepCosts& costs() { return costs_; }
+  // The store of past requests (answer_store.h) that generations asking for it draft from and
+  // add their tokens to: made on first use, kept for the engine's life.
+  AnswerStore& store();
 
   // Prompt text -> ids ready for prefill: one user turn of the bundle's chat format when
   // `chat`, bos first when the tokenizer adds one. Throws UserError without a tokenizer.
@@ -113,6 +117,7 @@ class Engine {
   Drafter* drafter_ = nullptr;
   std::vector<int64_t> cached_;  // the tokens whose K/V the target's cache holds, if known
   StepCosts costs_;
+  std::unique_ptr<AnswerStore> store_;
 #ifdef MTP_HAVE_TOKENIZER
   std::optional<Tokenizer> tokenizer_;
 #endif
@@ -164,5 +169,9 @@ class Conversation {
 
 // GenerationStats as runtime/loop.py's GenerationStats.to_dict().
 nlohmann::json stats_json(const GenerationStats& s);
+
+// The store's numbers under the names of runtime/answer_store.py's report(): store_tokens,
+// store_requests, store_drafts.
+nlohmann::json store_json(const AnswerStore& store);
 
 }  // namespace mtp
