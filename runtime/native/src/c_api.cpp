@@ -3,6 +3,7 @@
 #include "mtp_edge.h"
 
 #include <cstring>
+#include <optional>
 #include <string>
 #include <tuple>
 
@@ -39,6 +40,7 @@ struct Settings {
   mtp::Drafter* drafter = nullptr;
   bool chat = true;
   bool reuse_cache = true;
+  bool store = false;  // draft also from the engine's past requests, and add this one
 };
 
 Settings parse_settings(mtp::Engine& engine, const char* options_json) {
@@ -75,6 +77,10 @@ Settings parse_settings(mtp::Engine& engine, const char* options_json) {
       throw mtp::UserError("fallback must be true or false");
     config.fallback = options["fallback"].get<bool>();
   }
+  if (options.contains("store")) {
+    if (!options["store"].is_boolean()) throw mtp::UserError("store must be true or false");
+    settings.store = options["store"].get<bool>();
+  }
   settings.chat = options.value("chat", true);
   settings.reuse_cache = options.value("reuse_cache", true);
   const bool speculative = options.value("speculative", true);
@@ -105,6 +111,31 @@ Settings parse_settings(mtp::Engine& engine, const char* options_json) {
   if (speculative) settings.drafter = chosen ? engine.drafter(choice) : engine.drafter();
   return settings;
 }
+
+// The drafter of one generation: the chosen one, extended by the engine's store of past
+// requests when the options ask for it (a drafter of the call's own, over the kept one).
+class CallDrafter {
+ public:
+  CallDrafter(mtp::Engine& engine, const Settings& settings) : drafter_(settings.drafter) {
+    if (settings.store && drafter_ != nullptr) {
+      with_store_.emplace(drafter_, &engine.store());
+      drafter_ = &*with_store_;
+    }
+  }
+  mtp::Drafter* get() { return drafter_; }
+  // The store's numbers after `request`'s tokens went in (nothing without the store).
+  void add(mtp::Engine& engine, const Settings& settings, const std::vector<int64_t>& request,
+           nlohmann::json& out) {
+    if (!settings.store) return;
+    engine.store().add(request);
+    out.update(mtp::store_json(engine.store()));
+    out["store_extended"] = with_store_ ? with_store_->extended() : 0;
+  }
+
+ private:
+  mtp::Drafter* drafter_;
+  std::optional<mtp::StoreDrafter> with_store_;
+};
 
 // Passes each token on with the text it completes: whole UTF-8 characters only, so a token
 // that ends inside a character brings "" and its bytes come with a later token.
@@ -179,14 +210,18 @@ extern "C" int mtp_generate(mtp_engine* handle, const char* prompt, const char* 
       return true;
     };
     // A prompt of its own: prefilled whole, as mtp-run does.
+    CallDrafter drafter(engine, settings);
     const mtp::GenerationResult result =
-        engine.generate(ids, settings.drafter, settings.config, on_token, false);
+        engine.generate(ids, drafter.get(), settings.config, on_token, false);
     nlohmann::json out = {{"text", answer_text(engine, result, settings.config)},
                           {"stop_reason", result.stop_reason},
                           {"token_ids", result.token_ids},
                           {"prompt_tokens", ids.size()},
                           {"drafter", settings.drafter ? settings.drafter->name() : "none"},
                           {"stats", mtp::stats_json(result.stats)}};
+    std::vector<int64_t> request = ids;  // the prompt and its answer, for the store
+    request.insert(request.end(), result.token_ids.begin(), result.token_ids.end());
+    drafter.add(engine, settings, request, out);
     write_result(dump(out), stats_json, stats_len);
     return MTP_OK;
   } catch (const std::exception& e) {
@@ -243,10 +278,11 @@ extern "C" int mtp_chat_generate(mtp_chat* chat, const char* options_json, mtp_o
       const std::string piece = stream.next(token);
       return on_token(int32_t(token), piece.c_str(), user) == MTP_CONTINUE;
     };
+    CallDrafter drafter(engine, settings);
     const mtp::Conversation::Answer answer = chat->conversation.answer(
-        settings.drafter, settings.config, each_token, settings.reuse_cache);
+        drafter.get(), settings.config, each_token, settings.reuse_cache);
     const mtp::GenerationResult& result = answer.generation;
-    const nlohmann::json out = {
+    nlohmann::json out = {
         {"text", answer_text(engine, result, settings.config)},
         {"stop_reason", result.stop_reason},
         {"token_ids", result.token_ids},
@@ -258,6 +294,8 @@ extern "C" int mtp_chat_generate(mtp_chat* chat, const char* options_json, mtp_o
         {"context_tokens", chat->conversation.tokens().size()},
         {"max_seq_len", engine.manifest().max_seq_len},
         {"stats", mtp::stats_json(result.stats)}};
+    // The conversation so far (this turn's prompt) and the answer: one request for the store.
+    drafter.add(engine, settings, chat->conversation.tokens(), out);
     chat->last_result = dump(out);
     write_result(chat->last_result, result_json, result_len);
     return MTP_OK;

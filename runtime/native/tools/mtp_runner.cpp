@@ -31,7 +31,7 @@ const char* kUsage =
     "       [--fallback-costs VERIFY_MS,SLOPE,DRAFT_MS] [--no-chat-template] [--threads N]\n"
     "       [--no-weight-cache]\n"
     "       [--temperature T] [--top-k K] [--top-p P] [--seed S] [--stop TEXT]...\n"
-    "       [--record-drafts]\n"
+    "       [--record-drafts] [--store]\n"
     "Each prompt runs plain, then speculative; greedy output must be identical (exit 1 if not).\n"
     "Short names as the Python commands: -p --prompt, -n --max-new-tokens, -s --seed,\n"
     "-t --threads, --temp --temperature.\n"
@@ -49,6 +49,11 @@ const char* kUsage =
     "token that completes it (as mtp-run --stop; stop_reason \"stop_string\").\n"
     "--record-drafts: each prompt's report row gets spec_drafts, the tokens drafted at each\n"
     "verify step of its speculative run, and spec_steps, [drafted, accepted] per verify step.\n"
+    "--store: speculative runs draft also from the prompts run before (prompt and answer; the\n"
+    "store of past requests, as mtp-run --adapt's): where the drafter stops short of k, the\n"
+    "most frequent continuation of the context's last 4, 3 or 2 tokens in them goes on. Each\n"
+    "prompt enters the store after its last repeat; the report gets store_tokens,\n"
+    "store_requests, store_drafts, and each row store_extended.\n"
     "--no-weight-cache: XNNPACK packs weights once per method instead of once per program\n"
     "(more memory; as MTP_XNNPACK_WEIGHT_CACHE=0).\n"
     "prompts file: one JSON per line, {\"id\", \"category\", \"prompt\" or \"prompt_ids\",\n"
@@ -141,6 +146,7 @@ int run(int argc, char** argv) {
   mtp::EngineOptions engine_options;
   mtp::SuiteOptions options;
   int64_t k = -1;
+  bool use_store = false;
   std::string command = "mtp-runner";
   for (int i = 1; i < argc; ++i) command += std::string(" ") + argv[i];
   for (int i = 1; i < argc; ++i) {
@@ -194,6 +200,8 @@ int run(int argc, char** argv) {
       options.config.cost_model = parse_costs(flag, value());
     } else if (flag == "--record-drafts") {
       options.record_drafts = true;
+    } else if (flag == "--store") {
+      use_store = true;
     } else if (flag == "--no-chat-template" || flag == "--no-chat") {  // --no-chat: older name
       options.chat = false;
     } else if (flag == "--threads" || flag == "-t") {
@@ -264,6 +272,7 @@ int run(int argc, char** argv) {
   }
   engine.check_k(options.config.k);
   options.config.eos_ids = engine.manifest().eos_ids;
+  if (use_store) options.store = &engine.store();
   nlohmann::json body = mtp::run_suite(engine, prompts, options, [](const std::string& line) {
     std::cerr << line << std::endl;
   });
@@ -279,6 +288,7 @@ int run(int argc, char** argv) {
       {"temperature", options.config.sampling.temperature},
       {"command", command},
   };
+  if (use_store) report.update(mtp::store_json(engine.store()));
   report.update(body);
   const std::string text =
       report.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
