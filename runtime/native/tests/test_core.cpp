@@ -655,14 +655,15 @@ void test_answer_store_eviction_is_exact() {
 // A drafter proposing fixed tokens (with a distribution per token when `probs`).
 class FixedDrafter : public mtp::Drafter {
  public:
-  FixedDrafter(std::vector<int64_t> tokens, bool probs) : tokens_(std::move(tokens)), probs_(probs) {}
+  FixedDrafter(std::vector<int64_t> tokens, bool probs, size_t vocab = 16)
+      : tokens_(std::move(tokens)), probs_(probs), vocab_(vocab) {}
   std::string name() const override { return "fixed"; }
   mtp::Draft propose(const std::vector<int64_t>&, const mtp::Hidden*, int64_t k,
                      mtp::Sampler&) override {
     mtp::Draft d;
     for (int64_t i = 0; i < std::min<int64_t>(k, int64_t(tokens_.size())); ++i) {
       d.tokens.push_back(tokens_[i]);
-      if (probs_) d.probs.push_back(std::vector<double>(16, 1.0 / 16));
+      if (probs_) d.probs.push_back(std::vector<double>(vocab_, 1.0 / double(vocab_)));
     }
     return d;
   }
@@ -670,6 +671,7 @@ class FixedDrafter : public mtp::Drafter {
  private:
   std::vector<int64_t> tokens_;
   bool probs_;
+  size_t vocab_;
 };
 
 // The store extends a draft only where the inner drafter stopped short of k, from the context
@@ -718,6 +720,17 @@ void test_store_drafter() {
     learnt.add(request);
   }
   CHECK(accepted > 0);  // the third run drafted the answer the first two gave
+  // Sampling: a head drafting one token with its distribution, the store going on with one-hot
+  // rows, through rejection sampling (rows missing would read past the draft's probs).
+  mtp::GenerationConfig sampling = cfg;
+  sampling.sampling.temperature = 0.5;
+  sampling.sampling.seed = 11;
+  FixedDrafter one({4}, true, 11);
+  mtp::StoreDrafter sampled_store(&one, &learnt);
+  FakeModel c(11, 64, 6);
+  const auto sampled_run = mtp::generate(c, prompt, &sampled_store, sampling);
+  CHECK(sampled_run.stats.generated_tokens == 30 && sampled_store.extended() > 0);
+  CHECK(sampled_run.stats.drafted_tokens > sampled_run.stats.drafted_steps);
 }
 
 // `store FILE`: an AnswerStore driven by FILE's JSON lines, for tests/test_native.py to compare
@@ -905,11 +918,71 @@ int run_chat(const char* bundle) {
   return failures ? 1 : 0;
 }
 
+// `store-api BUNDLE PROMPT`: the C API's "store" option on a real bundle. Greedy generations of
+// one prompt, plain and then three times drafting also from the engine's store (the MTP head
+// stopping below confidence 0.5, where the store goes on): the same tokens every time, the
+// store holding each request (prompt and answer) once it ended, and the third drafting from
+// the first two; then a sampled one, a chat answer (the conversation and its answer go in),
+// and a bad value refused. Prints each result JSON on a line, for tests/test_native.py.
+int run_store_api(const char* bundle, const char* prompt) {
+  char err[512] = "";
+  mtp_engine* engine = mtp_open(bundle, err, sizeof err);
+  if (engine == nullptr) {
+    std::fprintf(stderr, "mtp_open: %s\n", err);
+    return 1;
+  }
+  std::vector<char> buffer(1 << 20);
+  auto generate = [&](const std::string& options) -> nlohmann::json {
+    if (mtp_generate(engine, prompt, options.c_str(), nullptr, nullptr, buffer.data(),
+                     buffer.size(), err, sizeof err) != MTP_OK) {
+      std::fprintf(stderr, "mtp_generate: %s\n", err);
+      return {};
+    }
+    nlohmann::json out = nlohmann::json::parse(buffer.data());
+    std::printf("%s\n", out.dump().c_str());
+    return out;
+  };
+  const std::string base = R"("max_new_tokens": 24, "k": 4, "draft_confidence": 0.5)";
+  const nlohmann::json plain = generate("{" + base + R"(, "speculative": false})");
+  CHECK(!plain.empty() && !plain.contains("store_tokens"));
+  const int64_t request = plain["prompt_tokens"].get<int64_t>() + int64_t(plain["token_ids"].size());
+  for (int64_t i = 1; i <= 3; ++i) {
+    const nlohmann::json stored = generate("{" + base + R"(, "store": true})");
+    CHECK(!stored.empty() && stored["token_ids"] == plain["token_ids"]);
+    CHECK(stored["store_requests"] == i && stored["store_tokens"] == i * request);
+    if (i == 1) CHECK(stored["store_extended"] == 0 && stored["store_drafts"] == 0);
+    if (i == 3) CHECK(stored["store_extended"] > 0);
+  }
+  const nlohmann::json sampled =
+      generate("{" + base + R"(, "store": true, "temperature": 0.3, "seed": 3})");
+  CHECK(!sampled.empty() && sampled["store_requests"] == 4);
+  mtp_chat* chat = mtp_chat_create(engine, nullptr, err, sizeof err);
+  CHECK(chat != nullptr && mtp_chat_add_user(chat, prompt, err, sizeof err) == MTP_OK);
+  if (chat != nullptr) {
+    const std::string options = "{" + base + R"(, "store": true})";
+    CHECK(mtp_chat_generate(chat, options.c_str(), nullptr, nullptr, buffer.data(), buffer.size(),
+                            err, sizeof err) == MTP_OK);
+    const nlohmann::json answer = nlohmann::json::parse(buffer.data());
+    std::printf("%s\n", answer.dump().c_str());
+    CHECK(answer["store_requests"] == 5);
+    CHECK(answer["store_tokens"].get<int64_t>() ==
+          sampled["store_tokens"].get<int64_t>() + answer["context_tokens"].get<int64_t>());
+  }
+  mtp_chat_free(chat);
+  CHECK(mtp_generate(engine, prompt, R"({"store": 1})", nullptr, nullptr, buffer.data(),
+                     buffer.size(), err, sizeof err) == MTP_ERROR &&
+        std::string(err) == "store must be true or false");
+  mtp_close(engine);
+  return failures ? 1 : 0;
+}
+
 }  // namespace
 
 // No arguments: the unit tests. BUNDLE PROMPT OPTIONS_JSON: the C API on that bundle.
 // chat BUNDLE: the chat C API on that bundle. store FILE: an AnswerStore driven by FILE.
+// store-api BUNDLE PROMPT: the C API's store on that bundle.
 int main(int argc, char** argv) {
+  if (argc == 4 && std::string(argv[1]) == "store-api") return run_store_api(argv[2], argv[3]);
   if (argc == 4) return run_c_api(argv[1], argv[2], argv[3]);
   if (argc == 3 && std::string(argv[1]) == "chat") return run_chat(argv[2]);
   if (argc == 3 && std::string(argv[1]) == "store") return run_store(argv[2]);
