@@ -1414,3 +1414,87 @@ def test_runner_store_drafts_as_python_adapt(runner, mtp_bundle_of, mlp_mtp_bund
     assert store["store_drafts"] > 0 and sum(r["store_extended"] for r in rows) > 0
     first, last = rows[:4], rows[8:]
     assert sum(r["verify_steps"] for r in last) < sum(r["verify_steps"] for r in first)
+
+
+def test_store_seeded_from_a_request_log_as_python(runner, mtp_bundle, tmp_path):
+    """mtp-runner --store-log DIR (Engine::seed_store, shown by `mtp-native-tests store-log`)
+    takes from a request log exactly the requests mtp_edge/api.py _seed_store gives the Python
+    store, oldest first across rotated files: raw prompts as plain text, conversations through
+    the chat template (a system prompt, several turns, special tokens typed as text), records
+    the template cannot render with their answer alone, records with no answer or ids outside
+    the vocabulary left out."""
+    from types import SimpleNamespace
+
+    from mtp_edge.api import Model
+    from mtp_edge.request_log import RequestLog
+    from mtp_edge.runtime.answer_store import AnswerStore
+
+    bundle = open_bundle(mtp_bundle)
+    vocab = bundle.manifest.vocab_size
+    log = RequestLog(tmp_path / "log", file_bytes=1024, keep=20)
+    records = [
+        ([{"role": "user", "content": "the cat sat on", "raw": True}], [5, 6, 7, 8]),
+        ([{"role": "user", "content": "hello there"}], [9, 10, 11]),
+        ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}], [12]),
+        (
+            [
+                {"role": "user", "content": "a b"},
+                {"role": "assistant", "content": "c d"},
+                {"role": "user", "content": "e <|im_end|> f"},
+            ],
+            [14, 15],
+        ),
+        ([{"role": "assistant", "content": "first"}, {"role": "user", "content": "x"}], [16]),
+        ([{"role": "user", "content": "no answer"}], []),
+        ([{"role": "user", "content": "another model"}], [1, vocab + 3]),
+    ]
+    for r in range(3):
+        for messages, answer in records:
+            log.append(messages, [t + r if t < vocab else t for t in answer], tau=1.0)
+    assert len(list((tmp_path / "log").glob("requests*.jsonl"))) > 1  # rotated
+
+    store = AnswerStore()
+    python = SimpleNamespace(
+        tokenizer=bundle.tokenizer,
+        _generator=SimpleNamespace(
+            session=SimpleNamespace(vocab_size=vocab), adapter=SimpleNamespace(store=store)
+        ),
+    )
+    python._logged_prompt_ids = lambda messages: Model._logged_prompt_ids(python, messages)
+    Model._seed_store(python, log)
+    expected = [list(s) for s in store.sequences]
+    assert len(expected) == 15 and len(expected[3]) > 30  # a multi-turn prompt was encoded
+
+    done = subprocess.run(
+        [str(native_runner.UNIT_TESTS), "store-log", mtp_bundle, str(tmp_path / "log")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    seeded = json.loads(done.stdout)
+    assert seeded["added"] == 15 and seeded["sequences"] == expected
+
+    prompts = suite_ids(mtp_bundle)[:1]
+    report = run_native(runner, mtp_bundle, prompts, tmp_path, "--store-log", str(log.directory))
+    assert report["store_requests"] == 16
+    (log.directory / "requests.jsonl").write_text('{"messages": \n{"messages": []}\n')
+    done = subprocess.run(
+        [
+            str(runner),
+            "--bundle",
+            mtp_bundle,
+            "--prompt-ids",
+            "1",
+            "--store-log",
+            str(log.directory),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2
+    assert (
+        done.stderr.splitlines()[-1]
+        == f"error: {log.directory / 'requests.jsonl'}:1: not a JSON line"
+    )

@@ -52,6 +52,7 @@ class AnswerStore {
   int64_t tokens() const { return tokens_; }  // in the kept requests
   int64_t requests() const { return int64_t(sequences_.size()); }
   int64_t drafts() const { return drafts_; }  // drafts of at least one token made
+  const std::deque<std::vector<int64_t>>& sequences() const { return sequences_; }  // oldest first
   // The contexts known, per order (kOrders' order): what eviction must leave as a store
   // rebuilt from the kept requests would have them.
   std::vector<size_t> contexts() const;

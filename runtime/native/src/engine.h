@@ -94,6 +94,18 @@ class Engine {
   // The store of past requests (answer_store.h) that generations asking for it draft from and
   // add their tokens to: made on first use, kept for the engine's life.
   AnswerStore& store();
+  // Feeds the store the requests of a request log (mtp_edge/request_log.py: a folder's
+  // requests*.jsonl, oldest first, or one such file), as mtp_edge/api.py _seed_store does: each
+  // answered record's prompt (logged_prompt_ids) and answer_ids, skipping records with ids
+  // outside the vocabulary (another model's). Returns the records added. Throws UserError, one
+  // line naming the file and line, for a log that cannot be read.
+  int64_t seed_store(const std::string& log);
+  // A logged request's prompt ids as mtp_edge/api.py _logged_prompt_ids encodes them: a raw
+  // prompt (one message with "raw": true) as plain text, else the conversation through the
+  // chat format (an optional system message, then user and assistant turns alternating, the
+  // user's last; a system message folded into the first user message, as the Python tokenizer
+  // does, when the template has no system frame). Empty where it cannot be encoded here.
+  std::vector<int64_t> logged_prompt_ids(const nlohmann::json& messages) const;
 
   // Prompt text -> ids ready for prefill: one user turn of the bundle's chat format when
   // `chat`, bos first when the tokenizer adds one. Throws UserError without a tokenizer.

@@ -976,13 +976,32 @@ int run_store_api(const char* bundle, const char* prompt) {
   return failures ? 1 : 0;
 }
 
+// `store-log BUNDLE LOG`: the requests Engine::seed_store takes from a request log, as JSON: the
+// records added and each kept request's ids, oldest first (tests/test_native.py compares them
+// with what mtp_edge/api.py _seed_store gives the Python store).
+int run_store_log(const char* bundle, const char* log) {
+  try {
+    mtp::Engine engine(bundle, mtp::EngineOptions{});
+    const int64_t added = engine.seed_store(log);
+    nlohmann::json sequences = nlohmann::json::array();
+    for (const auto& s : engine.store().sequences()) sequences.push_back(s);
+    std::printf("%s\n", nlohmann::json{{"added", added}, {"sequences", sequences}}.dump().c_str());
+    return 0;
+  } catch (const mtp::UserError& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 2;
+  }
+}
+
 }  // namespace
 
 // No arguments: the unit tests. BUNDLE PROMPT OPTIONS_JSON: the C API on that bundle.
 // chat BUNDLE: the chat C API on that bundle. store FILE: an AnswerStore driven by FILE.
-// store-api BUNDLE PROMPT: the C API's store on that bundle.
+// store-api BUNDLE PROMPT: the C API's store on that bundle. store-log BUNDLE LOG: the requests
+// a request log seeds the store with.
 int main(int argc, char** argv) {
   if (argc == 4 && std::string(argv[1]) == "store-api") return run_store_api(argv[2], argv[3]);
+  if (argc == 4 && std::string(argv[1]) == "store-log") return run_store_log(argv[2], argv[3]);
   if (argc == 4) return run_c_api(argv[1], argv[2], argv[3]);
   if (argc == 3 && std::string(argv[1]) == "chat") return run_chat(argv[2]);
   if (argc == 3 && std::string(argv[1]) == "store") return run_store(argv[2]);
