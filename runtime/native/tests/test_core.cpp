@@ -1,8 +1,10 @@
 // Unit tests of the core without ExecuTorch programs: SHA-256, sampling and verification rules,
-// the n-gram drafter, the MTP drafter's positions and cache-end clamp, and the loop's lossless
-// property on a fake target (a fresh prompt and one that starts from a kept cache). Plain
-// asserts; the pytest suite runs this binary, and with arguments it runs the C API on a real
-// bundle (tests/test_native.py: one generation; tests/test_android_demo.py: a chat).
+// the n-gram drafter, the MTP drafter's positions and cache-end clamp, the store of past
+// requests, and the loop's lossless property on a fake target (a fresh prompt and one that
+// starts from a kept cache). Plain asserts; the pytest suite runs this binary, and with
+// arguments it runs the C API on a real bundle (tests/test_native.py: one generation, the
+// store; tests/test_android_demo.py: a chat), the store driven by a file of requests, or the
+// store seeded from a request log.
 // Past 600 lines: the core's C++ tests are one binary, which the build (CMakeLists.txt) makes
 // from this one file.
 #include <algorithm>
