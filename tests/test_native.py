@@ -1379,18 +1379,22 @@ def test_c_api_store_is_lossless_and_learns(runner, mtp_bundle):
     assert chat["store_requests"] == 5
 
 
-def test_runner_store_drafts_as_python_adapt(runner, mtp_bundle_of, mlp_mtp_bundle, tmp_path):
+@pytest.mark.parametrize("drafter", ["mtp", "mtp+ngram"])
+def test_runner_store_drafts_as_python_adapt(
+    runner, mtp_bundle_of, mlp_mtp_bundle, tmp_path, drafter
+):
     """mtp-runner --store against runtime/adapt.py's AdaptingDrafter (the MTP head, the store
     going on where the head stops short of k; its correction never trained, so it drafts as the
     head) on runtime/loop.py, the store fed each prompt's ids and answer as mtp-runner feeds
     it: three rounds of the same four prompts, the same tokens, verify steps and accepted
     tokens per prompt, the same store; greedy output equal to plain decoding, and the last
-    round taking fewer verify steps than the first."""
+    round taking fewer verify steps than the first. With mtp+ngram the store extends the head's
+    drafts only, not the lookup's (adapting() wraps a hybrid's model)."""
     from mtp_edge.runtime.adapt import adapting, bundle_heads
 
     tails = suite_ids(mlp_mtp_bundle)[:4]
     prompts = [(f"{i}-{r}", c, ids) for r in range(3) for i, c, ids in tails]
-    options = ["--drafter", "mtp", "--draft-confidence", "0.3", "--store"]
+    options = ["--drafter", drafter, "--draft-confidence", "0.3", "--store"]
     report = run_native(runner, mlp_mtp_bundle, prompts, tmp_path, *options)
     rows = report["prompts"]
     assert report["summary"]["lossless"] and all(r["identical"] for r in rows)
@@ -1398,17 +1402,23 @@ def test_runner_store_drafts_as_python_adapt(runner, mtp_bundle_of, mlp_mtp_bund
     bundle = open_bundle(mlp_mtp_bundle)
     session = target_session(bundle)
     heads = mtp_bundle_of("none").parent / "heads.safetensors"
-    drafter, adapter = adapting(bundle_drafter(bundle, 0.3), *bundle_heads(bundle, str(heads)))
+    head = bundle_drafter(bundle, 0.3)
+    if drafter == "mtp+ngram":  # the runner's default lookup sizes, 1-3
+        head = HybridDrafter(head, max_n=3, min_match=1)
+    python, adapter = adapting(head, *bundle_heads(bundle, str(heads)))
     config = GenerationConfig(
         max_new_tokens=MAX_NEW_TOKENS, k=4, eos_ids=tuple(bundle.manifest.eos_ids)
     )
     for r, (prompt_id, _, ids) in zip(rows, prompts, strict=True):
-        result = generate(session, ids, drafter, config, bundle.tokenizer.decode)
+        result = generate(session, ids, python, config, bundle.tokenizer.decode)
         assert r["spec_token_ids"] == result.token_ids, prompt_id
         assert r["verify_steps"] == result.stats.verify_steps, prompt_id
         assert r["acceptance_rate"] == pytest.approx(result.stats.acceptance_rate, abs=1e-4)
         adapter.store.add(ids + result.token_ids)
     assert not adapter.active  # the head drafted uncorrected, as the native one
+    assert report["drafter"] == drafter
+    if drafter == "mtp+ngram":
+        assert python.from_lookup > 0  # the lookup drafted too, unextended
     store = adapter.store.report()
     assert {key: report[key] for key in store} == store
     assert store["store_drafts"] > 0 and sum(r["store_extended"] for r in rows) > 0

@@ -52,10 +52,11 @@ typedef void (*mtp_on_text)(const char* piece, void* user);
  * the measured acceptance and call costs say pay (as mtp-run --fallback; output unchanged).
  * "speculative": false: plain decoding, whatever drafter is named.
  * store: true drafts also from the engine's store of past requests (the Python runtime's
- * --adapt store, runtime/answer_store.py): where the drafter stops short of k (an MTP head
- * below draft_confidence, a lookup that finds nothing), the most frequent continuation of the
- * context's last 4, 3 or 2 tokens in earlier requests goes on, when it followed at least twice
- * and in at least half of the cases. Output unchanged (greedy stays plain decoding's, sampling
+ * --adapt store, runtime/answer_store.py): where the model drafter stops short of k (an MTP
+ * head below draft_confidence; with drafter "ngram" the lookup; in X+ngram the lookup's drafts
+ * stay as they are, as --adapt does), the most frequent continuation of the context's last 4,
+ * 3 or 2 tokens in earlier requests goes on, when it followed at least twice and in at least
+ * half of the cases. Output unchanged (greedy stays plain decoding's, sampling
  * the target's distribution). After the call the request (prompt and answer; for a chat the
  * conversation and its answer) enters the store, which the engine keeps across calls and chats
  * until mtp_close, bounded to its last 32768 tokens. The result then also has "store_tokens",

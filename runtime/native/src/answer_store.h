@@ -83,7 +83,8 @@ class AnswerStore {
 // keeps the positions it is confident of, the store fills those it stopped short of. Under
 // sampling the store's tokens get one-hot rows when the inner draft has a distribution per
 // token, so that rejection sampling stays exact. Takes the inner drafter's name, hidden states
-// and sources; owns neither the drafter nor the store.
+// and sources; owns neither the drafter nor the store. The engine puts it around the model
+// drafter, inside a hybrid's lookup (DrafterOptions::store).
 class StoreDrafter : public ForwardingDrafter {
  public:
   StoreDrafter(Drafter* inner, AnswerStore* store) : ForwardingDrafter(inner), store_(store) {}

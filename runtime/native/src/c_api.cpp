@@ -3,7 +3,6 @@
 #include "mtp_edge.h"
 
 #include <cstring>
-#include <optional>
 #include <string>
 #include <tuple>
 
@@ -108,34 +107,25 @@ Settings parse_settings(mtp::Engine& engine, const char* options_json) {
     choice.draft_confidence = p.get<double>();
     choice.draft_confidence_given = chosen = true;
   }
-  if (speculative) settings.drafter = chosen ? engine.drafter(choice) : engine.drafter();
+  // "store": the same drafter with its model drafter extended by the engine's store (kept
+  // beside the plain one, built on first use).
+  choice.store = settings.store;
+  if (speculative)
+    settings.drafter = chosen || settings.store ? engine.drafter(choice) : engine.drafter();
   return settings;
 }
 
-// The drafter of one generation: the chosen one, extended by the engine's store of past
-// requests when the options ask for it (a drafter of the call's own, over the kept one).
-class CallDrafter {
- public:
-  CallDrafter(mtp::Engine& engine, const Settings& settings) : drafter_(settings.drafter) {
-    if (settings.store && drafter_ != nullptr) {
-      with_store_.emplace(drafter_, &engine.store());
-      drafter_ = &*with_store_;
-    }
-  }
-  mtp::Drafter* get() { return drafter_; }
-  // The store's numbers after `request`'s tokens went in (nothing without the store).
-  void add(mtp::Engine& engine, const Settings& settings, const std::vector<int64_t>& request,
-           nlohmann::json& out) {
-    if (!settings.store) return;
-    engine.store().add(request);
-    out.update(mtp::store_json(engine.store()));
-    out["store_extended"] = with_store_ ? with_store_->extended() : 0;
-  }
-
- private:
-  mtp::Drafter* drafter_;
-  std::optional<mtp::StoreDrafter> with_store_;
-};
+// A generation's request (prompt and answer) into the engine's store when the options ask for
+// it, and the store's numbers into its result: store_extended, the drafts of this generation
+// the store extended (its drafts since `drafts_before`).
+void add_to_store(mtp::Engine& engine, const Settings& settings, int64_t drafts_before,
+                  const std::vector<int64_t>& request, nlohmann::json& out) {
+  if (!settings.store) return;
+  mtp::AnswerStore& store = engine.store();
+  store.add(request);
+  out.update(mtp::store_json(store));
+  out["store_extended"] = store.drafts() - drafts_before;
+}
 
 // Passes each token on with the text it completes: whole UTF-8 characters only, so a token
 // that ends inside a character brings "" and its bytes come with a later token.
@@ -210,9 +200,9 @@ extern "C" int mtp_generate(mtp_engine* handle, const char* prompt, const char* 
       return true;
     };
     // A prompt of its own: prefilled whole, as mtp-run does.
-    CallDrafter drafter(engine, settings);
+    const int64_t drafts_before = settings.store ? engine.store().drafts() : 0;
     const mtp::GenerationResult result =
-        engine.generate(ids, drafter.get(), settings.config, on_token, false);
+        engine.generate(ids, settings.drafter, settings.config, on_token, false);
     nlohmann::json out = {{"text", answer_text(engine, result, settings.config)},
                           {"stop_reason", result.stop_reason},
                           {"token_ids", result.token_ids},
@@ -221,7 +211,7 @@ extern "C" int mtp_generate(mtp_engine* handle, const char* prompt, const char* 
                           {"stats", mtp::stats_json(result.stats)}};
     std::vector<int64_t> request = ids;  // the prompt and its answer, for the store
     request.insert(request.end(), result.token_ids.begin(), result.token_ids.end());
-    drafter.add(engine, settings, request, out);
+    add_to_store(engine, settings, drafts_before, request, out);
     write_result(dump(out), stats_json, stats_len);
     return MTP_OK;
   } catch (const std::exception& e) {
@@ -278,9 +268,9 @@ extern "C" int mtp_chat_generate(mtp_chat* chat, const char* options_json, mtp_o
       const std::string piece = stream.next(token);
       return on_token(int32_t(token), piece.c_str(), user) == MTP_CONTINUE;
     };
-    CallDrafter drafter(engine, settings);
+    const int64_t drafts_before = settings.store ? engine.store().drafts() : 0;
     const mtp::Conversation::Answer answer = chat->conversation.answer(
-        drafter.get(), settings.config, each_token, settings.reuse_cache);
+        settings.drafter, settings.config, each_token, settings.reuse_cache);
     const mtp::GenerationResult& result = answer.generation;
     nlohmann::json out = {
         {"text", answer_text(engine, result, settings.config)},
@@ -295,7 +285,7 @@ extern "C" int mtp_chat_generate(mtp_chat* chat, const char* options_json, mtp_o
         {"max_seq_len", engine.manifest().max_seq_len},
         {"stats", mtp::stats_json(result.stats)}};
     // The conversation so far (this turn's prompt) and the answer: one request for the store.
-    drafter.add(engine, settings, chat->conversation.tokens(), out);
+    add_to_store(engine, settings, drafts_before, chat->conversation.tokens(), out);
     chat->last_result = dump(out);
     write_result(chat->last_result, result_json, result_len);
     return MTP_OK;

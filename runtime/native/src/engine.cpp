@@ -185,8 +185,15 @@ Drafter* Engine::drafter(const DrafterOptions& options) {
     key += " n=" + std::to_string(chosen.ngram_min) + "-" + std::to_string(chosen.ngram_max);
   const std::string confidence = exact(chosen.draft_confidence);
   if (base == "mtp" || base == "draft-lm") key += " p=" + confidence;
+  if (chosen.store && base != "none") key += " store";
   const auto found = drafters_.find(key);
   if (found != drafters_.end()) return found->second.get();
+  if (chosen.store && base == "ngram") {  // the lookup alone: the store goes on after it
+    DrafterOptions without = chosen;
+    without.store = false;
+    Drafter* lookup = drafter(without);
+    return (drafters_[key] = std::make_unique<StoreDrafter>(lookup, &store())).get();
+  }
   auto model = [&](const std::string& kind) -> std::unique_ptr<Drafter> {
     std::unique_ptr<Drafter>& kept = models_[kind + " p=" + confidence];
     if (kept == nullptr) {
@@ -197,6 +204,7 @@ Drafter* Engine::drafter(const DrafterOptions& options) {
         throw;
       }
     }
+    if (chosen.store) return std::make_unique<StoreDrafter>(kept.get(), &store());
     return std::make_unique<ForwardingDrafter>(kept.get());
   };
   auto made = make_drafter(name, own, chosen, model);

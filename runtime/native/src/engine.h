@@ -40,6 +40,10 @@ struct DrafterOptions {
   // Unless given: the bundle's lookup sizes for its own drafter's lookup (else the default
   // above), its drafter.draft_confidence.
   bool ngram_sizes_given = false, draft_confidence_given = false;
+  // The model drafter (the lookup for ngram alone) extended by the engine's store of past
+  // requests where it stops short of k (StoreDrafter); inside X+ngram the lookup's drafts are
+  // left as they are, as runtime/adapt.py adapting() wraps only a hybrid's model.
+  bool store = false;
 };
 
 struct EngineOptions : DrafterOptions {

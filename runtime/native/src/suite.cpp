@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
-#include <optional>
 #include <set>
 #include <sstream>
 #include <sys/resource.h>
@@ -116,20 +115,15 @@ nlohmann::json run_suite(Engine& engine, const std::vector<Prompt>& prompts,
     for (int r = 0; r < options.repeat; ++r) {
       // Interleaved, so that machine drift affects both alike.
       plain = engine.generate(ids, nullptr, cfg, nullptr, false);
-      std::optional<StoreDrafter> with_store;
-      Drafter* drafter = engine.drafter();
-      if (options.store != nullptr && drafter != nullptr) {
-        with_store.emplace(drafter, options.store);
-        drafter = &*with_store;
-      }
-      if (options.record_drafts && drafter != nullptr) {
-        RecordingDrafter recording(drafter);
+      const int64_t store_drafts = options.store ? options.store->drafts() : 0;
+      if (options.record_drafts && engine.drafter() != nullptr) {
+        RecordingDrafter recording(engine.drafter());
         spec = engine.generate(ids, &recording, cfg, nullptr, false);
         spec_drafts = std::move(recording.drafts);
       } else {
-        spec = engine.generate(ids, drafter, cfg, nullptr, false);
+        spec = engine.generate(ids, engine.drafter(), cfg, nullptr, false);
       }
-      if (with_store) store_extended = with_store->extended();
+      if (options.store) store_extended = options.store->drafts() - store_drafts;
       ar_rates.push_back(plain.stats.decode_tokens_per_s());
       spec_rates.push_back(spec.stats.decode_tokens_per_s());
       ar_tokens += std::max<int64_t>(plain.stats.generated_tokens - 1, 0);

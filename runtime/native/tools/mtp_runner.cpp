@@ -50,7 +50,8 @@ const char* kUsage =
     "--record-drafts: each prompt's report row gets spec_drafts, the tokens drafted at each\n"
     "verify step of its speculative run, and spec_steps, [drafted, accepted] per verify step.\n"
     "--store: speculative runs draft also from the prompts run before (prompt and answer: the\n"
-    "store of past requests of the Python commands' --adapt): where the drafter stops short of\n"
+    "store of past requests of the Python commands' --adapt): where the model drafter (with\n"
+    "--drafter ngram the lookup; an X+ngram lookup's drafts stay as they are) stops short of\n"
     "k, the most frequent continuation of the context's last 4, 3 or 2 tokens in them goes on.\n"
     "Each prompt enters the store after its last repeat; the report gets store_tokens,\n"
     "store_requests, store_drafts, and each row store_extended. --store-log DIR: the store\n"
@@ -148,7 +149,6 @@ int run(int argc, char** argv) {
   mtp::EngineOptions engine_options;
   mtp::SuiteOptions options;
   int64_t k = -1;
-  bool use_store = false;
   std::string store_log;
   std::string command = "mtp-runner";
   for (int i = 1; i < argc; ++i) command += std::string(" ") + argv[i];
@@ -204,10 +204,10 @@ int run(int argc, char** argv) {
     } else if (flag == "--record-drafts") {
       options.record_drafts = true;
     } else if (flag == "--store") {
-      use_store = true;
+      engine_options.store = true;
     } else if (flag == "--store-log") {
       store_log = value();
-      use_store = true;
+      engine_options.store = true;
     } else if (flag == "--no-chat-template" || flag == "--no-chat") {  // --no-chat: older name
       options.chat = false;
     } else if (flag == "--threads" || flag == "-t") {
@@ -281,7 +281,7 @@ int run(int argc, char** argv) {
   }
   engine.check_k(options.config.k);
   options.config.eos_ids = engine.manifest().eos_ids;
-  if (use_store) options.store = &engine.store();
+  if (engine_options.store) options.store = &engine.store();
   if (!store_log.empty()) {
     const int64_t seeded = engine.seed_store(store_log);
     std::cerr << "[store] " << seeded << " requests (" << engine.store().tokens()
@@ -302,7 +302,7 @@ int run(int argc, char** argv) {
       {"temperature", options.config.sampling.temperature},
       {"command", command},
   };
-  if (use_store) report.update(mtp::store_json(engine.store()));
+  if (engine_options.store) report.update(mtp::store_json(engine.store()));
   report.update(body);
   const std::string text =
       report.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
