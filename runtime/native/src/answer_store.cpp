@@ -6,8 +6,6 @@
 
 namespace mtp {
 
-constexpr int AnswerStore::kOrders[];
-
 AnswerStore::AnswerStore(int64_t max_tokens, int64_t min_count, double min_share)
     : max_tokens_(max_tokens), min_count_(min_count), min_share_(min_share) {
   if (max_tokens < 1) throw UserError("the store of past requests needs max_tokens >= 1");

@@ -573,7 +573,8 @@ void test_answer_store_rules() {
   CHECK((store.nexts({1, 2, 3, 4}) == Nexts{{5, 1}}) && (store.nexts({4, 5}) == Nexts{}));
   CHECK(!store.next({1, 2, 3, 4}));  // seen once: below min_count 2
   store.add({1, 2, 3, 4, 5});
-  CHECK(store.next({1, 2, 3, 4}) == 5 && store.next({9, 3, 4}) == 5 && store.next({4}) == std::nullopt);
+  CHECK(store.next({1, 2, 3, 4}) == 5 && store.next({9, 3, 4}) == 5);
+  CHECK(store.next({4}) == std::nullopt);
   CHECK((store.draft({0, 1, 2}, 4) == std::vector<int64_t>{3, 4, 5}) && store.drafts() == 1);
   CHECK(store.draft({7, 7}, 4).empty() && store.draft({1, 2}, 0).empty() && store.drafts() == 1);
   CHECK(store.tokens() == 10 && store.requests() == 2);
@@ -615,7 +616,8 @@ void test_answer_store_rules() {
   mtp::AnswerStore bounded(4);
   bounded.add({1, 2});
   bounded.add({9, 8, 7, 6, 5, 4});
-  CHECK(bounded.requests() == 1 && bounded.tokens() == 4 && (bounded.nexts({7, 6}) == Nexts{{5, 1}}));
+  CHECK(bounded.requests() == 1 && bounded.tokens() == 4);
+  CHECK((bounded.nexts({7, 6}) == Nexts{{5, 1}}));
   bool refused = false;
   try {
     mtp::AnswerStore bad(0);
@@ -947,7 +949,8 @@ int run_store_api(const char* bundle, const char* prompt) {
   const std::string base = R"("max_new_tokens": 24, "k": 4, "draft_confidence": 0.5)";
   const nlohmann::json plain = generate("{" + base + R"(, "speculative": false})");
   CHECK(!plain.empty() && !plain.contains("store_tokens"));
-  const int64_t request = plain["prompt_tokens"].get<int64_t>() + int64_t(plain["token_ids"].size());
+  const int64_t request =
+      plain["prompt_tokens"].get<int64_t>() + int64_t(plain["token_ids"].size());
   for (int64_t i = 1; i <= 3; ++i) {
     const nlohmann::json stored = generate("{" + base + R"(, "store": true})");
     CHECK(!stored.empty() && stored["token_ids"] == plain["token_ids"]);
