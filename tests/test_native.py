@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -1294,3 +1295,216 @@ def test_runner_ranges_are_the_python_commands(runner, mtp_bundle):
             assert flag in stderr(flag, outside), (flag, outside)
             if not is_open:
                 assert "token id 99999999" in stderr(flag, bound), (flag, bound)
+
+
+def store_stream(seed: int, requests: int, vocab: int = 12) -> list[list[int]]:
+    """Requests that resemble each other, as a deployment's do: each a few phrases of a shared
+    set over a small vocabulary, one token in three phrases changed, so that contexts recur
+    followed by the same token and by others (confident, unconfident and tied continuations)."""
+    rng = random.Random(seed)
+    phrases = [[rng.randrange(vocab) for _ in range(rng.randrange(3, 9))] for _ in range(24)]
+    stream = []
+    for _ in range(requests):
+        tokens: list[int] = []
+        for _ in range(rng.randrange(1, 6)):
+            phrase = list(rng.choice(phrases))
+            if rng.random() < 0.3:
+                phrase[rng.randrange(len(phrase))] = rng.randrange(vocab)
+            tokens += phrase
+        stream.append(tokens)
+    return stream
+
+
+@pytest.mark.parametrize("max_tokens", [400, 32768])
+def test_native_store_drafts_what_the_python_store_drafts(runner, tmp_path, max_tokens):
+    """The C++ AnswerStore (src/answer_store.cpp, driven by `mtp-native-tests store FILE`)
+    drafts exactly what runtime/answer_store.py drafts: from every prefix of each of 300
+    requests before it enters the store, with k from 1 to 6, ties and evictions included (a
+    bound of 400 tokens keeps the last dozen requests)."""
+    from mtp_edge.runtime.answer_store import AnswerStore
+
+    store = AnswerStore(max_tokens=max_tokens)
+    lines, expected = [json.dumps({"max_tokens": max_tokens})], []
+    for tokens in store_stream(0, 300):
+        for end in range(1, len(tokens) + 1):
+            k = 1 + end % 6
+            lines.append(json.dumps({"draft": tokens[:end], "k": k}))
+            expected.append(store.draft(tokens[:end], k))
+        lines.append(json.dumps({"add": tokens}))
+        store.add(tokens)
+    path = tmp_path / "store.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    done = subprocess.run(
+        [str(native_runner.UNIT_TESTS), "store", str(path)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    *drafts, report = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(drafts) == len(expected)
+    for i, (ours, theirs) in enumerate(zip(drafts, expected, strict=True)):
+        assert ours == theirs, f"draft {i}: native {ours}, Python {theirs}"
+    assert report == store.report()
+    assert store.drafts > len(expected) // 10  # the store drafted often, and not always
+    assert sum(map(bool, expected)) < len(expected)
+    tied = [
+        nexts
+        for table in store.tables.values()
+        for nexts in table.values()
+        if list(nexts.values()).count(max(nexts.values())) > 1 and max(nexts.values()) >= 2
+    ]
+    assert tied  # confident ties were there to break
+    if max_tokens == 400:
+        assert len(store.sequences) < 300 and store.tokens <= 400
+
+
+def test_c_api_store_is_lossless_and_learns(runner, mtp_bundle):
+    """mtp_generate with "store": true (tests/test_core.cpp run_store_api checks each result):
+    greedy tokens equal plain decoding's with the store and without, the engine's store takes
+    in each request, and the third run of a prompt has the head's drafts extended from the
+    first two, which makes it take fewer verify steps; sampling and a chat with the store run."""
+    text = "the cat sat on the mat. the cat sat on the"
+    done = subprocess.run(
+        [str(native_runner.UNIT_TESTS), "store-api", mtp_bundle, text],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    plain, first, second, third, sampled, chat = map(json.loads, done.stdout.splitlines())
+    assert plain["stats"]["drafted_tokens"] == 0
+    assert first["token_ids"] == second["token_ids"] == third["token_ids"] == plain["token_ids"]
+    assert first["store_extended"] == 0 < third["store_extended"]
+    assert third["stats"]["accepted_tokens"] > first["stats"]["accepted_tokens"]
+    assert third["stats"]["verify_steps"] < first["stats"]["verify_steps"]
+    assert sampled["store_requests"] == 4 and sampled["stats"]["generated_tokens"] > 0
+    assert chat["store_requests"] == 5
+
+
+@pytest.mark.parametrize("drafter", ["mtp", "mtp+ngram"])
+def test_runner_store_drafts_as_python_adapt(
+    runner, mtp_bundle_of, mlp_mtp_bundle, tmp_path, drafter
+):
+    """mtp-runner --store against runtime/adapt.py's AdaptingDrafter (the MTP head, the store
+    going on where the head stops short of k; its correction never trained, so it drafts as the
+    head) on runtime/loop.py, the store fed each prompt's ids and answer as mtp-runner feeds
+    it: three rounds of the same four prompts, the same tokens, verify steps and accepted
+    tokens per prompt, the same store; greedy output equal to plain decoding, and the last
+    round taking fewer verify steps than the first. With mtp+ngram the store extends the head's
+    drafts only, not the lookup's (adapting() wraps a hybrid's model)."""
+    from mtp_edge.runtime.adapt import adapting, bundle_heads
+
+    tails = suite_ids(mlp_mtp_bundle)[:4]
+    prompts = [(f"{i}-{r}", c, ids) for r in range(3) for i, c, ids in tails]
+    options = ["--drafter", drafter, "--draft-confidence", "0.3", "--store"]
+    report = run_native(runner, mlp_mtp_bundle, prompts, tmp_path, *options)
+    rows = report["prompts"]
+    assert report["summary"]["lossless"] and all(r["identical"] for r in rows)
+
+    bundle = open_bundle(mlp_mtp_bundle)
+    session = target_session(bundle)
+    heads = mtp_bundle_of("none").parent / "heads.safetensors"
+    head = bundle_drafter(bundle, 0.3)
+    if drafter == "mtp+ngram":  # the runner's default lookup sizes, 1-3
+        head = HybridDrafter(head, max_n=3, min_match=1)
+    python, adapter = adapting(head, *bundle_heads(bundle, str(heads)))
+    config = GenerationConfig(
+        max_new_tokens=MAX_NEW_TOKENS, k=4, eos_ids=tuple(bundle.manifest.eos_ids)
+    )
+    for r, (prompt_id, _, ids) in zip(rows, prompts, strict=True):
+        result = generate(session, ids, python, config, bundle.tokenizer.decode)
+        assert r["spec_token_ids"] == result.token_ids, prompt_id
+        assert r["verify_steps"] == result.stats.verify_steps, prompt_id
+        assert r["acceptance_rate"] == pytest.approx(result.stats.acceptance_rate, abs=1e-4)
+        adapter.store.add(ids + result.token_ids)
+    assert not adapter.active  # the head drafted uncorrected, as the native one
+    assert report["drafter"] == drafter
+    if drafter == "mtp+ngram":
+        assert python.from_lookup > 0  # the lookup drafted too, unextended
+    store = adapter.store.report()
+    assert {key: report[key] for key in store} == store
+    assert store["store_drafts"] > 0 and sum(r["store_extended"] for r in rows) > 0
+    first, last = rows[:4], rows[8:]
+    assert sum(r["verify_steps"] for r in last) < sum(r["verify_steps"] for r in first)
+
+
+def test_store_seeded_from_a_request_log_as_python(runner, mtp_bundle, tmp_path):
+    """mtp-runner --store-log DIR (Engine::seed_store, shown by `mtp-native-tests store-log`)
+    takes from a request log exactly the requests mtp_edge/api.py _seed_store gives the Python
+    store, oldest first across rotated files: raw prompts as plain text, conversations through
+    the chat template (a system prompt, several turns, special tokens typed as text), records
+    the template cannot render with their answer alone, records with no answer or ids outside
+    the vocabulary left out."""
+    from types import SimpleNamespace
+
+    from mtp_edge.api import Model
+    from mtp_edge.request_log import RequestLog
+    from mtp_edge.runtime.answer_store import AnswerStore
+
+    bundle = open_bundle(mtp_bundle)
+    vocab = bundle.manifest.vocab_size
+    log = RequestLog(tmp_path / "log", file_bytes=1024, keep=20)
+    records = [
+        ([{"role": "user", "content": "the cat sat on", "raw": True}], [5, 6, 7, 8]),
+        ([{"role": "user", "content": "hello there"}], [9, 10, 11]),
+        ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}], [12]),
+        (
+            [
+                {"role": "user", "content": "a b"},
+                {"role": "assistant", "content": "c d"},
+                {"role": "user", "content": "e <|im_end|> f"},
+            ],
+            [14, 15],
+        ),
+        ([{"role": "assistant", "content": "first"}, {"role": "user", "content": "x"}], [16]),
+        ([{"role": "user", "content": "no answer"}], []),
+        ([{"role": "user", "content": "another model"}], [1, vocab + 3]),
+    ]
+    for r in range(3):
+        for messages, answer in records:
+            log.append(messages, [t + r if t < vocab else t for t in answer], tau=1.0)
+    assert len(list((tmp_path / "log").glob("requests*.jsonl"))) > 1  # rotated
+
+    store = AnswerStore()
+    python = SimpleNamespace(
+        tokenizer=bundle.tokenizer,
+        _generator=SimpleNamespace(
+            session=SimpleNamespace(vocab_size=vocab), adapter=SimpleNamespace(store=store)
+        ),
+    )
+    python._logged_prompt_ids = lambda messages: Model._logged_prompt_ids(python, messages)
+    Model._seed_store(python, log)
+    expected = [list(s) for s in store.sequences]
+    assert len(expected) == 15 and len(expected[3]) > 30  # a multi-turn prompt was encoded
+
+    done = subprocess.run(
+        [str(native_runner.UNIT_TESTS), "store-log", mtp_bundle, str(tmp_path / "log")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    seeded = json.loads(done.stdout)
+    assert seeded["added"] == 15 and seeded["sequences"] == expected
+
+    prompts = suite_ids(mtp_bundle)[:1]
+    report = run_native(runner, mtp_bundle, prompts, tmp_path, "--store-log", str(log.directory))
+    assert report["store_requests"] == 16
+    (log.directory / "requests.jsonl").write_text('{"messages": \n{"messages": []}\n')
+    done = subprocess.run(
+        [
+            str(runner),
+            "--bundle",
+            mtp_bundle,
+            "--prompt-ids",
+            "1",
+            "--store-log",
+            str(log.directory),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2
+    assert (
+        done.stderr.splitlines()[-1]
+        == f"error: {log.directory / 'requests.jsonl'}:1: not a JSON line"
+    )

@@ -38,7 +38,7 @@ typedef void (*mtp_on_text)(const char* piece, void* user);
  *   {"max_new_tokens": 128, "speculative": true, "k": <bundle's>, "temperature": 0,
  *    "top_k": 0, "top_p": 1, "seed": 0, "chat": true, "stop_strings": [],
  *    "drafter": <the bundle's>, "ngram_sizes": <the bundle's or "1-3">,
- *    "draft_confidence": <the bundle's or 0>, "fallback": false}
+ *    "draft_confidence": <the bundle's or 0>, "fallback": false, "store": false}
  * drafter: the names mtp-run --drafter and mtp-runner --drafter take for a bundle: none,
  * ngram, the bundle's own model drafter by name (mtp or draft-lm), or mtp+ngram,
  * draft-lm+ngram (prompt lookup where the context repeats itself, the model drafter
@@ -51,6 +51,17 @@ typedef void (*mtp_on_text)(const char* piece, void* user);
  * drafter once per draft_confidence). fallback: true drafts each step only as many tokens as
  * the measured acceptance and call costs say pay (as mtp-run --fallback; output unchanged).
  * "speculative": false: plain decoding, whatever drafter is named.
+ * store: true drafts also from the engine's store of past requests (the Python runtime's
+ * --adapt store, runtime/answer_store.py): where the model drafter stops short of k (an MTP
+ * head below draft_confidence; with drafter "ngram" the lookup; in X+ngram the lookup's drafts
+ * stay as they are, as --adapt does), the most frequent continuation of the context's last 4,
+ * 3 or 2 tokens in earlier requests goes on, when it followed at least twice and in at least
+ * half of the cases. Output unchanged (greedy stays plain decoding's, sampling
+ * the target's distribution). After the call the request (prompt and answer; for a chat the
+ * conversation and its answer) enters the store, which the engine keeps across calls and chats
+ * until mtp_close, bounded to its last 32768 tokens. The result then also has "store_tokens",
+ * "store_requests", "store_drafts" (drafts the store made so far) and "store_extended" (drafts
+ * of this call it extended).
  * stop_strings: non-empty texts; generation stops once the generated text contains one
  * (stop_reason "stop_string", as mtp-run --stop); "text" then ends before it, while the
  * streamed pieces include it.

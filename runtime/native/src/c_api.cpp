@@ -39,6 +39,7 @@ struct Settings {
   mtp::Drafter* drafter = nullptr;
   bool chat = true;
   bool reuse_cache = true;
+  bool store = false;  // draft also from the engine's past requests, and add this one
 };
 
 Settings parse_settings(mtp::Engine& engine, const char* options_json) {
@@ -75,6 +76,10 @@ Settings parse_settings(mtp::Engine& engine, const char* options_json) {
       throw mtp::UserError("fallback must be true or false");
     config.fallback = options["fallback"].get<bool>();
   }
+  if (options.contains("store")) {
+    if (!options["store"].is_boolean()) throw mtp::UserError("store must be true or false");
+    settings.store = options["store"].get<bool>();
+  }
   settings.chat = options.value("chat", true);
   settings.reuse_cache = options.value("reuse_cache", true);
   const bool speculative = options.value("speculative", true);
@@ -102,8 +107,24 @@ Settings parse_settings(mtp::Engine& engine, const char* options_json) {
     choice.draft_confidence = p.get<double>();
     choice.draft_confidence_given = chosen = true;
   }
-  if (speculative) settings.drafter = chosen ? engine.drafter(choice) : engine.drafter();
+  // "store": the same drafter with its model drafter extended by the engine's store (kept
+  // beside the plain one, built on first use).
+  choice.store = settings.store;
+  if (speculative)
+    settings.drafter = chosen || settings.store ? engine.drafter(choice) : engine.drafter();
   return settings;
+}
+
+// A generation's request (prompt and answer) into the engine's store when the options ask for
+// it, and the store's numbers into its result: store_extended, the drafts of this generation
+// the store extended (its drafts since `drafts_before`).
+void add_to_store(mtp::Engine& engine, const Settings& settings, int64_t drafts_before,
+                  const std::vector<int64_t>& request, nlohmann::json& out) {
+  if (!settings.store) return;
+  mtp::AnswerStore& store = engine.store();
+  store.add(request);
+  out.update(mtp::store_json(store));
+  out["store_extended"] = store.drafts() - drafts_before;
 }
 
 // Passes each token on with the text it completes: whole UTF-8 characters only, so a token
@@ -179,6 +200,7 @@ extern "C" int mtp_generate(mtp_engine* handle, const char* prompt, const char* 
       return true;
     };
     // A prompt of its own: prefilled whole, as mtp-run does.
+    const int64_t drafts_before = settings.store ? engine.store().drafts() : 0;
     const mtp::GenerationResult result =
         engine.generate(ids, settings.drafter, settings.config, on_token, false);
     nlohmann::json out = {{"text", answer_text(engine, result, settings.config)},
@@ -187,6 +209,9 @@ extern "C" int mtp_generate(mtp_engine* handle, const char* prompt, const char* 
                           {"prompt_tokens", ids.size()},
                           {"drafter", settings.drafter ? settings.drafter->name() : "none"},
                           {"stats", mtp::stats_json(result.stats)}};
+    std::vector<int64_t> request = ids;  // the prompt and its answer, for the store
+    request.insert(request.end(), result.token_ids.begin(), result.token_ids.end());
+    add_to_store(engine, settings, drafts_before, request, out);
     write_result(dump(out), stats_json, stats_len);
     return MTP_OK;
   } catch (const std::exception& e) {
@@ -243,10 +268,11 @@ extern "C" int mtp_chat_generate(mtp_chat* chat, const char* options_json, mtp_o
       const std::string piece = stream.next(token);
       return on_token(int32_t(token), piece.c_str(), user) == MTP_CONTINUE;
     };
+    const int64_t drafts_before = settings.store ? engine.store().drafts() : 0;
     const mtp::Conversation::Answer answer = chat->conversation.answer(
         settings.drafter, settings.config, each_token, settings.reuse_cache);
     const mtp::GenerationResult& result = answer.generation;
-    const nlohmann::json out = {
+    nlohmann::json out = {
         {"text", answer_text(engine, result, settings.config)},
         {"stop_reason", result.stop_reason},
         {"token_ids", result.token_ids},
@@ -258,6 +284,8 @@ extern "C" int mtp_chat_generate(mtp_chat* chat, const char* options_json, mtp_o
         {"context_tokens", chat->conversation.tokens().size()},
         {"max_seq_len", engine.manifest().max_seq_len},
         {"stats", mtp::stats_json(result.stats)}};
+    // The conversation so far (this turn's prompt) and the answer: one request for the store.
+    add_to_store(engine, settings, drafts_before, chat->conversation.tokens(), out);
     chat->last_result = dump(out);
     write_result(chat->last_result, result_json, result_len);
     return MTP_OK;

@@ -1,8 +1,10 @@
 #include "engine.h"
 
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <sstream>
@@ -183,8 +185,15 @@ Drafter* Engine::drafter(const DrafterOptions& options) {
     key += " n=" + std::to_string(chosen.ngram_min) + "-" + std::to_string(chosen.ngram_max);
   const std::string confidence = exact(chosen.draft_confidence);
   if (base == "mtp" || base == "draft-lm") key += " p=" + confidence;
+  if (chosen.store && base != "none") key += " store";
   const auto found = drafters_.find(key);
   if (found != drafters_.end()) return found->second.get();
+  if (chosen.store && base == "ngram") {  // the lookup alone: the store goes on after it
+    DrafterOptions without = chosen;
+    without.store = false;
+    Drafter* lookup = drafter(without);
+    return (drafters_[key] = std::make_unique<StoreDrafter>(lookup, &store())).get();
+  }
   auto model = [&](const std::string& kind) -> std::unique_ptr<Drafter> {
     std::unique_ptr<Drafter>& kept = models_[kind + " p=" + confidence];
     if (kept == nullptr) {
@@ -195,12 +204,168 @@ Drafter* Engine::drafter(const DrafterOptions& options) {
         throw;
       }
     }
+    if (chosen.store) return std::make_unique<StoreDrafter>(kept.get(), &store());
     return std::make_unique<ForwardingDrafter>(kept.get());
   };
   auto made = make_drafter(name, own, chosen, model);
   Drafter* out = made.get();
   drafters_[key] = std::move(made);
   return out;
+}
+
+AnswerStore& Engine::store() {
+  if (store_ == nullptr) store_ = std::make_unique<AnswerStore>();
+  return *store_;
+}
+
+namespace {
+
+// A log folder's files, oldest first (mtp_edge/request_log.py log_files): requests.N.jsonl by
+// N descending, then requests.jsonl; a file is itself.
+std::vector<std::string> log_files(const std::string& log) {
+  namespace fs = std::filesystem;
+  std::error_code error;
+  if (!fs::is_directory(log, error)) return {log};
+  std::vector<std::pair<int64_t, std::string>> found;
+  for (const auto& entry : fs::directory_iterator(log, error)) {
+    const std::string name = entry.path().filename().string();
+    const std::string head = "requests", tail = ".jsonl";
+    if (name.size() < head.size() + tail.size() || name.compare(0, head.size(), head) != 0 ||
+        name.compare(name.size() - tail.size(), tail.size(), tail) != 0)
+      continue;
+    const std::string middle = name.substr(head.size(), name.size() - head.size() - tail.size());
+    if (middle.empty()) {
+      found.emplace_back(0, entry.path().string());
+    } else if (middle.size() > 1 && middle[0] == '.' &&
+               middle.find_first_not_of("0123456789", 1) == std::string::npos &&
+               middle.size() < 19) {
+      found.emplace_back(std::stoll(middle.substr(1)), entry.path().string());
+    }
+  }
+  std::sort(found.begin(), found.end(), std::greater<>());
+  std::vector<std::string> files;
+  for (const auto& [n, path] : found) files.push_back(path);
+  return files;
+}
+
+// mtp_edge/request_log.py check_messages: a non-empty list of {"role", "content"} with a known
+// role and text content.
+void check_logged_messages(const nlohmann::json& messages, const std::string& where) {
+  if (!messages.is_array() || messages.empty())
+    throw UserError(where + ": \"messages\" must be a non-empty list of role/content objects");
+  for (const auto& m : messages) {
+    if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
+      throw UserError(where + ": every message needs a \"role\" string");
+    const std::string role = m["role"];
+    if (role != "system" && role != "user" && role != "assistant" && role != "tool" &&
+        role != "developer")
+      throw UserError(where + ": unknown role '" + role + "' (system, user or assistant)");
+    if (!m.contains("content") || !m["content"].is_string())
+      throw UserError(where + ": every message needs a \"content\" string");
+  }
+}
+
+}  // namespace
+
+int64_t Engine::seed_store(const std::string& log) {
+  const int64_t vocab = std::min(manifest_.vocab_size, target_->vocab_size);
+  int64_t added = 0;
+  for (const std::string& file : log_files(log)) {
+    std::ifstream in(file, std::ios::binary);
+    if (!in) throw UserError("cannot read the request log " + file);
+    std::stringstream text;
+    text << in.rdbuf();
+    const std::string all = text.str();
+    size_t start = 0;
+    for (int64_t n = 1; start <= all.size(); ++n) {
+      const size_t end = std::min(all.find('\n', start), all.size());
+      const std::string line = all.substr(start, end - start);
+      const bool last = end == all.size();  // no newline after it
+      start = end + 1;
+      if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+      const std::string where = file + ":" + std::to_string(n);
+      const nlohmann::json row = nlohmann::json::parse(line, nullptr, false);
+      if (row.is_discarded()) {
+        if (last) continue;  // torn by a writer killed mid-append
+        throw UserError(where + ": not a JSON line");
+      }
+      if (!row.is_object()) throw UserError(where + ": expected a JSON object");
+      const nlohmann::json answer = row.value("answer_ids", nlohmann::json::array());
+      bool ids = answer.is_array(), outside = false;
+      for (const auto& id : answer) {
+        ids = ids && id.is_number_integer();
+        if (!ids) break;
+        outside = outside || (id.is_number_unsigned() ? id.get<uint64_t>() >= uint64_t(vocab)
+                                                      : id.get<int64_t>() < 0 ||
+                                                            id.get<int64_t>() >= vocab);
+      }
+      if (!ids) throw UserError(where + ": \"answer_ids\" must be a list of token ids");
+      const nlohmann::json messages = row.value("messages", nlohmann::json());
+      check_logged_messages(messages, where);
+      if (answer.empty() || outside) continue;  // nothing answered, or another model's tokens
+      std::vector<int64_t> request = logged_prompt_ids(messages);
+      for (const auto& id : answer) request.push_back(id.get<int64_t>());
+      store().add(request);
+      ++added;
+    }
+  }
+  return added;
+}
+
+std::vector<int64_t> Engine::logged_prompt_ids(const nlohmann::json& messages) const {
+  try {
+    // Python's truth of the "raw" value: true, a number not 0, a non-empty text or list.
+    auto truthy = [](const nlohmann::json& x) {
+      if (x.is_boolean()) return x.get<bool>();
+      if (x.is_number()) return x.get<double>() != 0;
+      return (x.is_string() || x.is_array() || x.is_object()) && !x.empty();
+    };
+    if (messages.size() == 1 && messages[0].contains("raw") && truthy(messages[0]["raw"]))
+      return encode_prompt(messages[0]["content"].get<std::string>(), /*chat=*/false);
+    if (!manifest_.has_chat_template || !manifest_.chat_format) return {};
+    const ChatFormat& format = *manifest_.chat_format;
+    // tokenizer.py check_messages: an optional system message, then user and assistant turns
+    // alternating, the user's last, no user message empty.
+    std::vector<std::pair<std::string, std::string>> turns;
+    for (const auto& m : messages) turns.emplace_back(m["role"], m["content"]);
+    std::string system;
+    bool has_system = turns.front().first == "system";
+    if (has_system) {
+      system = turns.front().second;
+      turns.erase(turns.begin());
+    }
+    if (turns.empty() || turns.size() % 2 == 0) return {};
+    for (size_t i = 0; i < turns.size(); ++i) {
+      if (turns[i].first != (i % 2 == 0 ? "user" : "assistant")) return {};
+      if (i % 2 == 0 && turns[i].second.find_first_not_of(" \t\n\r\f\v") == std::string::npos)
+        return {};
+    }
+    if (has_system && !format.system_prefix) {  // tokenizer.py template_messages folds it
+      if (!system.empty()) turns[0].second = system + "\n\n" + turns[0].second;
+      has_system = false;
+    }
+    if (turns.size() > 1 && !format.next_turn) return {};  // one turn only: not rendered here
+    // The rendered conversation as pieces, template and text alternately (encode_chat).
+    std::vector<std::string> pieces;
+    if (has_system)
+      pieces = {*format.system_prefix, system, *format.system_suffix};
+    else
+      pieces = {format.prefix};
+    pieces.push_back(turns[0].second);
+    for (size_t i = 1; i < turns.size(); i += 2) {
+      pieces.push_back(format.suffix);
+      pieces.push_back(turns[i].second);
+      pieces.push_back(*format.next_turn);
+      pieces.push_back(turns[i + 1].second);
+    }
+    pieces.push_back(format.suffix);
+    std::vector<int64_t> ids = encode_chat(pieces);
+    if (manifest_.add_bos && (ids.empty() || ids[0] != *manifest_.bos_id))
+      ids.insert(ids.begin(), *manifest_.bos_id);
+    return ids;
+  } catch (const UserError&) {
+    return {};
+  }
 }
 
 void Engine::check_k(int64_t k) const {
@@ -393,6 +558,12 @@ nlohmann::json stats_json(const GenerationStats& s) {
       {"draft_ms", rounded(s.draft_seconds * 1e3, 3)},
       {"verify_ms", rounded(s.verify_seconds * 1e3, 3)},
   };
+}
+
+nlohmann::json store_json(const AnswerStore& store) {
+  return {{"store_tokens", store.tokens()},
+          {"store_requests", store.requests()},
+          {"store_drafts", store.drafts()}};
 }
 
 }  // namespace mtp

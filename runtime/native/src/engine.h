@@ -11,6 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "answer_store.h"
 #include "bundle.h"
 #include "drafters.h"
 #include "errors.h"
@@ -39,6 +40,10 @@ struct DrafterOptions {
   // Unless given: the bundle's lookup sizes for its own drafter's lookup (else the default
   // above), its drafter.draft_confidence.
   bool ngram_sizes_given = false, draft_confidence_given = false;
+  // The model drafter (the lookup for ngram alone) extended by the engine's store of past
+  // requests where it stops short of k (StoreDrafter); inside X+ngram the lookup's drafts are
+  // left as they are, as runtime/adapt.py adapting() wraps only a hybrid's model.
+  bool store = false;
 };
 
 struct EngineOptions : DrafterOptions {
@@ -90,6 +95,21 @@ class Engine {
   void check_token_ids(const std::vector<int64_t>& ids) const;
   // The target's call costs measured so far, which the fallback reads (kept across calls).
   StepCosts& costs() { return costs_; }
+  // The store of past requests (answer_store.h) that generations asking for it draft from and
+  // add their tokens to: made on first use, kept for the engine's life.
+  AnswerStore& store();
+  // Feeds the store the requests of a request log (mtp_edge/request_log.py: a folder's
+  // requests*.jsonl, oldest first, or one such file), as mtp_edge/api.py _seed_store does: each
+  // answered record's prompt (logged_prompt_ids) and answer_ids, skipping records with ids
+  // outside the vocabulary (another model's). Returns the records added. Throws UserError, one
+  // line naming the file and line, for a log that cannot be read.
+  int64_t seed_store(const std::string& log);
+  // A logged request's prompt ids as mtp_edge/api.py _logged_prompt_ids encodes them: a raw
+  // prompt (one message with "raw": true) as plain text, else the conversation through the
+  // chat format (an optional system message, then user and assistant turns alternating, the
+  // user's last; a system message folded into the first user message, as the Python tokenizer
+  // does, when the template has no system frame). Empty where it cannot be encoded here.
+  std::vector<int64_t> logged_prompt_ids(const nlohmann::json& messages) const;
 
   // Prompt text -> ids ready for prefill: one user turn of the bundle's chat format when
   // `chat`, bos first when the tokenizer adds one. Throws UserError without a tokenizer.
@@ -113,6 +133,7 @@ class Engine {
   Drafter* drafter_ = nullptr;
   std::vector<int64_t> cached_;  // the tokens whose K/V the target's cache holds, if known
   StepCosts costs_;
+  std::unique_ptr<AnswerStore> store_;
 #ifdef MTP_HAVE_TOKENIZER
   std::optional<Tokenizer> tokenizer_;
 #endif
@@ -164,5 +185,9 @@ class Conversation {
 
 // GenerationStats as runtime/loop.py's GenerationStats.to_dict().
 nlohmann::json stats_json(const GenerationStats& s);
+
+// The store's numbers under the names of runtime/answer_store.py's report(): store_tokens,
+// store_requests, store_drafts.
+nlohmann::json store_json(const AnswerStore& store);
 
 }  // namespace mtp

@@ -111,9 +111,11 @@ nlohmann::json run_suite(Engine& engine, const std::vector<Prompt>& prompts,
     std::vector<double> ar_rates, spec_rates;
     GenerationResult plain, spec;
     std::vector<std::vector<int64_t>> spec_drafts;
+    int64_t store_extended = 0;
     for (int r = 0; r < options.repeat; ++r) {
       // Interleaved, so that machine drift affects both alike.
       plain = engine.generate(ids, nullptr, cfg, nullptr, false);
+      const int64_t store_drafts = options.store ? options.store->drafts() : 0;
       if (options.record_drafts && engine.drafter() != nullptr) {
         RecordingDrafter recording(engine.drafter());
         spec = engine.generate(ids, &recording, cfg, nullptr, false);
@@ -121,6 +123,7 @@ nlohmann::json run_suite(Engine& engine, const std::vector<Prompt>& prompts,
       } else {
         spec = engine.generate(ids, engine.drafter(), cfg, nullptr, false);
       }
+      if (options.store) store_extended = options.store->drafts() - store_drafts;
       ar_rates.push_back(plain.stats.decode_tokens_per_s());
       spec_rates.push_back(spec.stats.decode_tokens_per_s());
       ar_tokens += std::max<int64_t>(plain.stats.generated_tokens - 1, 0);
@@ -129,6 +132,11 @@ nlohmann::json run_suite(Engine& engine, const std::vector<Prompt>& prompts,
       spec_s += spec.stats.decode_seconds;
       ttft_ar.push_back(plain.stats.ttft_ms);
       ttft_spec.push_back(spec.stats.ttft_ms);
+    }
+    if (options.store != nullptr) {
+      std::vector<int64_t> request = ids;
+      request.insert(request.end(), spec.token_ids.begin(), spec.token_ids.end());
+      options.store->add(request);
     }
     const GenerationStats& s = spec.stats;
     steps += s.verify_steps;
@@ -164,6 +172,7 @@ nlohmann::json run_suite(Engine& engine, const std::vector<Prompt>& prompts,
     row.update(compare_runs(plain, spec));
     row["ar_token_ids"] = plain.token_ids;
     row["spec_token_ids"] = spec.token_ids;
+    if (options.store != nullptr) row["store_extended"] = store_extended;
     if (options.record_drafts) {
       row["spec_drafts"] = spec_drafts;
       row["spec_steps"] = spec.step_counts;  // per verify step [drafted, accepted]

@@ -32,10 +32,16 @@ struct SuiteOptions {
   // "spec_steps": per verify step, [tokens drafted, tokens accepted].
   bool record_drafts = false;
   GenerationConfig config;  // k, adaptive_k, fallback, sampling, eos_ids, stop_strings
+  // The store of past requests the engine's drafter drafts from (EngineOptions::store): each
+  // prompt's ids and speculative answer go into it after the prompt's last repeat, so that
+  // every repeat of a prompt drafts from the same store and later prompts from the earlier
+  // ones. Null: no store.
+  AnswerStore* store = nullptr;
 };
 
 // The report body: summary, per_category, prompts (each row also carries ar_token_ids and
-// spec_token_ids, the generated ids of the last repeat, and spec_drafts if asked for).
+// spec_token_ids, the generated ids of the last repeat, spec_drafts if asked for, and with a
+// store store_extended, the drafts of the last speculative run the store extended).
 nlohmann::json run_suite(Engine& engine, const std::vector<Prompt>& prompts,
                          const SuiteOptions& options,
                          const std::function<void(const std::string&)>& progress);

@@ -1,8 +1,10 @@
 // Unit tests of the core without ExecuTorch programs: SHA-256, sampling and verification rules,
-// the n-gram drafter, the MTP drafter's positions and cache-end clamp, and the loop's lossless
-// property on a fake target (a fresh prompt and one that starts from a kept cache). Plain
-// asserts; the pytest suite runs this binary, and with arguments it runs the C API on a real
-// bundle (tests/test_native.py: one generation; tests/test_android_demo.py: a chat).
+// the n-gram drafter, the MTP drafter's positions and cache-end clamp, the store of past
+// requests, and the loop's lossless property on a fake target (a fresh prompt and one that
+// starts from a kept cache). Plain asserts; the pytest suite runs this binary, and with
+// arguments it runs the C API on a real bundle (tests/test_native.py: one generation, the
+// store; tests/test_android_demo.py: a chat), the store driven by a file of requests, or the
+// store seeded from a request log.
 // Past 600 lines: the core's C++ tests are one binary, which the build (CMakeLists.txt) makes
 // from this one file.
 #include <algorithm>
@@ -10,10 +12,14 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <map>
+#include <numeric>
+#include <random>
 #include <string>
 #include <vector>
 
+#include "answer_store.h"
 #include "drafters.h"
 #include "engine.h"
 #include "fallback.h"
@@ -557,6 +563,203 @@ void check_drafters_by_name(const char* bundle) {
 
 // The C API on a real bundle: streamed pieces add up to the final text; errors come back as
 // messages. Prints the result JSON for tests/test_native.py to compare with the Python runtime.
+using Nexts = std::vector<std::pair<int64_t, int64_t>>;
+
+// The store of past requests (runtime/answer_store.py's rules): counts, the confidence rule,
+// the longest known context deciding, ties by insertion order, and eviction.
+void test_answer_store_rules() {
+  mtp::AnswerStore store;
+  store.add({1, 2, 3, 4, 5});
+  CHECK((store.nexts({1, 2, 3, 4}) == Nexts{{5, 1}}) && (store.nexts({4, 5}) == Nexts{}));
+  CHECK(!store.next({1, 2, 3, 4}));  // seen once: below min_count 2
+  store.add({1, 2, 3, 4, 5});
+  CHECK(store.next({1, 2, 3, 4}) == 5 && store.next({9, 3, 4}) == 5);
+  CHECK(store.next({4}) == std::nullopt);
+  CHECK((store.draft({0, 1, 2}, 4) == std::vector<int64_t>{3, 4, 5}) && store.drafts() == 1);
+  CHECK(store.draft({7, 7}, 4).empty() && store.draft({1, 2}, 0).empty() && store.drafts() == 1);
+  CHECK(store.tokens() == 10 && store.requests() == 2);
+  // (7, 8) followed by 9 twice and 10 twice: a tie at share 0.5, confident, the first seen.
+  mtp::AnswerStore ties;
+  for (int64_t next : {9, 10, 10, 9}) ties.add({7, 8, next});
+  CHECK((ties.nexts({7, 8}) == Nexts{{9, 2}, {10, 2}}) && ties.next({7, 8}) == 9);
+  ties.add({7, 8, 10});  // 3 of 5
+  CHECK(ties.next({7, 8}) == 10);
+  for (int i = 0; i < 3; ++i) ties.add({7, 8, 11});  // 2, 3, 3 of 8: the best below half
+  CHECK(!ties.next({7, 8}));
+  // The longest known context decides even when it is not confident: (1, 7, 8) is known (once
+  // followed by 12), so the confident (7, 8) -> ... is not asked.
+  ties.add({1, 7, 8, 12});
+  for (int i = 0; i < 6; ++i) ties.add({7, 8, 10});
+  CHECK(ties.next({5, 7, 8}) == 10 && !ties.next({1, 7, 8}));
+
+  // A next token whose count falls to 0 is deleted; re-added, it goes last (Python dict order).
+  mtp::AnswerStore small(6);
+  small.add({5, 6, 1});
+  small.add({5, 6, 2});
+  CHECK((small.nexts({5, 6}) == Nexts{{1, 1}, {2, 1}}));
+  small.add({5, 6, 2});  // 9 tokens: the first request goes, and 1 with it
+  CHECK((small.nexts({5, 6}) == Nexts{{2, 2}}) && small.requests() == 2 && small.tokens() == 6);
+  small.add({5, 6, 1});
+  CHECK((small.nexts({5, 6}) == Nexts{{2, 1}, {1, 1}}));
+  // So eviction keeps the order of a token's first arrival among what is kept: 1 came first
+  // (in a request since evicted) and stays ahead of 2 in a tie, where a store rebuilt from the
+  // kept requests has 2 first. Counts are the rebuilt store's.
+  mtp::AnswerStore evicted(15), rebuilt(15);
+  const std::vector<std::vector<int64_t>> requests = {
+      {5, 6, 1}, {5, 6, 2}, {5, 6, 2}, {5, 6, 1}, {5, 6, 1}, {7, 7, 7}};
+  for (const auto& r : requests) evicted.add(r);
+  for (size_t i = 1; i < requests.size(); ++i) rebuilt.add(requests[i]);
+  CHECK(evicted.requests() == 5 && evicted.tokens() == 15);
+  CHECK((evicted.nexts({5, 6}) == Nexts{{1, 2}, {2, 2}}) && evicted.next({5, 6}) == 1);
+  CHECK((rebuilt.nexts({5, 6}) == Nexts{{2, 2}, {1, 2}}) && rebuilt.next({5, 6}) == 2);
+  // A request longer than the bound keeps its last max_tokens tokens, alone.
+  mtp::AnswerStore bounded(4);
+  bounded.add({1, 2});
+  bounded.add({9, 8, 7, 6, 5, 4});
+  CHECK(bounded.requests() == 1 && bounded.tokens() == 4);
+  CHECK((bounded.nexts({7, 6}) == Nexts{{5, 1}}));
+  bool refused = false;
+  try {
+    mtp::AnswerStore bad(0);
+  } catch (const mtp::UserError&) {
+    refused = true;
+  }
+  CHECK(refused);
+}
+
+// Eviction takes back exactly what a request added: after many random requests (few distinct
+// tokens, so contexts repeat), the kept counts equal those of a store fed only the kept ones.
+void test_answer_store_eviction_is_exact() {
+  std::mt19937_64 rng(7);
+  mtp::AnswerStore store(300);
+  std::vector<std::vector<int64_t>> all;
+  for (int r = 0; r < 200; ++r) {
+    std::vector<int64_t> tokens(5 + rng() % 40);
+    for (auto& t : tokens) t = int64_t(rng() % 6);
+    store.add(tokens);
+    all.push_back(tokens);
+  }
+  mtp::AnswerStore kept(300);
+  for (size_t i = all.size() - size_t(store.requests()); i < all.size(); ++i) kept.add(all[i]);
+  CHECK(store.tokens() == kept.tokens() && store.tokens() <= 300 && store.requests() < 200);
+  CHECK(store.contexts() == kept.contexts());
+  auto sorted = [](Nexts n) {
+    std::sort(n.begin(), n.end());
+    return n;
+  };
+  for (int64_t a = 0; a < 6; ++a)
+    for (int64_t b = 0; b < 6; ++b)
+      for (int64_t c = 0; c < 6; ++c) {
+        CHECK(sorted(store.nexts({a, b})) == sorted(kept.nexts({a, b})));
+        for (int64_t d = 0; d < 6; ++d)
+          CHECK(sorted(store.nexts({a, b, c, d})) == sorted(kept.nexts({a, b, c, d})));
+      }
+}
+
+// A drafter proposing fixed tokens (with a distribution per token when `probs`).
+class FixedDrafter : public mtp::Drafter {
+ public:
+  FixedDrafter(std::vector<int64_t> tokens, bool probs, size_t vocab = 16)
+      : tokens_(std::move(tokens)), probs_(probs), vocab_(vocab) {}
+  std::string name() const override { return "fixed"; }
+  mtp::Draft propose(const std::vector<int64_t>&, const mtp::Hidden*, int64_t k,
+                     mtp::Sampler&) override {
+    mtp::Draft d;
+    for (int64_t i = 0; i < std::min<int64_t>(k, int64_t(tokens_.size())); ++i) {
+      d.tokens.push_back(tokens_[i]);
+      if (probs_) d.probs.push_back(std::vector<double>(vocab_, 1.0 / double(vocab_)));
+    }
+    return d;
+  }
+
+ private:
+  std::vector<int64_t> tokens_;
+  bool probs_;
+  size_t vocab_;
+};
+
+// The store extends a draft only where the inner drafter stopped short of k, from the context
+// and the inner draft; under sampling its tokens get one-hot rows beside the inner rows.
+void test_store_drafter() {
+  mtp::Sampler s({});
+  mtp::AnswerStore store;
+  for (int i = 0; i < 2; ++i) store.add({1, 2, 3, 4, 5, 6, 7});
+  FixedDrafter head({3, 9}, false);
+  mtp::StoreDrafter drafter(&head, &store);
+  CHECK(drafter.name() == "fixed");
+  CHECK((drafter.propose({0, 1, 2}, nullptr, 1, s).tokens == std::vector<int64_t>{3}));
+  CHECK((drafter.propose({0, 1, 2}, nullptr, 2, s).tokens == std::vector<int64_t>{3, 9}));
+  CHECK(drafter.extended() == 0);
+  FixedDrafter short_head({3}, true);
+  mtp::StoreDrafter sampled(&short_head, &store);
+  const mtp::Draft d = sampled.propose({0, 1, 2}, nullptr, 4, s);
+  CHECK((d.tokens == std::vector<int64_t>{3, 4, 5, 6}) && d.probs.size() == 4);
+  for (size_t i = 1; i < d.probs.size(); ++i)
+    CHECK(d.probs[i].size() == 16 && d.probs[i][d.tokens[i]] == 1.0 &&
+          std::accumulate(d.probs[i].begin(), d.probs[i].end(), 0.0) == 1.0);
+  CHECK(sampled.extended() == 1 && store.drafts() == 1);
+  FixedDrafter none({}, true);  // nothing from the head: the store's tokens alone, all one-hot
+  mtp::StoreDrafter alone(&none, &store);
+  const mtp::Draft e = alone.propose({9, 4, 5}, nullptr, 3, s);
+  CHECK((e.tokens == std::vector<int64_t>{6, 7}) && e.probs.empty());
+  // Lossless on the fake target: greedy with the store (fed the plain answers) is plain.
+  mtp::GenerationConfig cfg;
+  cfg.max_new_tokens = 30;
+  cfg.k = 4;
+  const std::vector<int64_t> prompt = {1, 2, 3, 4, 1, 2, 3};
+  FakeModel a(11, 64, 6);
+  const auto plain = mtp::generate(a, prompt, nullptr, cfg);
+  mtp::AnswerStore learnt;
+  int64_t accepted = 0;
+  for (int turn = 0; turn < 3; ++turn) {
+    FakeModel b(11, 64, 6);
+    NoisyDrafter noisy;
+    FixedDrafter stops({}, false);
+    mtp::StoreDrafter with_store(turn % 2 ? static_cast<mtp::Drafter*>(&noisy) : &stops, &learnt);
+    const auto spec = mtp::generate(b, prompt, &with_store, cfg);
+    CHECK(spec.token_ids == plain.token_ids && spec.stop_reason == plain.stop_reason);
+    if (turn == 2) accepted = spec.stats.accepted_tokens;
+    std::vector<int64_t> request = prompt;
+    request.insert(request.end(), spec.token_ids.begin(), spec.token_ids.end());
+    learnt.add(request);
+  }
+  CHECK(accepted > 0);  // the third run drafted the answer the first two gave
+  // Sampling: a head drafting one token with its distribution, the store going on with one-hot
+  // rows, through rejection sampling (rows missing would read past the draft's probs).
+  mtp::GenerationConfig sampling = cfg;
+  sampling.sampling.temperature = 0.5;
+  sampling.sampling.seed = 11;
+  FixedDrafter one({4}, true, 11);
+  mtp::StoreDrafter sampled_store(&one, &learnt);
+  FakeModel c(11, 64, 6);
+  const auto sampled_run = mtp::generate(c, prompt, &sampled_store, sampling);
+  CHECK(sampled_run.stats.generated_tokens == 30 && sampled_store.extended() > 0);
+  CHECK(sampled_run.stats.drafted_tokens > sampled_run.stats.drafted_steps);
+}
+
+// `store FILE`: an AnswerStore driven by FILE's JSON lines, for tests/test_native.py to compare
+// with runtime/answer_store.py: {"max_tokens": N} first, then {"add": [ids]} (a request's
+// tokens) or {"draft": [context ids], "k": K}, which prints the drafted ids as a JSON list; at
+// the end one line with the store's report.
+int run_store(const char* path) {
+  std::ifstream in(path);
+  std::string line;
+  if (!std::getline(in, line)) return 2;
+  mtp::AnswerStore store(nlohmann::json::parse(line).at("max_tokens").get<int64_t>());
+  while (std::getline(in, line)) {
+    const nlohmann::json row = nlohmann::json::parse(line);
+    if (row.contains("add"))
+      store.add(row["add"].get<std::vector<int64_t>>());
+    else
+      std::printf("%s\n", nlohmann::json(store.draft(row.at("draft").get<std::vector<int64_t>>(),
+                                                     row.at("k").get<int64_t>()))
+                              .dump()
+                              .c_str());
+  }
+  std::printf("%s\n", mtp::store_json(store).dump().c_str());
+  return 0;
+}
+
 int run_c_api(const char* bundle, const char* prompt, const char* options) {
   char err[512] = "";
   CHECK(mtp_open("/nonexistent", err, sizeof err) == nullptr && std::strlen(err) > 0);
@@ -719,13 +922,94 @@ int run_chat(const char* bundle) {
   return failures ? 1 : 0;
 }
 
+// `store-api BUNDLE PROMPT`: the C API's "store" option on a real bundle. Greedy generations of
+// one prompt, plain and then three times drafting also from the engine's store (the MTP head
+// stopping below confidence 0.5, where the store goes on): the same tokens every time, the
+// store holding each request (prompt and answer) once it ended, and the third drafting from
+// the first two; then a sampled one, a chat answer (the conversation and its answer go in),
+// and a bad value refused. Prints each result JSON on a line, for tests/test_native.py.
+int run_store_api(const char* bundle, const char* prompt) {
+  char err[512] = "";
+  mtp_engine* engine = mtp_open(bundle, err, sizeof err);
+  if (engine == nullptr) {
+    std::fprintf(stderr, "mtp_open: %s\n", err);
+    return 1;
+  }
+  std::vector<char> buffer(1 << 20);
+  auto generate = [&](const std::string& options) -> nlohmann::json {
+    if (mtp_generate(engine, prompt, options.c_str(), nullptr, nullptr, buffer.data(),
+                     buffer.size(), err, sizeof err) != MTP_OK) {
+      std::fprintf(stderr, "mtp_generate: %s\n", err);
+      return {};
+    }
+    nlohmann::json out = nlohmann::json::parse(buffer.data());
+    std::printf("%s\n", out.dump().c_str());
+    return out;
+  };
+  const std::string base = R"("max_new_tokens": 24, "k": 4, "draft_confidence": 0.5)";
+  const nlohmann::json plain = generate("{" + base + R"(, "speculative": false})");
+  CHECK(!plain.empty() && !plain.contains("store_tokens"));
+  const int64_t request =
+      plain["prompt_tokens"].get<int64_t>() + int64_t(plain["token_ids"].size());
+  for (int64_t i = 1; i <= 3; ++i) {
+    const nlohmann::json stored = generate("{" + base + R"(, "store": true})");
+    CHECK(!stored.empty() && stored["token_ids"] == plain["token_ids"]);
+    CHECK(stored["store_requests"] == i && stored["store_tokens"] == i * request);
+    if (i == 1) CHECK(stored["store_extended"] == 0 && stored["store_drafts"] == 0);
+    if (i == 3) CHECK(stored["store_extended"] > 0);
+  }
+  const nlohmann::json sampled =
+      generate("{" + base + R"(, "store": true, "temperature": 0.3, "seed": 3})");
+  CHECK(!sampled.empty() && sampled["store_requests"] == 4);
+  mtp_chat* chat = mtp_chat_create(engine, nullptr, err, sizeof err);
+  CHECK(chat != nullptr && mtp_chat_add_user(chat, prompt, err, sizeof err) == MTP_OK);
+  if (chat != nullptr) {
+    const std::string options = "{" + base + R"(, "store": true})";
+    CHECK(mtp_chat_generate(chat, options.c_str(), nullptr, nullptr, buffer.data(), buffer.size(),
+                            err, sizeof err) == MTP_OK);
+    const nlohmann::json answer = nlohmann::json::parse(buffer.data());
+    std::printf("%s\n", answer.dump().c_str());
+    CHECK(answer["store_requests"] == 5);
+    CHECK(answer["store_tokens"].get<int64_t>() ==
+          sampled["store_tokens"].get<int64_t>() + answer["context_tokens"].get<int64_t>());
+  }
+  mtp_chat_free(chat);
+  CHECK(mtp_generate(engine, prompt, R"({"store": 1})", nullptr, nullptr, buffer.data(),
+                     buffer.size(), err, sizeof err) == MTP_ERROR &&
+        std::string(err) == "store must be true or false");
+  mtp_close(engine);
+  return failures ? 1 : 0;
+}
+
+// `store-log BUNDLE LOG`: the requests Engine::seed_store takes from a request log, as JSON: the
+// records added and each kept request's ids, oldest first (tests/test_native.py compares them
+// with what mtp_edge/api.py _seed_store gives the Python store).
+int run_store_log(const char* bundle, const char* log) {
+  try {
+    mtp::Engine engine(bundle, mtp::EngineOptions{});
+    const int64_t added = engine.seed_store(log);
+    nlohmann::json sequences = nlohmann::json::array();
+    for (const auto& s : engine.store().sequences()) sequences.push_back(s);
+    std::printf("%s\n", nlohmann::json{{"added", added}, {"sequences", sequences}}.dump().c_str());
+    return 0;
+  } catch (const mtp::UserError& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 2;
+  }
+}
+
 }  // namespace
 
 // No arguments: the unit tests. BUNDLE PROMPT OPTIONS_JSON: the C API on that bundle.
-// chat BUNDLE: the chat C API on that bundle.
+// chat BUNDLE: the chat C API on that bundle. store FILE: an AnswerStore driven by FILE.
+// store-api BUNDLE PROMPT: the C API's store on that bundle. store-log BUNDLE LOG: the requests
+// a request log seeds the store with.
 int main(int argc, char** argv) {
+  if (argc == 4 && std::string(argv[1]) == "store-api") return run_store_api(argv[2], argv[3]);
+  if (argc == 4 && std::string(argv[1]) == "store-log") return run_store_log(argv[2], argv[3]);
   if (argc == 4) return run_c_api(argv[1], argv[2], argv[3]);
   if (argc == 3 && std::string(argv[1]) == "chat") return run_chat(argv[2]);
+  if (argc == 3 && std::string(argv[1]) == "store") return run_store(argv[2]);
   test_sha256();
   test_ngram();
   test_mtp_positions_and_cache_end();
@@ -739,6 +1023,9 @@ int main(int argc, char** argv) {
   test_fallback_decisions();
   test_loop_fallback_and_observe();
   test_token_id_check();
+  test_answer_store_rules();
+  test_answer_store_eviction_is_exact();
+  test_store_drafter();
   if (failures) {
     std::fprintf(stderr, "%d check(s) failed\n", failures);
     return 1;

@@ -31,7 +31,7 @@ const char* kUsage =
     "       [--fallback-costs VERIFY_MS,SLOPE,DRAFT_MS] [--no-chat-template] [--threads N]\n"
     "       [--no-weight-cache]\n"
     "       [--temperature T] [--top-k K] [--top-p P] [--seed S] [--stop TEXT]...\n"
-    "       [--record-drafts]\n"
+    "       [--record-drafts] [--store] [--store-log DIR]\n"
     "Each prompt runs plain, then speculative; greedy output must be identical (exit 1 if not).\n"
     "Short names as the Python commands: -p --prompt, -n --max-new-tokens, -s --seed,\n"
     "-t --threads, --temp --temperature.\n"
@@ -49,6 +49,14 @@ const char* kUsage =
     "token that completes it (as mtp-run --stop; stop_reason \"stop_string\").\n"
     "--record-drafts: each prompt's report row gets spec_drafts, the tokens drafted at each\n"
     "verify step of its speculative run, and spec_steps, [drafted, accepted] per verify step.\n"
+    "--store: speculative runs draft also from the prompts run before (prompt and answer: the\n"
+    "store of past requests of the Python commands' --adapt): where the model drafter (with\n"
+    "--drafter ngram the lookup; an X+ngram lookup's drafts stay as they are) stops short of\n"
+    "k, the most frequent continuation of the context's last 4, 3 or 2 tokens in them goes on.\n"
+    "Each prompt enters the store after its last repeat; the report gets store_tokens,\n"
+    "store_requests, store_drafts, and each row store_extended. --store-log DIR: the store\n"
+    "starts with the requests of a request log (--log DIR of mtp-serve and mtp-chat, or one of\n"
+    "its files), as mtp-serve --adapt --log DIR seeds it; implies --store.\n"
     "--no-weight-cache: XNNPACK packs weights once per method instead of once per program\n"
     "(more memory; as MTP_XNNPACK_WEIGHT_CACHE=0).\n"
     "prompts file: one JSON per line, {\"id\", \"category\", \"prompt\" or \"prompt_ids\",\n"
@@ -141,6 +149,7 @@ int run(int argc, char** argv) {
   mtp::EngineOptions engine_options;
   mtp::SuiteOptions options;
   int64_t k = -1;
+  std::string store_log;
   std::string command = "mtp-runner";
   for (int i = 1; i < argc; ++i) command += std::string(" ") + argv[i];
   for (int i = 1; i < argc; ++i) {
@@ -194,6 +203,11 @@ int run(int argc, char** argv) {
       options.config.cost_model = parse_costs(flag, value());
     } else if (flag == "--record-drafts") {
       options.record_drafts = true;
+    } else if (flag == "--store") {
+      engine_options.store = true;
+    } else if (flag == "--store-log") {
+      store_log = value();
+      engine_options.store = true;
     } else if (flag == "--no-chat-template" || flag == "--no-chat") {  // --no-chat: older name
       options.chat = false;
     } else if (flag == "--threads" || flag == "-t") {
@@ -235,6 +249,9 @@ int run(int argc, char** argv) {
     prompts.push_back(p);
   }
   check_output("--json", json_out);
+  if (!store_log.empty() && !std::filesystem::exists(store_log))
+    throw mtp::UserError("--store-log " + store_log + " does not exist: give the folder a "
+                         "request log was written to (--log DIR)");
   {  // What the manifest alone answers, before the programs load (the engine checks again).
     const mtp::Manifest manifest = mtp::Manifest::load(bundle, /*verify=*/false);
     if (engine_options.drafter) mtp::check_drafter_name(*engine_options.drafter,
@@ -264,6 +281,12 @@ int run(int argc, char** argv) {
   }
   engine.check_k(options.config.k);
   options.config.eos_ids = engine.manifest().eos_ids;
+  if (engine_options.store) options.store = &engine.store();
+  if (!store_log.empty()) {
+    const int64_t seeded = engine.seed_store(store_log);
+    std::cerr << "[store] " << seeded << " requests (" << engine.store().tokens()
+              << " tokens kept) from " << store_log << std::endl;
+  }
   nlohmann::json body = mtp::run_suite(engine, prompts, options, [](const std::string& line) {
     std::cerr << line << std::endl;
   });
@@ -279,6 +302,7 @@ int run(int argc, char** argv) {
       {"temperature", options.config.sampling.temperature},
       {"command", command},
   };
+  if (engine_options.store) report.update(mtp::store_json(engine.store()));
   report.update(body);
   const std::string text =
       report.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
