@@ -1297,13 +1297,15 @@ def test_runner_ranges_are_the_python_commands(runner, mtp_bundle):
                 assert "token id 99999999" in stderr(flag, bound), (flag, bound)
 
 
-def store_stream(seed: int, requests: int, vocab: int = 12) -> list[list[int]]:
-    """Requests that resemble each other, as a deployment's do: each a few phrases of a shared
-    set over a small vocabulary, one token in three phrases changed, so that contexts recur
-    followed by the same token and by others (confident, unconfident and tied continuations)."""
+def store_stream(seed: int, requests: int, vocab: int = 12) -> list[tuple[list[int], int]]:
+    """Requests (tokens, prompt length) that resemble each other, as a deployment's do: each a
+    few phrases of a shared set over a small vocabulary, one token in three phrases changed, so
+    that contexts recur followed by the same token and by others (confident, unconfident and
+    tied continuations); one in four a chat's next turn (the last request, its last token
+    changed now and then, and more)."""
     rng = random.Random(seed)
     phrases = [[rng.randrange(vocab) for _ in range(rng.randrange(3, 9))] for _ in range(24)]
-    stream = []
+    stream: list[tuple[list[int], int]] = []
     for _ in range(requests):
         tokens: list[int] = []
         for _ in range(rng.randrange(1, 6)):
@@ -1311,7 +1313,13 @@ def store_stream(seed: int, requests: int, vocab: int = 12) -> list[list[int]]:
             if rng.random() < 0.3:
                 phrase[rng.randrange(len(phrase))] = rng.randrange(vocab)
             tokens += phrase
-        stream.append(tokens)
+        prompt = rng.randrange(1, len(tokens) + 1)
+        if stream and rng.random() < 0.25:
+            last = list(stream[-1][0])
+            if rng.random() < 0.3:
+                last[-1] = rng.randrange(vocab)
+            prompt, tokens = len(last) + prompt, last + tokens
+        stream.append((tokens, prompt))
     return stream
 
 
@@ -1325,13 +1333,13 @@ def test_native_store_drafts_what_the_python_store_drafts(runner, tmp_path, max_
 
     store = AnswerStore(max_tokens=max_tokens)
     lines, expected = [json.dumps({"max_tokens": max_tokens})], []
-    for tokens in store_stream(0, 300):
+    for tokens, prompt in store_stream(0, 300):
         for end in range(1, len(tokens) + 1):
             k = 1 + end % 6
             lines.append(json.dumps({"draft": tokens[:end], "k": k}))
             expected.append(store.draft(tokens[:end], k))
-        lines.append(json.dumps({"add": tokens}))
-        store.add(tokens)
+        lines.append(json.dumps({"add": tokens, "prompt": prompt}))
+        store.add(tokens, prompt)
     path = tmp_path / "store.jsonl"
     path.write_text("\n".join(lines) + "\n")
     done = subprocess.run(
@@ -1354,6 +1362,7 @@ def test_native_store_drafts_what_the_python_store_drafts(runner, tmp_path, max_
     assert tied  # confident ties were there to break
     if max_tokens == 400:
         assert len(store.sequences) < 300 and store.tokens <= 400
+    assert any(first > 0 for _, first in store.sequences)  # continued conversations were there
 
 
 def test_c_api_store_is_lossless_and_learns(runner, mtp_bundle):
@@ -1414,7 +1423,7 @@ def test_runner_store_drafts_as_python_adapt(
         assert r["spec_token_ids"] == result.token_ids, prompt_id
         assert r["verify_steps"] == result.stats.verify_steps, prompt_id
         assert r["acceptance_rate"] == pytest.approx(result.stats.acceptance_rate, abs=1e-4)
-        adapter.store.add(ids + result.token_ids)
+        adapter.store.add(ids + result.token_ids, len(ids))
     assert not adapter.active  # the head drafted uncorrected, as the native one
     assert report["drafter"] == drafter
     if drafter == "mtp+ngram":
@@ -1472,8 +1481,8 @@ def test_store_seeded_from_a_request_log_as_python(runner, mtp_bundle, tmp_path)
     )
     python._logged_prompt_ids = lambda messages: Model._logged_prompt_ids(python, messages)
     Model._seed_store(python, log)
-    expected = [list(s) for s in store.sequences]
-    assert len(expected) == 15 and len(expected[3]) > 30  # a multi-turn prompt was encoded
+    expected = [[tokens, first] for tokens, first in store.sequences]
+    assert len(expected) == 15 and len(expected[3][0]) > 30  # a multi-turn prompt was encoded
 
     done = subprocess.run(
         [str(native_runner.UNIT_TESTS), "store-log", mtp_bundle, str(tmp_path / "log")],

@@ -27,24 +27,38 @@ AnswerStore::Key AnswerStore::key_of(const int64_t* context, int n) {
   return key;
 }
 
-void AnswerStore::add(const std::vector<int64_t>& tokens) {
-  const size_t keep = std::min<size_t>(tokens.size(), size_t(max_tokens_));
-  std::vector<int64_t> kept(tokens.end() - keep, tokens.end());
+void AnswerStore::add(const std::vector<int64_t>& tokens, int64_t prompt_len) {
+  // A continued conversation: this prompt is the last one and more.
+  const size_t last_prompt = std::min<size_t>(size_t(last_prompt_), last_.size());
+  const bool continued = prompt_len > last_prompt_ && tokens.size() >= last_prompt &&
+                         std::equal(last_.begin(), last_.begin() + last_prompt, tokens.begin());
+  size_t shared = 0;
+  if (continued)
+    while (shared < last_.size() && shared < tokens.size() && last_[shared] == tokens[shared])
+      ++shared;
+  last_ = tokens;
+  last_prompt_ = prompt_len;
+  const size_t cut = tokens.size() - std::min<size_t>(tokens.size(), size_t(max_tokens_));
+  shared = shared > cut ? shared - cut : 0;
+  // Kept from the shared part's last kOrders[0] tokens: the contexts of the new positions.
+  const size_t start = cut + (shared > size_t(kOrders[0]) ? shared - size_t(kOrders[0]) : 0);
+  Sequence kept{{tokens.begin() + start, tokens.end()}, int64_t(cut + shared - start)};
   count(kept, +1);
-  tokens_ += int64_t(kept.size());
+  tokens_ += int64_t(kept.tokens.size());
   sequences_.push_back(std::move(kept));
   while (tokens_ > max_tokens_) {
     count(sequences_.front(), -1);
-    tokens_ -= int64_t(sequences_.front().size());
+    tokens_ -= int64_t(sequences_.front().tokens.size());
     sequences_.pop_front();
   }
 }
 
-void AnswerStore::count(const std::vector<int64_t>& tokens, int64_t sign) {
+void AnswerStore::count(const Sequence& sequence, int64_t sign) {
+  const std::vector<int64_t>& tokens = sequence.tokens;
   for (size_t o = 0; o < tables_.size(); ++o) {
     const int n = kOrders[o];
     Table& table = tables_[o];
-    for (size_t j = n; j < tokens.size(); ++j) {
+    for (size_t j = std::max<size_t>(n, size_t(sequence.first)); j < tokens.size(); ++j) {
       const Key key = key_of(tokens.data() + j - n, n);
       Nexts& nexts = table[key];
       const int64_t token = tokens[j];

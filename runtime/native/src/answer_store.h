@@ -14,7 +14,9 @@
 // first of equal counts in insertion order, and a next token whose count falls to 0 is deleted
 // (re-added later, it goes to the end); here each context keeps its next tokens in a vector in
 // insertion order, appended when new and erased at 0. Bounded: past max_tokens the oldest
-// requests are dropped and their counts taken back, exactly.
+// requests are dropped and their counts taken back, exactly. A chat's next request (its prompt
+// the last request's prompt and more) counts only the positions past what it shares with the
+// last request's tokens: the conversation is counted once, as in Python.
 #pragma once
 
 #include <array>
@@ -40,9 +42,10 @@ class AnswerStore {
   explicit AnswerStore(int64_t max_tokens = kMaxTokens, int64_t min_count = kMinCount,
                        double min_share = kMinShare);
 
-  // One request's tokens (prompt and answer; its last max_tokens at most), then the oldest
-  // requests dropped while the store holds more than max_tokens.
-  void add(const std::vector<int64_t>& tokens);
+  // One request's tokens (its prompt, the first prompt_len, and its answer; its last
+  // max_tokens at most), counted past the last request where it continues that conversation;
+  // then the oldest requests dropped while the store holds more than max_tokens.
+  void add(const std::vector<int64_t>& tokens, int64_t prompt_len);
   // The confident next token after `context`, from its longest context the store knows (a
   // known context that is not confident ends the search: shorter ones are not asked).
   std::optional<int64_t> next(const std::vector<int64_t>& context) const;
@@ -52,7 +55,13 @@ class AnswerStore {
   int64_t tokens() const { return tokens_; }  // in the kept requests
   int64_t requests() const { return int64_t(sequences_.size()); }
   int64_t drafts() const { return drafts_; }  // drafts of at least one token made
-  const std::deque<std::vector<int64_t>>& sequences() const { return sequences_; }  // oldest first
+  // The kept requests, oldest first: tokens, and the index from which their next tokens were
+  // counted (past the part a continued conversation shared with the request before).
+  struct Sequence {
+    std::vector<int64_t> tokens;
+    int64_t first = 0;
+  };
+  const std::deque<Sequence>& sequences() const { return sequences_; }
   // The contexts known, per order (kOrders' order): what eviction must leave as a store
   // rebuilt from the kept requests would have them.
   std::vector<size_t> contexts() const;
@@ -67,15 +76,17 @@ class AnswerStore {
   using Nexts = std::vector<std::pair<int64_t, int64_t>>;  // (token, count), insertion order
   using Table = std::unordered_map<Key, Nexts, KeyHash>;
 
-  void count(const std::vector<int64_t>& tokens, int64_t sign);
+  void count(const Sequence& sequence, int64_t sign);
   static Key key_of(const int64_t* context, int n);
   const Nexts* find(const std::vector<int64_t>& context, size_t order_index) const;
 
   int64_t max_tokens_, min_count_;
   double min_share_;
   std::array<Table, 3> tables_;  // per order of kOrders
-  std::deque<std::vector<int64_t>> sequences_;
+  std::deque<Sequence> sequences_;
   int64_t tokens_ = 0, drafts_ = 0;
+  std::vector<int64_t> last_;  // the last request's tokens, whole
+  int64_t last_prompt_ = 0;    // how many of them were its prompt
 };
 
 // Drafts with `inner`, then where its draft is shorter than k lets the store go on from the

@@ -119,10 +119,10 @@ Settings parse_settings(mtp::Engine& engine, const char* options_json) {
 // it, and the store's numbers into its result: store_extended, the drafts of this generation
 // the store extended (its drafts since `drafts_before`).
 void add_to_store(mtp::Engine& engine, const Settings& settings, int64_t drafts_before,
-                  const std::vector<int64_t>& request, nlohmann::json& out) {
+                  const std::vector<int64_t>& request, int64_t prompt_len, nlohmann::json& out) {
   if (!settings.store) return;
   mtp::AnswerStore& store = engine.store();
-  store.add(request);
+  store.add(request, prompt_len);
   out.update(mtp::store_json(store));
   out["store_extended"] = store.drafts() - drafts_before;
 }
@@ -211,7 +211,7 @@ extern "C" int mtp_generate(mtp_engine* handle, const char* prompt, const char* 
                           {"stats", mtp::stats_json(result.stats)}};
     std::vector<int64_t> request = ids;  // the prompt and its answer, for the store
     request.insert(request.end(), result.token_ids.begin(), result.token_ids.end());
-    add_to_store(engine, settings, drafts_before, request, out);
+    add_to_store(engine, settings, drafts_before, request, int64_t(ids.size()), out);
     write_result(dump(out), stats_json, stats_len);
     return MTP_OK;
   } catch (const std::exception& e) {
@@ -285,7 +285,8 @@ extern "C" int mtp_chat_generate(mtp_chat* chat, const char* options_json, mtp_o
         {"max_seq_len", engine.manifest().max_seq_len},
         {"stats", mtp::stats_json(result.stats)}};
     // The conversation so far (this turn's prompt) and the answer: one request for the store.
-    add_to_store(engine, settings, drafts_before, chat->conversation.tokens(), out);
+    add_to_store(engine, settings, drafts_before, chat->conversation.tokens(),
+                 int64_t(answer.prompt_tokens), out);
     chat->last_result = dump(out);
     write_result(chat->last_result, result_json, result_len);
     return MTP_OK;

@@ -304,8 +304,9 @@ int64_t Engine::seed_store(const std::string& log) {
       check_logged_messages(messages, where);
       if (answer.empty() || outside) continue;  // nothing answered, or another model's tokens
       std::vector<int64_t> request = logged_prompt_ids(messages);
+      const int64_t prompt_len = int64_t(request.size());
       for (const auto& id : answer) request.push_back(id.get<int64_t>());
-      store().add(request);
+      store().add(request, prompt_len);
       ++added;
     }
   }

@@ -136,7 +136,7 @@ nlohmann::json run_suite(Engine& engine, const std::vector<Prompt>& prompts,
     if (options.store != nullptr) {
       std::vector<int64_t> request = ids;
       request.insert(request.end(), spec.token_ids.begin(), spec.token_ids.end());
-      options.store->add(request);
+      options.store->add(request, int64_t(ids.size()));
     }
     const GenerationStats& s = spec.stats;
     steps += s.verify_steps;

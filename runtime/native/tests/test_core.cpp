@@ -569,10 +569,10 @@ using Nexts = std::vector<std::pair<int64_t, int64_t>>;
 // the longest known context deciding, ties by insertion order, and eviction.
 void test_answer_store_rules() {
   mtp::AnswerStore store;
-  store.add({1, 2, 3, 4, 5});
+  store.add({1, 2, 3, 4, 5}, 1);
   CHECK((store.nexts({1, 2, 3, 4}) == Nexts{{5, 1}}) && (store.nexts({4, 5}) == Nexts{}));
   CHECK(!store.next({1, 2, 3, 4}));  // seen once: below min_count 2
-  store.add({1, 2, 3, 4, 5});
+  store.add({1, 2, 3, 4, 5}, 1);
   CHECK(store.next({1, 2, 3, 4}) == 5 && store.next({9, 3, 4}) == 5);
   CHECK(store.next({4}) == std::nullopt);
   CHECK((store.draft({0, 1, 2}, 4) == std::vector<int64_t>{3, 4, 5}) && store.drafts() == 1);
@@ -580,26 +580,26 @@ void test_answer_store_rules() {
   CHECK(store.tokens() == 10 && store.requests() == 2);
   // (7, 8) followed by 9 twice and 10 twice: a tie at share 0.5, confident, the first seen.
   mtp::AnswerStore ties;
-  for (int64_t next : {9, 10, 10, 9}) ties.add({7, 8, next});
+  for (int64_t next : {9, 10, 10, 9}) ties.add({7, 8, next}, 1);
   CHECK((ties.nexts({7, 8}) == Nexts{{9, 2}, {10, 2}}) && ties.next({7, 8}) == 9);
-  ties.add({7, 8, 10});  // 3 of 5
+  ties.add({7, 8, 10}, 1);  // 3 of 5
   CHECK(ties.next({7, 8}) == 10);
-  for (int i = 0; i < 3; ++i) ties.add({7, 8, 11});  // 2, 3, 3 of 8: the best below half
+  for (int i = 0; i < 3; ++i) ties.add({7, 8, 11}, 1);  // 2, 3, 3 of 8: the best below half
   CHECK(!ties.next({7, 8}));
   // The longest known context decides even when it is not confident: (1, 7, 8) is known (once
   // followed by 12), so the confident (7, 8) -> ... is not asked.
-  ties.add({1, 7, 8, 12});
-  for (int i = 0; i < 6; ++i) ties.add({7, 8, 10});
+  ties.add({1, 7, 8, 12}, 1);
+  for (int i = 0; i < 6; ++i) ties.add({7, 8, 10}, 1);
   CHECK(ties.next({5, 7, 8}) == 10 && !ties.next({1, 7, 8}));
 
   // A next token whose count falls to 0 is deleted; re-added, it goes last (Python dict order).
   mtp::AnswerStore small(6);
-  small.add({5, 6, 1});
-  small.add({5, 6, 2});
+  small.add({5, 6, 1}, 1);
+  small.add({5, 6, 2}, 1);
   CHECK((small.nexts({5, 6}) == Nexts{{1, 1}, {2, 1}}));
-  small.add({5, 6, 2});  // 9 tokens: the first request goes, and 1 with it
+  small.add({5, 6, 2}, 1);  // 9 tokens: the first request goes, and 1 with it
   CHECK((small.nexts({5, 6}) == Nexts{{2, 2}}) && small.requests() == 2 && small.tokens() == 6);
-  small.add({5, 6, 1});
+  small.add({5, 6, 1}, 1);
   CHECK((small.nexts({5, 6}) == Nexts{{2, 1}, {1, 1}}));
   // So eviction keeps the order of a token's first arrival among what is kept: 1 came first
   // (in a request since evicted) and stays ahead of 2 in a tie, where a store rebuilt from the
@@ -607,15 +607,15 @@ void test_answer_store_rules() {
   mtp::AnswerStore evicted(15), rebuilt(15);
   const std::vector<std::vector<int64_t>> requests = {
       {5, 6, 1}, {5, 6, 2}, {5, 6, 2}, {5, 6, 1}, {5, 6, 1}, {7, 7, 7}};
-  for (const auto& r : requests) evicted.add(r);
-  for (size_t i = 1; i < requests.size(); ++i) rebuilt.add(requests[i]);
+  for (const auto& r : requests) evicted.add(r, 1);
+  for (size_t i = 1; i < requests.size(); ++i) rebuilt.add(requests[i], 1);
   CHECK(evicted.requests() == 5 && evicted.tokens() == 15);
   CHECK((evicted.nexts({5, 6}) == Nexts{{1, 2}, {2, 2}}) && evicted.next({5, 6}) == 1);
   CHECK((rebuilt.nexts({5, 6}) == Nexts{{2, 2}, {1, 2}}) && rebuilt.next({5, 6}) == 2);
   // A request longer than the bound keeps its last max_tokens tokens, alone.
   mtp::AnswerStore bounded(4);
-  bounded.add({1, 2});
-  bounded.add({9, 8, 7, 6, 5, 4});
+  bounded.add({1, 2}, 1);
+  bounded.add({9, 8, 7, 6, 5, 4}, 1);
   CHECK(bounded.requests() == 1 && bounded.tokens() == 4);
   CHECK((bounded.nexts({7, 6}) == Nexts{{5, 1}}));
   bool refused = false;
@@ -636,11 +636,11 @@ void test_answer_store_eviction_is_exact() {
   for (int r = 0; r < 200; ++r) {
     std::vector<int64_t> tokens(5 + rng() % 40);
     for (auto& t : tokens) t = int64_t(rng() % 6);
-    store.add(tokens);
+    store.add(tokens, 1);
     all.push_back(tokens);
   }
   mtp::AnswerStore kept(300);
-  for (size_t i = all.size() - size_t(store.requests()); i < all.size(); ++i) kept.add(all[i]);
+  for (size_t i = all.size() - size_t(store.requests()); i < all.size(); ++i) kept.add(all[i], 1);
   CHECK(store.tokens() == kept.tokens() && store.tokens() <= 300 && store.requests() < 200);
   CHECK(store.contexts() == kept.contexts());
   auto sorted = [](Nexts n) {
@@ -678,12 +678,34 @@ class FixedDrafter : public mtp::Drafter {
   size_t vocab_;
 };
 
+// A chat's next request (a prompt that is the last prompt and more) counts only the positions
+// past what it shares with the last request; separate requests, alike or not, count whole.
+void test_answer_store_counts_a_conversation_once() {
+  const std::vector<int64_t> turn = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10};  // 6 prompt tokens
+  const std::vector<int64_t> next = {1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 14, 15};
+  mtp::AnswerStore chat;
+  chat.add(turn, 6);
+  chat.add(next, 12);  // shares 9 tokens: kept from 5 (4 tokens of context), counted from 9
+  CHECK(chat.tokens() == 10 + 14 - 5 && chat.requests() == 2);
+  CHECK(chat.sequences().back().first == 4);
+  CHECK((chat.nexts({1, 2, 3, 4}) == Nexts{{5, 1}}));   // the first turn's, counted once
+  CHECK((chat.nexts({6, 7, 8, 9}) == Nexts{{10, 1}, {11, 1}}));  // the new position
+  mtp::AnswerStore twice;
+  twice.add(turn, 6);
+  twice.add(turn, 6);  // the same request again is another request
+  CHECK((twice.nexts({1, 2, 3, 4}) == Nexts{{5, 2}}));
+  mtp::AnswerStore other;
+  other.add(turn, 6);
+  other.add({1, 2, 3, 4, 5, 99, 7, 8, 9, 10, 11}, 7);  // another prompt: counted whole
+  CHECK((other.nexts({1, 2, 3, 4}) == Nexts{{5, 2}}));
+}
+
 // The store extends a draft only where the inner drafter stopped short of k, from the context
 // and the inner draft; under sampling its tokens get one-hot rows beside the inner rows.
 void test_store_drafter() {
   mtp::Sampler s({});
   mtp::AnswerStore store;
-  for (int i = 0; i < 2; ++i) store.add({1, 2, 3, 4, 5, 6, 7});
+  for (int i = 0; i < 2; ++i) store.add({1, 2, 3, 4, 5, 6, 7}, 1);
   FixedDrafter head({3, 9}, false);
   mtp::StoreDrafter drafter(&head, &store);
   CHECK(drafter.name() == "fixed");
@@ -721,7 +743,7 @@ void test_store_drafter() {
     if (turn == 2) accepted = spec.stats.accepted_tokens;
     std::vector<int64_t> request = prompt;
     request.insert(request.end(), spec.token_ids.begin(), spec.token_ids.end());
-    learnt.add(request);
+    learnt.add(request, int64_t(prompt.size()));
   }
   CHECK(accepted > 0);  // the third run drafted the answer the first two gave
   // Sampling: a head drafting one token with its distribution, the store going on with one-hot
@@ -738,8 +760,8 @@ void test_store_drafter() {
 }
 
 // `store FILE`: an AnswerStore driven by FILE's JSON lines, for tests/test_native.py to compare
-// with runtime/answer_store.py: {"max_tokens": N} first, then {"add": [ids]} (a request's
-// tokens) or {"draft": [context ids], "k": K}, which prints the drafted ids as a JSON list; at
+// with runtime/answer_store.py: {"max_tokens": N} first, then {"add": [ids], "prompt": n} (a
+// request's tokens, the first n its prompt) or {"draft": [context ids], "k": K}, which prints the drafted ids as a JSON list; at
 // the end one line with the store's report.
 int run_store(const char* path) {
   std::ifstream in(path);
@@ -749,7 +771,7 @@ int run_store(const char* path) {
   while (std::getline(in, line)) {
     const nlohmann::json row = nlohmann::json::parse(line);
     if (row.contains("add"))
-      store.add(row["add"].get<std::vector<int64_t>>());
+      store.add(row["add"].get<std::vector<int64_t>>(), row.at("prompt").get<int64_t>());
     else
       std::printf("%s\n", nlohmann::json(store.draft(row.at("draft").get<std::vector<int64_t>>(),
                                                      row.at("k").get<int64_t>()))
@@ -982,14 +1004,14 @@ int run_store_api(const char* bundle, const char* prompt) {
 }
 
 // `store-log BUNDLE LOG`: the requests Engine::seed_store takes from a request log, as JSON: the
-// records added and each kept request's ids, oldest first (tests/test_native.py compares them
+// records added and each kept request's [ids, first counted index], oldest first (tests/test_native.py compares them
 // with what mtp_edge/api.py _seed_store gives the Python store).
 int run_store_log(const char* bundle, const char* log) {
   try {
     mtp::Engine engine(bundle, mtp::EngineOptions{});
     const int64_t added = engine.seed_store(log);
     nlohmann::json sequences = nlohmann::json::array();
-    for (const auto& s : engine.store().sequences()) sequences.push_back(s);
+    for (const auto& s : engine.store().sequences()) sequences.push_back({s.tokens, s.first});
     std::printf("%s\n", nlohmann::json{{"added", added}, {"sequences", sequences}}.dump().c_str());
     return 0;
   } catch (const mtp::UserError& e) {
@@ -1025,6 +1047,7 @@ int main(int argc, char** argv) {
   test_token_id_check();
   test_answer_store_rules();
   test_answer_store_eviction_is_exact();
+  test_answer_store_counts_a_conversation_once();
   test_store_drafter();
   if (failures) {
     std::fprintf(stderr, "%d check(s) failed\n", failures);
