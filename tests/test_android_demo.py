@@ -403,6 +403,9 @@ def test_jni_chat(jni_build, jdk, bundle):
         assert second["prefilled_tokens"] < second["prompt_tokens"] - first["prompt_tokens"]
     assert lines[1]["result"]["drafter"] == "none"
     assert lines[7]["result"]["drafter"] == own_drafter(bundle)
+    # The app's Settings draft also from the earlier requests (the core's store), which takes in
+    # each answered turn: greedy answers stay those of a prefill of the whole conversation.
+    assert 0 < lines[7]["result"]["store_requests"] < lines[13]["result"]["store_requests"]
 
     # The stop button: the listener returned false after three pieces.
     stopped, after = lines[12], lines[13]

@@ -31,17 +31,23 @@ class Engine private constructor(internal var handle: Long) : AutoCloseable {
     }
 }
 
-/** What the settings sheet sets for each answer; k null: the bundle's own. */
+/**
+ * What the settings sheet sets for each answer; k null: the bundle's own. [store]: the drafter
+ * goes on from the app's earlier requests where it stops short (the core's store of past
+ * requests: in memory only, bounded, output unchanged).
+ */
 data class Settings(
     val speculative: Boolean = true,
     val k: Int? = null,
     val temperature: Double = 0.0,
     val maxNewTokens: Int = 256,
+    val store: Boolean = true,
 ) {
     fun toJson(): JSONObject = JSONObject()
         .put("speculative", speculative)
         .put("temperature", temperature)
         .put("max_new_tokens", maxNewTokens)
+        .put("store", store)
         .apply { k?.let { put("k", it) } }
 }
 

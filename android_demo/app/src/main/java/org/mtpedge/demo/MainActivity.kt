@@ -181,10 +181,12 @@ class MainActivity : Activity() {
     private fun showSettings() {
         val view = layoutInflater.inflate(R.layout.settings, null)
         val speculative = view.find<Switch>(R.id.setting_speculative)
+        val store = view.find<Switch>(R.id.setting_store)
         val k = view.find<EditText>(R.id.setting_k)
         val temperature = view.find<EditText>(R.id.setting_temperature)
         val maxNewTokens = view.find<EditText>(R.id.setting_max_new_tokens)
         speculative.isChecked = settings.speculative
+        store.isChecked = settings.store
         k.setText(settings.k?.toString().orEmpty())
         temperature.setText(settings.temperature.toString())
         maxNewTokens.setText(settings.maxNewTokens.toString())
@@ -197,6 +199,7 @@ class MainActivity : Activity() {
                     k = k.text.toString().toIntOrNull(),
                     temperature = temperature.text.toString().toDoubleOrNull() ?: 0.0,
                     maxNewTokens = maxNewTokens.text.toString().toIntOrNull() ?: 256,
+                    store = store.isChecked,
                 )
             }
             .setNegativeButton(android.R.string.cancel, null)
