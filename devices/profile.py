@@ -12,7 +12,7 @@ import json
 import statistics
 import tempfile
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import mtp_edge.runtime as runtime_package
@@ -64,13 +64,17 @@ def profile_device(
     host_device()  # measure the host before ExecuTorch takes its cores
     cost = bundle_cost(bundle)
     if device == "host":
-        report, calibrations = measure_host(bundle, prompts, max_new_tokens, repeat, progress, cost)
+        report, calibrations, cost = measure_host(
+            bundle, prompts, max_new_tokens, repeat, progress, cost
+        )
         calibration = average(calibrations)
         target = find_device(catalog_name or "host")
     else:
         report = measure_adb(
             device, bundle, prompts, max_new_tokens, repeat, runner, json_out, progress
         )
+        if isinstance(report.get("k"), int):  # the k the device's runtime drafted
+            cost = replace(cost, k=report["k"])
         target = catalog_match(report["device_info"]["soc"], catalog_name)
         progress("[calibrate] timing the bundle's programs on the host for the roofline")
         calibration = calibrate(bundle, cost)
@@ -84,10 +88,12 @@ def profile_device(
     return report
 
 
-def measure_host(bundle, prompts, max_new_tokens, repeat, progress, cost) -> tuple[dict, list]:
+def measure_host(bundle, prompts, max_new_tokens, repeat, progress, cost) -> tuple:
     """The mtp-bench measurement on this machine, through the bundle's own session; the
     roofline's calibration is taken before every prompt and after the last, so that both follow
-    the same changes in machine load."""
+    the same changes in machine load. Returns the report, the calibrations and the cost at the
+    k the runtime drafts here (fewer than the bundle's on a CPU without an int8 dot product),
+    at which the calibration timed its verifications."""
     from mtp_edge.devices.harness import Suite, progress_line
     from mtp_edge.devices.predict import calibrate_session
     from mtp_edge.runtime.assemble import LoadOptions, assemble
@@ -95,13 +101,20 @@ def measure_host(bundle, prompts, max_new_tokens, repeat, progress, cost) -> tup
     # The bundle's drafter with its drafting policy, as mtp-bench and the native runner run it.
     gen = assemble(LoadOptions(bundle=str(bundle)))
     session, drafter, config = gen.session, gen.drafter, gen.config
+    cost = replace(cost, k=config.k)
     suite = Suite(config.k, repeat)
     calibrations = []
+    # Each calibration at the middle of the next prompt's generation (its prompt and half its
+    # answer): a call's attention grows with the context, so timings at a fixed context
+    # predicted verifications of other lengths (at 256 against 118 measured, verify/decode 2.3
+    # predicted for 1.4 on an AVX2 host).
+    context = 256
     for i, p in enumerate(prompts):
-        calibrations.append(calibrate_session(session, drafter, cost))
+        context = len(gen.encode(p.request)) + (max_new_tokens or p.max_new_tokens) // 2
+        calibrations.append(calibrate_session(session, drafter, cost, context=context))
         row = suite.run_prompt(session, gen.encode, drafter, p, config, max_new_tokens)
         progress(f"[{i + 1}/{len(prompts)}] {progress_line(row)}")
-    calibrations.append(calibrate_session(session, drafter, cost))
+    calibrations.append(calibrate_session(session, drafter, cost, context=context))
     report = {
         "bundle": bundle,
         "model": gen.name,
@@ -111,7 +124,7 @@ def measure_host(bundle, prompts, max_new_tokens, repeat, progress, cost) -> tup
         "device_info": {"serial": "host", "description": host_device().cpu},
         **suite.body(),
     }
-    return report, calibrations
+    return report, calibrations, cost
 
 
 def measure_adb(device, bundle, prompts, max_new_tokens, repeat, runner, json_out, progress):
