@@ -95,16 +95,15 @@ def bench(
         except (KeyboardInterrupt, Terminated) as cause:
             if len(runs) < len(setups):
                 raise
-            for run in runs:
-                run.finish_pending()  # a prompt it was measuring when the interrupt came
-            if any(run.done == 0 for run in runs):
+            # Each worker reports over the prompts it measured (one may still be measuring the
+            # prompt it was sent when the stop came: it finishes it first).
+            reports = [run.report(command, peer=False) for run in runs]
+            if any(report is None for report in reports):
                 raise
-            reports = []
-            for run in runs:
-                report = run.report(command, prompts[: run.done], peer=False)
-                reports.append(mark_partial(report, run.done, len(prompts), cause))
+            for run, report in zip(runs, reports, strict=True):
+                mark_partial(report, run.done, len(prompts), cause)
             raise Stopped(reports, cause) from None
-        return [run.report(command, prompts, peer) for run in runs]
+        return [run.report(command, peer) for run in runs]
     finally:
         for run in runs:
             run.close()

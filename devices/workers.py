@@ -12,7 +12,6 @@ Parent and workers talk JSON over a pipe: prompts out, result rows and the final
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import multiprocessing
@@ -67,43 +66,28 @@ class IsolatedSetup:
         )
         self.process.start()
         child.close()
-        self.done = 0  # prompts measured
-        self.pending = False  # a prompt sent whose row has not been received
+        self.done = 0  # rows received
         self.label = self._receive()["label"]
 
     def run_prompt(self, prompt: Prompt) -> dict:
-        # A stop (Ctrl-C, SIGTERM) comes between two steps, never inside one: `pending` and
-        # `done` always say what the worker was sent and what came back, so that after a stop
-        # the next message read is the report's (a stop between the send and `pending` read the
-        # row of the last prompt as the report).
-        with _stops_held():
-            self.conn.send_bytes(json.dumps({"prompt": dataclasses.asdict(prompt)}).encode())
-            self.pending = True
-        return self._receive_row()
-
-    def finish_pending(self) -> None:
-        """Wait for the row of a prompt sent before an interrupt (the worker ignores Ctrl-C and
-        finishes it), so that the next message read is the report's."""
-        if self.pending:
-            self._receive_row()
-
-    def _receive_row(self) -> dict:
-        self.conn.poll(None)  # the wait a stop may interrupt; then the row is read whole
-        with _stops_held():
-            row = self._receive()
-            self.pending, self.done = False, self.done + 1
+        self.conn.send_bytes(json.dumps({"prompt": dataclasses.asdict(prompt)}).encode())
+        row = self._receive()
+        self.done += 1
         return row
 
-    def report(self, command: str, prompts: list[Prompt], peer: bool = True) -> dict:
-        message = {
-            "report": command,
-            "prompts": [dataclasses.asdict(p) for p in prompts],
-            "peer": peer,
-        }
-        self.conn.send_bytes(json.dumps(message).encode())
-        report = self._receive()
+    def report(self, command: str, peer: bool = True) -> dict | None:
+        """The report over the prompts the worker measured (None if none). After a stop the
+        worker may still be measuring a prompt whose row was never read (the stop came between
+        sending it and reading its row, or the worker finishes it: it ignores Ctrl-C): that row
+        comes first and is counted; the report is the message tagged as one."""
+        self.conn.send_bytes(json.dumps({"report": command, "peer": peer}).encode())
+        while True:
+            message = self._receive()
+            if set(message) == {"report"}:
+                break
+            self.done += 1  # the row of a prompt sent before the stop
         self.close()
-        return report
+        return message["report"]
 
     def close(self) -> None:
         if self.process.is_alive():
@@ -128,17 +112,6 @@ class IsolatedSetup:
         return message
 
 
-@contextlib.contextmanager
-def _stops_held():
-    """SIGINT and SIGTERM held back (delivered at the end of the block)."""
-    held = {signal.SIGINT, signal.SIGTERM}
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-
 def _serve(conn, opts_json: str, repeat: int, max_new_tokens: int | None) -> None:
     """The worker: load the setup, then answer prompt and report requests until told to stop."""
     from mtp_edge.devices.harness import Suite, bench_report
@@ -157,27 +130,29 @@ def _serve(conn, opts_json: str, repeat: int, max_new_tokens: int | None) -> Non
         gen = assemble(LoadOptions(**json.loads(opts_json)))
         suite = Suite(gen.config.k, repeat)
         send({"label": gen.label})
+        ran: list[Prompt] = []  # the prompts measured, in order: what a report covers
         while True:
             message = json.loads(conn.recv_bytes())
             if "prompt" in message:
                 p = Prompt(**message["prompt"])
-                send(
-                    suite.run_prompt(
-                        gen.session, gen.encode, gen.drafter, p, gen.config, max_new_tokens
-                    )
+                row = suite.run_prompt(
+                    gen.session, gen.encode, gen.drafter, p, gen.config, max_new_tokens
                 )
+                ran.append(p)
+                send(row)
             else:
-                prompts = [Prompt(**p) for p in message["prompts"]]
-                report = bench_report(
-                    gen,
-                    suite,
-                    message["report"],
-                    prompts,
-                    max_new_tokens,
-                    _to_stderr,
-                    peer=message.get("peer", True),
-                )
-                send(report)
+                report = None
+                if ran:
+                    report = bench_report(
+                        gen,
+                        suite,
+                        message["report"],
+                        ran,
+                        max_new_tokens,
+                        _to_stderr,
+                        peer=message.get("peer", True),
+                    )
+                send({"report": report})
                 return
     except KeyboardInterrupt:  # only if raised before SIGINT was ignored
         return
