@@ -14,10 +14,10 @@ import hashlib
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
+from mtp_edge import logs
 from mtp_edge.errors import UserError
 
 _SRC = Path(__file__).parent / "native" / "src"
@@ -56,8 +56,8 @@ def library_path(flags: list[str] | tuple[str, ...] = ()) -> Path:
 
 
 def build(target: Path, flags: list[str] | tuple[str, ...] = ()) -> Path:
-    """Compile the kernel library to `target`; `flags` are extra compiler flags (the tests build
-    the baseline-ISA variant with -DMTP_EDGE_BASELINE)."""
+    """Compile the kernel library to `target`; `flags` are extra compiler flags (e.g.
+    -DMTP_EDGE_BASELINE: the baseline version alone, as other architectures build it)."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise UserError(
@@ -95,6 +95,6 @@ def load_kernels() -> None:
 
     path = library_path()
     if not path.is_file():
-        print("[mtp-edge] building the attention kernel (once)", file=sys.stderr)
+        logs.say("[mtp-edge] building the attention kernel (once)")  # progress: not with -q
         build(path)
     _loaded = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
