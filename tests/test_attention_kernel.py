@@ -2,8 +2,10 @@
 eager reference for 1 to 16 query rows, each row of a wide call bitwise equal to a one-row call
 at its position (the property verification rests on), over the kernel's paths (grouped query
 heads, one head at a time, head sizes with and without a compiled-in specialization or not a
-multiple of the vector width), with calls whose rows cross the key blocks the kernel works in,
-and a build for the baseline instruction set (no AVX) that must keep both properties."""
+multiple of the vector width), with calls whose rows cross the key blocks the kernel works in;
+and every version of the kernel this CPU runs (AVX-512, AVX2+FMA, the SSE baseline: 16, 8 and 4
+floats per register), each keeping both properties, the versions that fuse multiply-adds giving
+the same bits (as aarch64's NEON version does: tokens on a phone are the laptop's)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 from mtp_edge import ops
@@ -53,7 +54,8 @@ def attention_program(heads: int, kv_heads: int, dim: int):
     return program, program.load_method("forward")  # the method needs its program alive
 
 
-def check_layout(method, heads: int, kv_heads: int, dim: int) -> None:
+def check_layout(method, heads: int, kv_heads: int, dim: int, outputs: dict | None = None) -> None:
+    """Both properties on one layout; `outputs` (if given) keeps each start's 16-row result."""
     generator = torch.Generator().manual_seed(heads * 1000 + dim)
     k = torch.randn(1, SLOTS, kv_heads, dim, generator=generator)
     v = torch.randn(1, SLOTS, kv_heads, dim, generator=generator)
@@ -69,37 +71,59 @@ def check_layout(method, heads: int, kv_heads: int, dim: int) -> None:
             torch.testing.assert_close(got, want, atol=3e-6, rtol=1e-5)
             for i in range(t):
                 assert torch.equal(got[:, i : i + 1], ones[i]), (heads, dim, start, t, i)
+        if outputs is not None:
+            outputs[f"{heads}-{kv_heads}-{dim}-{start}"] = got.clone()
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim", LAYOUTS)
-def test_rows_match_eager_and_equal_one_row_calls(heads, kv_heads, dim):
-    _program, method = attention_program(heads, kv_heads, dim)
-    check_layout(method, heads, kv_heads, dim)
+def cpu_runs(version: str) -> bool:
+    """Whether this CPU runs the kernel's `version` (the flags the kernel's dispatch reads)."""
+    if version == "baseline":
+        return True
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return False
+    return {"avx512": {"avx512f"}, "avx2": {"avx2", "fma"}}[version] <= flags
 
 
-def test_baseline_instruction_set_build_keeps_both_properties():
-    """The kernel built without its AVX-512/AVX2 versions (what a CPU without them runs, and the
-    shape of the code on other architectures), loaded into a fresh process."""
-    flags = ["-DMTP_EDGE_BASELINE"]
-    # Cached by content beside the default build, as load_kernels caches that one.
-    library = executorch_ops.library_path(flags)
-    if not library.is_file():
-        executorch_ops.build(library, flags)
+def test_every_version_keeps_both_properties_and_fused_ones_agree(tmp_path):
+    """Each version this CPU runs, named by MTP_EDGE_ATTENTION_ISA in a fresh process (the
+    choice is made once per process): both properties on every layout, and the versions that
+    fuse multiply-adds (AVX-512, AVX2+FMA) bitwise equal to each other. The baseline (SSE, no
+    fused multiply-add) rounds differently: its own properties only. The CPU's best version is
+    reached through a name that is none: one line says so, and the CPU's own version runs."""
+    from safetensors.torch import load_file
+
+    versions = [v for v in ("avx512", "avx2", "baseline") if cpu_runs(v)]
     script = f"""
-import ctypes, sys
+import sys
 sys.path.insert(0, {str(Path(__file__).parent)!r})
-from executorch.extension.pybindings import portable_lib  # noqa: F401
-ctypes.CDLL({str(library)!r}, mode=ctypes.RTLD_GLOBAL)
-from mtp_edge.runtime import executorch_ops
-executorch_ops._loaded = True  # the baseline build is the one registered
+from safetensors.torch import save_file
 import test_attention_kernel as t
+outputs = {{}}
 for layout in t.LAYOUTS:
     _program, method = t.attention_program(*layout)
-    t.check_layout(method, *layout)
+    t.check_layout(method, *layout, outputs=outputs)
+save_file(outputs, sys.argv[1])
 print("ok")
 """
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )  # fmt: skip
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    results = {}
+    for version in versions:
+        path = tmp_path / f"{version}.safetensors"
+        name = "avx9" if version == versions[0] else version
+        done = subprocess.run(
+            [sys.executable, "-c", script, str(path)], capture_output=True, text=True,
+            timeout=600, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path),
+                              "MTP_EDGE_ATTENTION_ISA": name},
+        )  # fmt: skip
+        assert done.returncode == 0 and done.stdout.strip() == "ok", (version, done.stderr[-3000:])
+        said = [line for line in done.stderr.splitlines() if "MTP_EDGE_ATTENTION_ISA" in line]
+        if name == version:
+            assert said == [], done.stderr  # the version named ran
+        else:
+            assert len(said) == 1 and "avx9" in said[0] and f"using {version}" in said[0], said
+        results[version] = load_file(path)
+    fused = [v for v in ("avx512", "avx2") if v in results]
+    for other in fused[1:]:
+        for key, value in results[fused[0]].items():
+            assert torch.equal(value, results[other][key]), (fused[0], other, key)

@@ -15,6 +15,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -47,21 +48,25 @@ bool check(KernelRuntimeContext& ctx, bool ok, const char* what) {
   return ok;
 }
 
-// On x86-64 the attention is compiled for AVX-512, AVX2+FMA and the baseline, picked at load
-// time (the baseline has only 4-wide SSE); aarch64's baseline already has NEON.
-// MTP_EDGE_BASELINE builds the baseline alone (the tests check that version too).
+// The attention is written over vectors of 16 floats: that fixes every lane's sequence of
+// operations, whatever the machine. A vector is held as P native registers of W floats
+// (W x P = 16): one AVX-512 register, two AVX2 ones, four SSE or NEON ones. (A 16-float vector
+// type, which a CPU without AVX-512 has no register for, GCC keeps in memory, and it spells its
+// shuffles one float at a time: so compiled, the AVX2 version ran 6-10x slower than the AVX-512
+// one, and the aarch64 build spilled alike; an array of native registers stays in registers.)
+// Where the CPU fuses multiply-adds (AVX-512, AVX2 with FMA, every aarch64) every version
+// computes the same bits, so a row is the same on a phone and on a laptop.
+// On x86-64 three versions are compiled, for AVX-512 (W = 16), AVX2+FMA (8) and the baseline
+// (4, SSE, no fused multiply-add), and the CPU's best one is taken at the first call; other
+// architectures build W = 4 (NEON on aarch64). MTP_EDGE_BASELINE builds the baseline alone (the
+// tests check that version too); MTP_EDGE_ATTENTION_ISA=avx512|avx2|baseline names the version
+// instead of the CPU (to measure one against another, and for the tests).
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(MTP_EDGE_BASELINE)
-#define MTP_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2,fma", "default")))
-#else
-#define MTP_VECTOR_CLONES
+#define MTP_X86_VERSIONS 1
 #endif
 
-// The attention is written with GCC/Clang vector extensions: 16 floats per vector, which the
-// compiler maps to one AVX-512 register, two AVX2 ones, four SSE or NEON ones. Plain C++ loops
-// did not vectorize (the compiler may not reorder float reductions), and every per-key
-// reduction and exp ran one float at a time.
 // (GCC notes that passing such vectors between functions compiled for different ISAs changes
-// the ABI: these helpers are inlined into each clone, so no such call exists.) They are inlined
+// the ABI: the helpers are inlined into each version, so no such call exists.) They are inlined
 // always: a helper left out of line would be compiled for the baseline, with other arithmetic
 // (no fused multiply-add), into some kernels and not others, and a row computed by two kernels
 // (alone, or with another row of its call) would no longer be bitwise the same.
@@ -70,58 +75,140 @@ bool check(KernelRuntimeContext& ctx, bool ok, const char* what) {
 typedef float F16 __attribute__((vector_size(64)));
 typedef int32_t I16 __attribute__((vector_size(64)));
 typedef float F8 __attribute__((vector_size(32)));
+typedef int32_t I8 __attribute__((vector_size(32)));
 typedef float F4 __attribute__((vector_size(16)));
+typedef int32_t I4 __attribute__((vector_size(16)));
 constexpr int64_t kLanes = 16;
 
-MTP_INLINE F16 load16(const float* p) {
-  F16 v;
-  std::memcpy(&v, p, sizeof v);
+template <class V>
+struct IntOf;
+template <>
+struct IntOf<F16> {
+  using type = I16;
+};
+template <>
+struct IntOf<F8> {
+  using type = I8;
+};
+template <>
+struct IntOf<F4> {
+  using type = I4;
+};
+
+// A 16-float vector as P registers of W = 16 / P floats: lanes 0..W-1 in p[0], and so on.
+template <class V, int P>
+struct Vec {
+  static constexpr int W = int(sizeof(V) / sizeof(float));
+  using Reg = V;
+  static constexpr int kParts = P;
+  static_assert(W * P == kLanes, "16 lanes");
+  V p[P];
+};
+
+template <class V, int P>
+MTP_INLINE Vec<V, P> operator+(Vec<V, P> a, const Vec<V, P>& b) {
+  for (int i = 0; i < P; ++i) a.p[i] += b.p[i];
+  return a;
+}
+template <class V, int P>
+MTP_INLINE Vec<V, P> operator*(Vec<V, P> a, const Vec<V, P>& b) {
+  for (int i = 0; i < P; ++i) a.p[i] *= b.p[i];
+  return a;
+}
+template <class V, int P>
+MTP_INLINE Vec<V, P> operator-(Vec<V, P> a, float b) {
+  for (int i = 0; i < P; ++i) a.p[i] -= b;
+  return a;
+}
+template <class V, int P>
+MTP_INLINE Vec<V, P>& operator+=(Vec<V, P>& a, const Vec<V, P>& b) {
+  for (int i = 0; i < P; ++i) a.p[i] += b.p[i];
+  return a;
+}
+
+// Loads and stores a register at a time: one copy of the whole vector became narrower moves
+// through the stack and a wide reload that waited for them.
+template <class T>
+MTP_INLINE T load16(const float* p) {
+  T v;
+  for (int i = 0; i < T::kParts; ++i) std::memcpy(&v.p[i], p + i * T::W, sizeof v.p[i]);
   return v;
 }
 
-MTP_INLINE void store16(float* p, F16 v) { std::memcpy(p, &v, sizeof v); }
+template <class T>
+MTP_INLINE void store16(float* p, const T& v) {
+  for (int i = 0; i < T::kParts; ++i) std::memcpy(p + i * T::W, &v.p[i], sizeof v.p[i]);
+}
 
-MTP_INLINE F16 splat(float x) { return F16{} + x; }
+template <class T>
+MTP_INLINE T splat(float x) {
+  T v;
+  for (auto& part : v.p) part = typename T::Reg{} + x;
+  return v;
+}
+
+template <class T>
+MTP_INLINE float lane(const T& v, int l) {
+  return v.p[l / T::W][l % T::W];
+}
+
+template <class T>
+MTP_INLINE void set_lane(T& v, int l, float x) {
+  v.p[l / T::W][l % T::W] = x;
+}
+
+// Lane-wise the larger of a and b (b where a is not larger), as `a > b ? a : b`.
+template <class T>
+MTP_INLINE T larger(T a, const T& b) {
+  for (int i = 0; i < T::kParts; ++i)
+    a.p[i] = a.p[i] > b.p[i] ? a.p[i] : b.p[i];
+  return a;
+}
 
 // Sum of the 16 lanes, halving: lanes l + 8, then + 4, + 2, + 1.
-MTP_INLINE float sum16(F16 v) {
-  F8 lo, hi;
-  std::memcpy(&lo, &v, sizeof lo);
-  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
-  const F8 h8 = lo + hi;
-  F4 a, b;
-  std::memcpy(&a, &h8, sizeof a);
-  std::memcpy(&b, reinterpret_cast<const char*>(&h8) + sizeof a, sizeof b);
-  const F4 h4 = a + b;
+template <class T>
+MTP_INLINE float sum16(const T& v) {
+  F4 q[4];
+  std::memcpy(q, v.p, sizeof q);
+  const F4 h4 = (q[0] + q[2]) + (q[1] + q[3]);
   return (h4[0] + h4[2]) + (h4[1] + h4[3]);
 }
 
 // Lane-wise max of a vector, then across lanes (max is exact in any order).
-MTP_INLINE float max16(F16 v) {
-  float m = v[0];
-  for (int l = 1; l < kLanes; ++l) m = std::max(m, v[l]);
+template <class T>
+MTP_INLINE float max16(const T& v) {
+  float m = lane(v, 0);
+  for (int l = 1; l < kLanes; ++l) m = std::max(m, lane(v, l));
   return m;
 }
 
-// exp(x) for x <= 0 (scores minus the row's maximum) in plain arithmetic, 16 lanes at once:
+// exp(x) for x <= 0 (scores minus the row's maximum) in plain arithmetic, lane by lane:
 // x * log2(e) = n + f with n an integer and |f| <= 1/2; 2^f by Cephes' exp2f polynomial
 // (relative error ~1e-7), 2^n by building the exponent bits. Arguments below -87 (weights
 // under 1e-38 next to the maximum's 1) are clamped there.
-MTP_INLINE F16 exp_nonpositive(F16 x) {
-  const F16 low = splat(-87.f);
-  const F16 t = (x < low ? low : x) * 1.44269504088896341f;
-  const I16 n = -__builtin_convertvector(0.5f - t, I16);  // round to nearest: t <= 0
-  const F16 f = t - __builtin_convertvector(n, F16);
-  F16 p = splat(1.535336188319500e-4f);
+template <class V>
+MTP_INLINE V exp_register(V x) {
+  using I = typename IntOf<V>::type;
+  const V low = V{} + -87.f;
+  const V t = (x < low ? low : x) * 1.44269504088896341f;
+  const I n = -__builtin_convertvector(0.5f - t, I);  // round to nearest: t <= 0
+  const V f = t - __builtin_convertvector(n, V);
+  V p = V{} + 1.535336188319500e-4f;
   p = p * f + 1.339887440266574e-3f;
   p = p * f + 9.618437357674640e-3f;
   p = p * f + 5.550332471162809e-2f;
   p = p * f + 2.402264791363012e-1f;
   p = p * f + 6.931472028550421e-1f;
-  const I16 bits = (n + 127) << 23;
-  F16 two_n;
+  const I bits = (n + 127) << 23;
+  V two_n;
   std::memcpy(&two_n, &bits, sizeof two_n);
   return (1.f + f * p) * two_n;
+}
+
+template <class T>
+MTP_INLINE T exp_nonpositive(T x) {
+  for (auto& part : x.p) part = exp_register(part);
+  return x;
 }
 
 // The keys are taken in blocks of kBlock cache slots at fixed places (slots 0..127, 128..255,
@@ -136,13 +223,71 @@ MTP_INLINE F16 exp_nonpositive(F16 x) {
 constexpr int64_t kBlock = 128;
 
 // Vectors of four 128-bit quarters: quarters 0 and 2 of a, then of b (quarters_even), or 1 and
-// 3 (quarters_odd): one lane shuffle with AVX-512 (vshuff32x4); with NEON, where a vector is
-// four registers, a choice of registers.
-MTP_INLINE F16 quarters_even(F16 a, F16 b) {
-  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+// 3 (quarters_odd): one lane shuffle with AVX-512 (vshuff32x4), one per register with AVX2
+// (vperm2f128), a choice of registers with SSE and NEON.
+template <class T>
+MTP_INLINE T quarters_even(const T& a, const T& b) {
+  T out;
+  if constexpr (T::W == 16) {
+    out.p[0] = __builtin_shufflevector(a.p[0], b.p[0], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19,
+                                       24, 25, 26, 27);
+  } else if constexpr (T::W == 8) {
+    out.p[0] = __builtin_shufflevector(a.p[0], a.p[1], 0, 1, 2, 3, 8, 9, 10, 11);
+    out.p[1] = __builtin_shufflevector(b.p[0], b.p[1], 0, 1, 2, 3, 8, 9, 10, 11);
+  } else {
+    out.p[0] = a.p[0], out.p[1] = a.p[2], out.p[2] = b.p[0], out.p[3] = b.p[2];
+  }
+  return out;
 }
-MTP_INLINE F16 quarters_odd(F16 a, F16 b) {
-  return __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+template <class T>
+MTP_INLINE T quarters_odd(const T& a, const T& b) {
+  T out;
+  if constexpr (T::W == 16) {
+    out.p[0] = __builtin_shufflevector(a.p[0], b.p[0], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22,
+                                       23, 28, 29, 30, 31);
+  } else if constexpr (T::W == 8) {
+    out.p[0] = __builtin_shufflevector(a.p[0], a.p[1], 4, 5, 6, 7, 12, 13, 14, 15);
+    out.p[1] = __builtin_shufflevector(b.p[0], b.p[1], 4, 5, 6, 7, 12, 13, 14, 15);
+  } else {
+    out.p[0] = a.p[1], out.p[1] = a.p[3], out.p[2] = b.p[1], out.p[3] = b.p[3];
+  }
+  return out;
+}
+
+// Within each quarter (lanes 4a .. 4a + 3), every lane gets ((lane 0 + lane 2) + (lane 1 +
+// lane 3)) of that quarter.
+template <class V>
+MTP_INLINE V quarter_sums(V x) {
+  if constexpr (sizeof(V) == 64) {
+    const V y = x + __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12,
+                                            13);
+    return y + __builtin_shufflevector(y, y, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  } else if constexpr (sizeof(V) == 32) {
+    const V y = x + __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5);
+    return y + __builtin_shufflevector(y, y, 1, 0, 3, 2, 5, 4, 7, 6);
+  } else {
+    const V y = x + __builtin_shufflevector(x, x, 2, 3, 0, 1);
+    return y + __builtin_shufflevector(y, y, 1, 0, 3, 2);
+  }
+}
+
+// Quarter i of x in all four quarters.
+template <int i, class T>
+MTP_INLINE T quarter_everywhere(const T& x) {
+  T out;
+  if constexpr (T::W == 16) {
+    out.p[0] = __builtin_shufflevector(x.p[0], x.p[0], 4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3,
+                                       4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3, 4 * i, 4 * i + 1,
+                                       4 * i + 2, 4 * i + 3, 4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3);
+  } else if constexpr (T::W == 8) {
+    constexpr int o = 4 * (i % 2);
+    const F8 half = x.p[i / 2];
+    out.p[0] = out.p[1] = __builtin_shufflevector(half, half, o, o + 1, o + 2, o + 3, o, o + 1,
+                                                  o + 2, o + 3);
+  } else {
+    for (auto& part : out.p) part = x.p[i];
+  }
+  return out;
 }
 
 // Scores of kR rows (q + r * qstep), kG query heads each (D floats apart), for the keys
@@ -151,28 +296,28 @@ MTP_INLINE F16 quarters_odd(F16 a, F16 b) {
 // four lanes are the dimensions d = 4m + i (i = 0..3) of its key: lane (key, i) sums
 // q[4m + i] k[4m + i] over m in order, multiply-adds from zero, and the key's score is
 // ((lane 0 + lane 2) + (lane 1 + lane 3)) x scale. Putting four keys' quarters side by side
-// takes 8 lane shuffles per 16 dimensions of 4 keys, shared by every row and head of the
+// takes 8 quarter shuffles per 16 dimensions of 4 keys, shared by every row and head of the
 // call; a key at a time, every score needed a sum across 16 lanes of its own, which cost more
 // than its multiply-adds. A row's scores depend on its query and the keys only, not on kR.
-template <int kG, int kR, int kH>
-MTP_INLINE void score_keys(const F16* qq, int64_t D, const float* k, int64_t stride, int64_t j0,
+template <int kG, int kR, int kH, class T>
+MTP_INLINE void score_keys(const T* qq, int64_t D, const float* k, int64_t stride, int64_t j0,
                            int64_t n, float scale, float (*scores)[kG][kBlock]) {
-  F16 acc[kR][kG][kH] = {};
+  T acc[kR][kG][kH] = {};
   const int64_t chunks = D / kLanes;
   // The next keys are asked from memory now: these are read a 16-float column at a time,
   // across rows, which the hardware's prefetchers follow less well than row after row.
   for (int64_t j = j0 + 4 * kH; j < std::min(n, j0 + 8 * kH); ++j)
     for (int64_t c = 0; c < chunks; ++c) __builtin_prefetch(k + j * stride + c * kLanes);
   for (int64_t c = 0; c < chunks; ++c) {
-    F16 m[kH][4];  // m[h][i]: keys j0 + 4h .. + 3, dimensions 16c + 4i .. + 3
+    T m[kH][4];  // m[h][i]: keys j0 + 4h .. + 3, dimensions 16c + 4i .. + 3
     for (int h = 0; h < kH; ++h) {
-      F16 row[4];
+      T row[4];
       for (int a = 0; a < 4; ++a) {
         const int64_t j = j0 + 4 * h + a;
-        row[a] = j < n ? load16(k + j * stride + c * kLanes) : F16{};
+        row[a] = j < n ? load16<T>(k + j * stride + c * kLanes) : T{};
       }
-      const F16 u0 = quarters_even(row[0], row[1]), u1 = quarters_odd(row[0], row[1]);
-      const F16 u2 = quarters_even(row[2], row[3]), u3 = quarters_odd(row[2], row[3]);
+      const T u0 = quarters_even(row[0], row[1]), u1 = quarters_odd(row[0], row[1]);
+      const T u2 = quarters_even(row[2], row[3]), u3 = quarters_odd(row[2], row[3]);
       m[h][0] = quarters_even(u0, u2);
       m[h][2] = quarters_odd(u0, u2);
       m[h][1] = quarters_even(u1, u3);
@@ -181,24 +326,24 @@ MTP_INLINE void score_keys(const F16* qq, int64_t D, const float* k, int64_t str
     for (int i = 0; i < 4; ++i)
       for (int r = 0; r < kR; ++r)
         for (int g = 0; g < kG; ++g) {
-          const F16 qv = qq[(r * kG + g) * (D / 4) + 4 * c + i];
+          const T& qv = qq[(r * kG + g) * (D / 4) + 4 * c + i];
           for (int h = 0; h < kH; ++h) acc[r][g][h] += qv * m[h][i];
         }
   }
   for (int r = 0; r < kR; ++r)
     for (int g = 0; g < kG; ++g) {
-      F16 s[kH];
-      for (int h = 0; h < kH; ++h) {
-        const F16 x = acc[r][g][h];
-        const F16 y = x + __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14,
-                                                  15, 12, 13);
-        s[h] = y + __builtin_shufflevector(y, y, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15,
-                                           14);
-      }
+      T s[kH];
+      for (int h = 0; h < kH; ++h)
+        for (int i = 0; i < T::kParts; ++i) s[h].p[i] = quarter_sums(acc[r][g][h].p[i]);
       for (int h = 0; h < kH; h += 2) {  // lane 4a of s[h] is key j0 + 4h + a's score
-        const F16 eight = __builtin_shufflevector(s[h], s[h + 1], 0, 4, 8, 12, 16, 20, 24, 28, 0,
-                                                  4, 8, 12, 16, 20, 24, 28) * scale;
-        std::memcpy(scores[r][g] + j0 + 4 * h, &eight, 8 * sizeof(float));
+        if constexpr (T::W == 16) {
+          const F16 eight = __builtin_shufflevector(s[h].p[0], s[h + 1].p[0], 0, 4, 8, 12, 16, 20,
+                                                    24, 28, 0, 4, 8, 12, 16, 20, 24, 28) * scale;
+          std::memcpy(scores[r][g] + j0 + 4 * h, &eight, 8 * sizeof(float));
+        } else {
+          for (int a = 0; a < 8; ++a)
+            scores[r][g][j0 + 4 * h + a] = lane(s[h + a / 4], 4 * (a % 4)) * scale;
+        }
       }
     }
 }
@@ -208,15 +353,15 @@ MTP_INLINE void score_keys(const F16* qq, int64_t D, const float* k, int64_t str
 // D floats apart. Row r's head g leaves, at e = r * rstep + g * step, the block's largest score
 // m[e], the sum l[e] of exp(score - m) and the unnormalized sum of exp(score - m) x value in
 // acc + e * D. The rows share every load and shuffle of keys and values; each value row is
-// loaded once for all kR x kG heads, whose sums stay in registers (kR x kG x D / 16 of them).
+// loaded once for all kR x kG heads, whose sums stay in registers (kR x kG x D / 16 vectors).
 // Every row's sums run over its own keys in key order, as they do alone: a row's result does
 // not depend on kR or on the other rows. kD > 0 fixes the head size at compile time (64 and
 // 128 cover our models), which keeps the sums in registers; kD = 0 takes any multiple of 16 up
 // to 256.
-template <int kD, int kG, int kR>
-MTP_VECTOR_CLONES void block_rows(const float* q, int64_t qstep, int64_t D, const float* k,
-                                  const float* v, int64_t stride, const int64_t* n, float scale,
-                                  float* acc, float* m, float* l, int64_t step, int64_t rstep) {
+template <int kD, int kG, int kR, class T>
+MTP_INLINE void block_rows(const float* q, int64_t qstep, int64_t D, const float* k,
+                           const float* v, int64_t stride, const int64_t* n, float scale,
+                           float* acc, float* m, float* l, int64_t step, int64_t rstep) {
   if (kD > 0) D = kD;
   constexpr int kVecsMax = kD > 0 ? kD / kLanes : 256 / kLanes;
   const int64_t vecs = D / kLanes;
@@ -226,23 +371,21 @@ MTP_VECTOR_CLONES void block_rows(const float* q, int64_t qstep, int64_t D, cons
     most = std::max(most, n[r]);
   }
   // Each head's query, 4 dimensions repeated in every quarter: (4m .. 4m + 3) x 4.
-  F16 qq[kR * kG * (kVecsMax * 4)];
+  T qq[kR * kG * (kVecsMax * 4)];
   for (int r = 0; r < kR; ++r)
     for (int g = 0; g < kG; ++g)
       for (int64_t c = 0; c < vecs; ++c) {
-        const F16 x = load16(q + r * qstep + g * D + c * kLanes);
-        F16* out = qq + (r * kG + g) * (D / 4) + 4 * c;
-        out[0] = __builtin_shufflevector(x, x, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
-        out[1] = __builtin_shufflevector(x, x, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7);
-        out[2] = __builtin_shufflevector(x, x, 8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10,
-                                         11);
-        out[3] = __builtin_shufflevector(x, x, 12, 13, 14, 15, 12, 13, 14, 15, 12, 13, 14, 15, 12,
-                                         13, 14, 15);
+        const T x = load16<T>(q + r * qstep + g * D + c * kLanes);
+        T* out = qq + (r * kG + g) * (D / 4) + 4 * c;
+        out[0] = quarter_everywhere<0>(x);
+        out[1] = quarter_everywhere<1>(x);
+        out[2] = quarter_everywhere<2>(x);
+        out[3] = quarter_everywhere<3>(x);
       }
   alignas(64) float weights[kR][kG][kBlock];
   // 16 keys at a time where the sums fit in registers (4 kR kG chains of multiply-adds keep
   // both units busy), else 8.
-  constexpr int kH = kR * kG <= 3 ? 4 : 2;
+  constexpr int kH = T::W == 16 ? (kR * kG <= 3 ? 4 : 2) : 2;
   for (int64_t j0 = 0; j0 < most; j0 += 4 * kH)
     score_keys<kG, kR, kH>(qq, D, k, stride, j0, most, scale, weights);
   float best[kR][kG], total[kR][kG];
@@ -251,41 +394,38 @@ MTP_VECTOR_CLONES void block_rows(const float* q, int64_t qstep, int64_t D, cons
     for (int g = 0; g < kG; ++g) {
       float* sg = weights[r][g];
       for (int64_t j = n[r]; j < padded; ++j) sg[j] = -INFINITY;
-      F16 top = splat(-INFINITY);
-      for (int64_t j = 0; j < padded; j += kLanes) {
-        const F16 x = load16(sg + j);
-        top = x > top ? x : top;
-      }
+      T top = splat<T>(-INFINITY);
+      for (int64_t j = 0; j < padded; j += kLanes) top = larger(load16<T>(sg + j), top);
       best[r][g] = max16(top);
-      F16 sum = {};
+      T sum = {};
       for (int64_t j = 0; j < padded; j += kLanes) {
-        F16 e = exp_nonpositive(load16(sg + j) - best[r][g]);
+        T e = exp_nonpositive(load16<T>(sg + j) - best[r][g]);
         if (j + kLanes > n[r])  // the padding lanes weigh nothing
-          for (int lane = int(n[r] - j); lane < kLanes; ++lane) e[lane] = 0.f;
+          for (int l = int(n[r] - j); l < kLanes; ++l) set_lane(e, l, 0.f);
         store16(sg + j, e);
         sum += e;
       }
       total[r][g] = sum16(sum);
     }
   }
-  F16 out[kR][kG][kVecsMax];
+  T out[kR][kG][kVecsMax];
   for (int r = 0; r < kR; ++r)
     for (int g = 0; g < kG; ++g)
-      for (int64_t c = 0; c < vecs; ++c) out[r][g][c] = F16{};
+      for (int64_t c = 0; c < vecs; ++c) out[r][g][c] = T{};
   for (int64_t j = 0; j < common; ++j) {
     const float* vj = v + j * stride;
     for (int64_t c = 0; c < vecs; ++c) {
-      const F16 vc = load16(vj + c * kLanes);
+      const T vc = load16<T>(vj + c * kLanes);
       for (int r = 0; r < kR; ++r)
-        for (int g = 0; g < kG; ++g) out[r][g][c] += splat(weights[r][g][j]) * vc;
+        for (int g = 0; g < kG; ++g) out[r][g][c] += splat<T>(weights[r][g][j]) * vc;
     }
   }
   for (int r = 0; r < kR; ++r)  // the keys a row sees past the others'
     for (int64_t j = common; j < n[r]; ++j) {
       const float* vj = v + j * stride;
       for (int64_t c = 0; c < vecs; ++c) {
-        const F16 vc = load16(vj + c * kLanes);
-        for (int g = 0; g < kG; ++g) out[r][g][c] += splat(weights[r][g][j]) * vc;
+        const T vc = load16<T>(vj + c * kLanes);
+        for (int g = 0; g < kG; ++g) out[r][g][c] += splat<T>(weights[r][g][j]) * vc;
       }
     }
   for (int r = 0; r < kR; ++r)
@@ -329,22 +469,93 @@ int64_t heads_at_once(int64_t D, int64_t group) {
 using BlockFn = void (*)(const float*, int64_t, int64_t, const float*, const float*, int64_t,
                          const int64_t*, float, float*, float*, float*, int64_t, int64_t);
 
-// The kernel for `heads` heads of size D, for one row, or for two rows at once where their sums
-// fit in registers (else nullptr).
-BlockFn block_kernel(int64_t D, int64_t heads, int rows) {
+// The versions: block_rows over T, compiled for the instruction set that T's registers need.
+struct Avx512 {};
+struct Avx2 {};
+struct Baseline {};
+template <class Isa, int kD, int kG, int kR>
+struct Rows;
+#define MTP_BLOCK_ARGS                                                                       \
+  const float *q, int64_t qstep, int64_t D, const float *k, const float *v, int64_t stride, \
+      const int64_t *n, float scale, float *acc, float *m, float *l, int64_t step, int64_t rstep
+#define MTP_BLOCK_NAMES q, qstep, D, k, v, stride, n, scale, acc, m, l, step, rstep
+#ifdef MTP_X86_VERSIONS
+template <int kD, int kG, int kR>
+struct Rows<Avx512, kD, kG, kR> {
+  __attribute__((target("avx512f"))) static void run(MTP_BLOCK_ARGS) {
+    block_rows<kD, kG, kR, Vec<F16, 1>>(MTP_BLOCK_NAMES);
+  }
+};
+template <int kD, int kG, int kR>
+struct Rows<Avx2, kD, kG, kR> {
+  __attribute__((target("avx2,fma"))) static void run(MTP_BLOCK_ARGS) {
+    block_rows<kD, kG, kR, Vec<F8, 2>>(MTP_BLOCK_NAMES);
+  }
+};
+#endif
+template <int kD, int kG, int kR>
+struct Rows<Baseline, kD, kG, kR> {
+  static void run(MTP_BLOCK_ARGS) { block_rows<kD, kG, kR, Vec<F4, 4>>(MTP_BLOCK_NAMES); }
+};
+#undef MTP_BLOCK_ARGS
+#undef MTP_BLOCK_NAMES
+
+// The kernel of one version for `heads` heads of size D, for one row, or for two rows at once
+// where their sums fit in registers (else nullptr).
+template <class Isa>
+BlockFn version_kernel(int64_t D, int64_t heads, int rows) {
   if (D == 64) {
-    static const BlockFn one[] = {nullptr, block_rows<64, 1, 1>, block_rows<64, 2, 1>,
-                                  block_rows<64, 3, 1>, block_rows<64, 4, 1>};
-    static const BlockFn two[] = {nullptr, block_rows<64, 1, 2>, block_rows<64, 2, 2>,
-                                  block_rows<64, 3, 2>, nullptr};
+    static const BlockFn one[] = {nullptr, Rows<Isa, 64, 1, 1>::run, Rows<Isa, 64, 2, 1>::run,
+                                  Rows<Isa, 64, 3, 1>::run, Rows<Isa, 64, 4, 1>::run};
+    static const BlockFn two[] = {nullptr, Rows<Isa, 64, 1, 2>::run, Rows<Isa, 64, 2, 2>::run,
+                                  Rows<Isa, 64, 3, 2>::run, nullptr};
     return rows == 1 ? one[heads] : two[heads];
   }
   if (D == 128) {
-    if (rows == 2) return heads == 1 ? block_rows<128, 1, 2> : nullptr;
-    return heads == 2 ? block_rows<128, 2, 1> : block_rows<128, 1, 1>;
+    if (rows == 2) return heads == 1 ? Rows<Isa, 128, 1, 2>::run : nullptr;
+    return heads == 2 ? Rows<Isa, 128, 2, 1>::run : Rows<Isa, 128, 1, 1>::run;
   }
   if (rows == 2) return nullptr;
-  return D % kLanes == 0 && D <= 256 ? block_rows<0, 1, 1> : block_any;
+  return D % kLanes == 0 && D <= 256 ? Rows<Isa, 0, 1, 1>::run : block_any;
+}
+
+// 2: AVX-512, 1: AVX2+FMA, 0: the baseline: the CPU's best, or what MTP_EDGE_ATTENTION_ISA
+// names if the CPU has it (else one line on stderr, and the CPU's best).
+int attention_version() {
+  static const int version = [] {
+    int best = 0;
+#ifdef MTP_X86_VERSIONS
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f"))
+      best = 2;
+    else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+      best = 1;
+#endif
+    static const char* const names[] = {"baseline", "avx2", "avx512"};
+    const char* asked = std::getenv("MTP_EDGE_ATTENTION_ISA");
+    if (asked == nullptr || *asked == '\0') return best;
+    for (int i = 0; i <= best; ++i)
+      if (std::strcmp(asked, names[i]) == 0) return i;
+    std::fprintf(stderr,
+                 "mtp-edge: MTP_EDGE_ATTENTION_ISA=%s is not an attention version this build "
+                 "and CPU run (%s%s%s); using %s\n",
+                 asked, names[0], best >= 1 ? ", avx2" : "", best >= 2 ? ", avx512" : "",
+                 names[best]);
+    return best;
+  }();
+  return version;
+}
+
+BlockFn block_kernel(int64_t D, int64_t heads, int rows) {
+#ifdef MTP_X86_VERSIONS
+  switch (attention_version()) {
+    case 2:
+      return version_kernel<Avx512>(D, heads, rows);
+    case 1:
+      return version_kernel<Avx2>(D, heads, rows);
+  }
+#endif
+  return version_kernel<Baseline>(D, heads, rows);
 }
 
 // A (row, head)'s blocks 0..blocks-1 merged, in block order, into its D outputs: with M the
