@@ -7,14 +7,25 @@ row-exact) on the same layout, for reference. Writes <out>.{json,md}.
 
     python benchmarks/attention_kernels.py [--layout qwen05|smollm2|H,HKV,D,LAYERS]
         [--widths 1,2,5,8] [--positions 150,600,1000,1500] [--threads 2] [--repeats 50]
+        [--versions avx512,avx2,baseline] [--flags "-DMTP_EDGE_BASELINE -mavx2 -mfma"]
         [--custom-sdpa] [--out benchmarks/results/verification/attention_kernels]
+
+--versions measures each named version of our kernel (MTP_EDGE_ATTENTION_ISA, one process
+each; a version this CPU lacks falls back to its own, with one line); --flags builds the kernel
+with extra compiler flags (e.g. the baseline alone compiled for AVX2: how GCC compiles the
+source for a CPU of that class without the dispatch).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import torch
@@ -82,13 +93,61 @@ def main() -> None:
     parser.add_argument("--positions", default="150,600,1000,1500")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--versions", default="", help="kernel versions, one process each")
+    parser.add_argument("--flags", default="", help="extra compiler flags for the kernel")
     parser.add_argument("--custom-sdpa", action="store_true", help="also llama.custom_sdpa")
     parser.add_argument("--out", default=RESULTS, help="results path without extension")
     args = parser.parse_args()
     layout = parse_layout(args.layout)
+    if args.versions:
+        rows = each_version(args)
+    else:
+        rows = measure(args, layout)
+    report(args, layout, rows)
+
+
+def each_version(args) -> list[dict]:
+    """This script once per named version, in its own process; their rows together."""
+    rows = []
+    for version in args.versions.split(","):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "rows")
+            argv = list(sys.argv[1:])
+            at = argv.index("--versions")
+            del argv[at : at + 2]
+            subprocess.run(
+                [sys.executable, __file__, *argv, "--out", out], check=True,
+                env={**os.environ, "MTP_EDGE_ATTENTION_ISA": version},
+            )  # fmt: skip
+            with open(out + ".json") as f:
+                rows += json.load(f)["rows"]
+    return rows
+
+
+def kernel_label(args) -> str:
+    label = "mtp_edge::sdpa"
+    if os.environ.get("MTP_EDGE_ATTENTION_ISA"):
+        label += f" {os.environ['MTP_EDGE_ATTENTION_ISA']}"
+    if args.flags:
+        label += f" built {args.flags}"
+    return label
+
+
+def measure(args, layout) -> list[dict]:
     torch.set_num_threads(args.threads)  # ExecuTorch takes this count (below)
     ops.define()
-    executorch_ops.load_kernels()
+    if args.flags:
+        from executorch.extension.pybindings import portable_lib  # noqa: F401
+
+        flags = args.flags.split()
+        library = executorch_ops.library_path(flags)
+        if not library.is_file():
+            executorch_ops.build(library, flags)
+        ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
+        executorch_ops._loaded = True  # this build is the one registered
+    else:
+        executorch_ops.load_kernels()
+    label = kernel_label(args)
     kernels = ["mtp_edge::sdpa"]
     if args.custom_sdpa:
         import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (torch.ops.llama)
@@ -112,13 +171,23 @@ def main() -> None:
                     method.execute([q, at])
                     times.append(time.perf_counter() - start)
                 ms = statistics.median(times) * 1e3
-                rows.append({"kernel": kernel, "rows": width, "position": position,
+                name = label if kernel == "mtp_edge::sdpa" else kernel
+                rows.append({"kernel": name, "rows": width, "position": position,
                              "ms": round(ms, 3)})  # fmt: skip
                 print(json.dumps(rows[-1]), flush=True)
             del method, loaded  # a method must go before its program
+    return rows
+
+
+def report(args, layout, rows: list[dict]) -> None:
+    widths = [int(w) for w in args.widths.split(",")]
+    positions = [int(p) for p in args.positions.split(",")]
+    kernels = list(dict.fromkeys(r["kernel"] for r in rows))
     command = (
         f"python benchmarks/attention_kernels.py --layout {args.layout} --widths {args.widths} "
         f"--positions {args.positions} --threads {args.threads} --repeats {args.repeats}"
+        + (f" --versions {args.versions}" if args.versions else "")
+        + (f' --flags "{args.flags}"' if args.flags else "")
         + (" --custom-sdpa" if args.custom_sdpa else "")
         + (f" --out {args.out}" if args.out != RESULTS else "")
     )
