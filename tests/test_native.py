@@ -1435,6 +1435,83 @@ def test_runner_store_drafts_as_python_adapt(
     assert sum(r["verify_steps"] for r in last) < sum(r["verify_steps"] for r in first)
 
 
+def test_c_api_request_log_is_what_python_reads(mtp_bundle, tmp_path):
+    """mtp_request_log (`mtp-native-tests request-log`): nothing written before it is called;
+    then each answered request, one user message (raw without the chat format) or a chat's
+    conversation with its system prompt, as mtp_edge/request_log.py reads it, bounded and
+    rotated by file_bytes and keep; Python appends to the same folder; a second engine's store
+    is seeded from it; bad options and an unwritable folder refused in one line."""
+    from types import SimpleNamespace
+
+    from mtp_edge.api import Model
+    from mtp_edge.request_log import RequestLog, read_log
+
+    log = tmp_path / "log"
+    done = subprocess.run(
+        [str(native_runner.UNIT_TESTS), "request-log", mtp_bundle, str(log)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    by = {}
+    for row in rows:
+        by.setdefault(row["what"], []).append(row["result"])
+    assert by["bad keep"] == ["keep must be a whole number"]
+    assert by["bad option"] == ["unknown request log option 'files' (file_bytes, keep, seed_store)"]
+    assert by["not a folder"][0].startswith(f"cannot write the request log in {log}.file: ")
+    assert by["opened"][0]["log"] == str(log) and by["opened"][0]["seeded_requests"] == 0
+    assert by["stopped"] == [{"log": None}]
+
+    # What each logged generation should have written, in order.
+    tokenizer = open_bundle(mtp_bundle).tokenizer
+    system = {"role": "system", "content": "You answer briefly."}
+    first, second = by["turn"]
+    expected = [
+        ([{"role": "user", "content": "the cat sat on the mat"}], by["chat"][0]),
+        ([{"role": "user", "content": "hi, hi, hi, hi", "raw": True}], by["raw"][0]),
+        ([system, {"role": "user", "content": "the cat sat on the mat"}], first),
+        (
+            [
+                system,
+                {"role": "user", "content": "the cat sat on the mat"},
+                {"role": "assistant", "content": tokenizer.decode(first["token_ids"])},
+                {"role": "user", "content": "and then? é 🤗"},
+            ],
+            second,
+        ),
+    ] + [([{"role": "user", "content": "one two three four five"}], r) for r in by["more"]]
+    records = list(read_log(log))
+    # Rotated at 1 KiB with one older file kept: the newest requests, never a torn line.
+    files = sorted(p.name for p in log.glob("requests*.jsonl"))
+    assert files == ["requests.1.jsonl", "requests.jsonl"]
+    assert all((log / f).stat().st_size <= 1024 for f in files)
+    assert 2 <= len(records) < len(expected)
+    for record, (messages, result) in zip(records, expected[-len(records) :], strict=True):
+        assert record.messages == messages
+        assert record.answer_ids == result["token_ids"]
+        assert record.tau == pytest.approx(result["stats"]["tau"], abs=1e-4)
+    raw_rows = [json.loads(x) for f in files[::-1] for x in (log / f).read_text().splitlines()]
+    assert {r["model"] for r in raw_rows} == {open_bundle(mtp_bundle).manifest.model_name}
+    assert [r["finish_reason"] for r in raw_rows] == [
+        result["stop_reason"] for _, result in expected[-len(records) :]
+    ]
+    # The prompt a record re-encodes to is the one the request had (one user message).
+    python = SimpleNamespace(tokenizer=tokenizer)
+    last = by["more"][-1]
+    assert len(Model._logged_prompt_ids(python, records[-1].messages)) == last["prompt_tokens"]
+
+    # A second engine's store starts from the log: every kept request.
+    seeded = by["seeded"][0]
+    assert seeded["seeded_requests"] == seeded["store_requests"] == len(records)
+    assert seeded["store_tokens"] > sum(len(r.answer_ids) for r in records)
+
+    # The Python writer goes on in the same folder (the same lock, the same format).
+    RequestLog(log, file_bytes=1024, keep=1).append([{"role": "user", "content": "p"}], [3], 1.5)
+    assert list(read_log(log))[-1].answer_ids == [3]
+
+
 def test_store_seeded_from_a_request_log_as_python(runner, mtp_bundle, tmp_path):
     """mtp-runner --store-log DIR (Engine::seed_store, shown by `mtp-native-tests store-log`)
     takes from a request log exactly the requests mtp_edge/api.py _seed_store gives the Python

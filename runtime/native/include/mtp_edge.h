@@ -73,6 +73,28 @@ int mtp_generate(mtp_engine* engine, const char* prompt, const char* options_jso
                  mtp_on_text on_text, void* user, char* stats_json, size_t stats_len, char* err,
                  size_t err_len);
 
+/* Keeps a request log for the engine in the folder `dir` (made when missing; the app's own
+ * storage): from this call on, every generation on the engine that ends with an answer
+ * (mtp_generate, mtp_chat_generate) appends its request as one JSON line to dir/requests.jsonl,
+ * in mtp_edge/request_log.py's format, which `mtp-train --init HEADS --prompts DIR` (heads
+ * refined on these requests), `mtp-bench --prompts DIR` and `mtp-runner --store-log DIR` read:
+ *   {"time", "model", "messages": [{"role", "content"}...], "answer_ids", "finish_reason", "tau"}
+ * messages: mtp_generate's prompt as one user message ("raw": true with "chat": false); for a
+ * chat the conversation before the answer (its system prompt when one was given). Nothing else
+ * is kept. Bounded: past file_bytes the file becomes requests.1.jsonl (older ones shift up),
+ * and files beyond `keep` are deleted, so the folder holds at most about (keep + 1) x
+ * file_bytes. A line that cannot be written leaves the answer as it was, with "log_error" in
+ * its result. Nothing is written unless this is called. options_json (NULL or "" for
+ * defaults): {"file_bytes": 8388608, "keep": 4, "seed_store": true}; seed_store: the engine's
+ * store of past requests (the "store" option) takes in what the folder holds already (its
+ * newest 32768 tokens), as a restarted server's does. dir NULL or "": logging stops (the files
+ * stay). On success writes {"log": dir or null, "seeded_requests", "store_tokens",
+ * "store_requests", "store_drafts"} to result_json and returns MTP_OK; otherwise MTP_ERROR
+ * with the reason in err (a folder that cannot be written, a log line that is not JSON, with
+ * its file and line), the engine's earlier log, if any, kept. */
+int mtp_request_log(mtp_engine* engine, const char* dir, const char* options_json,
+                    char* result_json, size_t result_len, char* err, size_t err_len);
+
 /* A conversation on `engine`, rendered with the bundle's chat template; system_prompt NULL or
  * "" for the template's default. NULL on failure (a bundle without a chat format, or whose
  * template takes no system prompt when one is given). Free it before closing the engine. */

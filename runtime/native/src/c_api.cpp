@@ -8,15 +8,21 @@
 
 #include "engine.h"
 #include "errors.h"
+#include "request_log.h"
 
 struct mtp_engine {
   std::unique_ptr<mtp::Engine> engine;
+  std::unique_ptr<mtp::RequestLog> log;  // mtp_request_log's: every answered request goes in
 };
 
 struct mtp_chat {
+  mtp_engine* owner;
   mtp::Engine* engine;
   mtp::Conversation conversation;
   std::string last_result;  // the last answer's result JSON, for mtp_chat_last_stats
+  // The conversation as text, as a request log keeps it: the system prompt (when one was
+  // given), then the user's and the answers' turns.
+  nlohmann::ordered_json messages = nlohmann::ordered_json::array();
 };
 
 namespace {
@@ -127,6 +133,25 @@ void add_to_store(mtp::Engine& engine, const Settings& settings, int64_t drafts_
   out["store_extended"] = store.drafts() - drafts_before;
 }
 
+// A generation's request into the engine's request log, when mtp_request_log set one. A log
+// that cannot be written does not take the answer away: "log_error" in its result says why.
+void add_to_log(mtp_engine& handle, const nlohmann::ordered_json& messages,
+                const mtp::GenerationResult& result, nlohmann::json& out) {
+  if (!handle.log) return;
+  try {
+    handle.log->append(messages, result.token_ids, result.stats.tau(), result.stop_reason,
+                       handle.engine->manifest().model_name);
+  } catch (const std::exception& e) {
+    out["log_error"] = e.what();
+  }
+}
+
+nlohmann::ordered_json system_messages(const std::string& system_prompt) {
+  nlohmann::ordered_json messages = nlohmann::ordered_json::array();
+  if (!system_prompt.empty()) messages.push_back({{"role", "system"}, {"content", system_prompt}});
+  return messages;
+}
+
 // Passes each token on with the text it completes: whole UTF-8 characters only, so a token
 // that ends inside a character brings "" and its bytes come with a later token.
 class TextStream {
@@ -212,6 +237,10 @@ extern "C" int mtp_generate(mtp_engine* handle, const char* prompt, const char* 
     std::vector<int64_t> request = ids;  // the prompt and its answer, for the store
     request.insert(request.end(), result.token_ids.begin(), result.token_ids.end());
     add_to_store(engine, settings, drafts_before, request, int64_t(ids.size()), out);
+    // As mtp_edge/api.py logs a prompt: one user message, marked raw without the chat format.
+    nlohmann::ordered_json message = {{"role", "user"}, {"content", prompt}};
+    if (!settings.chat) message["raw"] = true;
+    add_to_log(*handle, nlohmann::ordered_json::array({message}), result, out);
     write_result(dump(out), stats_json, stats_len);
     return MTP_OK;
   } catch (const std::exception& e) {
@@ -224,9 +253,9 @@ extern "C" mtp_chat* mtp_chat_create(mtp_engine* engine, const char* system_prom
                                      size_t err_len) {
   try {
     if (engine == nullptr) throw mtp::UserError("no engine");
-    return new mtp_chat{engine->engine.get(),
-                        mtp::Conversation(*engine->engine, system_prompt ? system_prompt : ""),
-                        {}};
+    const std::string system = system_prompt ? system_prompt : "";
+    return new mtp_chat{engine, engine->engine.get(), mtp::Conversation(*engine->engine, system),
+                        {}, system_messages(system)};
   } catch (const std::exception& e) {
     copy_out(e.what(), err, err_len);
     return nullptr;
@@ -239,12 +268,17 @@ extern "C" void mtp_chat_reset(mtp_chat* chat) {
   if (chat == nullptr) return;
   chat->conversation.reset();
   chat->last_result.clear();
+  nlohmann::ordered_json kept = nlohmann::ordered_json::array();
+  for (const auto& m : chat->messages)
+    if (m["role"] == "system") kept.push_back(m);
+  chat->messages = kept;
 }
 
 extern "C" int mtp_chat_add_user(mtp_chat* chat, const char* text, char* err, size_t err_len) {
   try {
     if (chat == nullptr || text == nullptr) throw mtp::UserError("no conversation or no text");
     chat->conversation.add_user(text);
+    chat->messages.push_back({{"role", "user"}, {"content", text}});
     return MTP_OK;
   } catch (const mtp::ContextFull& e) {
     copy_out(e.what(), err, err_len);
@@ -287,6 +321,8 @@ extern "C" int mtp_chat_generate(mtp_chat* chat, const char* options_json, mtp_o
     // The conversation so far (this turn's prompt) and the answer: one request for the store.
     add_to_store(engine, settings, drafts_before, chat->conversation.tokens(),
                  int64_t(answer.prompt_tokens), out);
+    add_to_log(*chat->owner, chat->messages, result, out);
+    chat->messages.push_back({{"role", "assistant"}, {"content", engine.decode(result.token_ids)}});
     chat->last_result = dump(out);
     write_result(chat->last_result, result_json, result_len);
     return MTP_OK;
@@ -302,6 +338,53 @@ extern "C" int mtp_chat_last_stats(const mtp_chat* chat, char* result_json, size
     if (chat == nullptr || chat->last_result.empty())
       throw mtp::UserError("no answer yet in this conversation");
     write_result(chat->last_result, result_json, result_len);
+    return MTP_OK;
+  } catch (const std::exception& e) {
+    copy_out(e.what(), err, err_len);
+    return MTP_ERROR;
+  }
+}
+
+extern "C" int mtp_request_log(mtp_engine* handle, const char* dir, const char* options_json,
+                               char* result_json, size_t result_len, char* err,
+                               size_t err_len) {
+  try {
+    if (handle == nullptr) throw mtp::UserError("no engine");
+    nlohmann::json options = nlohmann::json::object();
+    if (options_json != nullptr && *options_json != '\0') {
+      options = nlohmann::json::parse(options_json, nullptr, false);
+      if (options.is_discarded() || !options.is_object())
+        throw mtp::UserError("options_json is not a JSON object");
+    }
+    for (const auto& [key, value] : options.items()) {
+      if (key == "seed_store") {
+        if (!value.is_boolean()) throw mtp::UserError("seed_store must be true or false");
+      } else if (key == "file_bytes" || key == "keep") {
+        if (!value.is_number_integer())
+          throw mtp::UserError(key + " must be a whole number");
+      } else {
+        throw mtp::UserError("unknown request log option '" + key +
+                             "' (file_bytes, keep, seed_store)");
+      }
+    }
+    nlohmann::json out = {{"log", nullptr}};
+    if (dir == nullptr || *dir == '\0') {  // logging stops; what was written stays
+      handle->log.reset();
+      write_result(dump(out), result_json, result_len);
+      return MTP_OK;
+    }
+    auto log = std::make_unique<mtp::RequestLog>(
+        dir, options.value("file_bytes", mtp::RequestLog::kFileBytes),
+        options.value("keep", mtp::RequestLog::kKeep));
+    out["log"] = log->directory();
+    out["seeded_requests"] = 0;
+    if (options.value("seed_store", true)) {
+      mtp::Engine& engine = *handle->engine;
+      out["seeded_requests"] = engine.seed_store(log->directory());
+      out.update(mtp::store_json(engine.store()));
+    }
+    handle->log = std::move(log);
+    write_result(dump(out), result_json, result_len);
     return MTP_OK;
   } catch (const std::exception& e) {
     copy_out(e.what(), err, err_len);

@@ -11,6 +11,7 @@
 #include <tuple>
 
 #include "errors.h"
+#include "request_log.h"
 
 namespace mtp {
 namespace {
@@ -219,34 +220,6 @@ AnswerStore& Engine::store() {
 }
 
 namespace {
-
-// A log folder's files, oldest first (mtp_edge/request_log.py log_files): requests.N.jsonl by
-// N descending, then requests.jsonl; a file is itself.
-std::vector<std::string> log_files(const std::string& log) {
-  namespace fs = std::filesystem;
-  std::error_code error;
-  if (!fs::is_directory(log, error)) return {log};
-  std::vector<std::pair<int64_t, std::string>> found;
-  for (const auto& entry : fs::directory_iterator(log, error)) {
-    const std::string name = entry.path().filename().string();
-    const std::string head = "requests", tail = ".jsonl";
-    if (name.size() < head.size() + tail.size() || name.compare(0, head.size(), head) != 0 ||
-        name.compare(name.size() - tail.size(), tail.size(), tail) != 0)
-      continue;
-    const std::string middle = name.substr(head.size(), name.size() - head.size() - tail.size());
-    if (middle.empty()) {
-      found.emplace_back(0, entry.path().string());
-    } else if (middle.size() > 1 && middle[0] == '.' &&
-               middle.find_first_not_of("0123456789", 1) == std::string::npos &&
-               middle.size() < 19) {
-      found.emplace_back(std::stoll(middle.substr(1)), entry.path().string());
-    }
-  }
-  std::sort(found.begin(), found.end(), std::greater<>());
-  std::vector<std::string> files;
-  for (const auto& [n, path] : found) files.push_back(path);
-  return files;
-}
 
 // mtp_edge/request_log.py check_messages: a non-empty list of {"role", "content"} with a known
 // role and text content.

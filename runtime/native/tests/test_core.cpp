@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <numeric>
@@ -1020,15 +1021,88 @@ int run_store_log(const char* bundle, const char* log) {
   }
 }
 
+// `request-log BUNDLE DIR`: the C API's request log on a real bundle. One generation before
+// any log (nothing may appear in DIR), then a log with small bounds (1 KiB files, one kept):
+// prompts with and without the chat format and a two-turn chat with a system prompt, each
+// result on a line as {"what", "result"}; bad options refused; then a second engine on the same
+// folder, whose store is seeded from it. Lines for tests/test_native.py to compare with what
+// Python reads in DIR.
+int run_request_log(const char* bundle, const char* dir) {
+  char err[512] = "";
+  std::vector<char> buffer(1 << 20);
+  auto print = [](const char* what, const nlohmann::json& result) {
+    std::printf("%s\n", nlohmann::json{{"what", what}, {"result", result}}.dump().c_str());
+  };
+  auto open = [&]() {
+    mtp_engine* engine = mtp_open(bundle, err, sizeof err);
+    if (engine == nullptr) std::fprintf(stderr, "mtp_open: %s\n", err);
+    return engine;
+  };
+  auto generate = [&](mtp_engine* engine, const char* what, const char* prompt,
+                      const std::string& options) {
+    if (mtp_generate(engine, prompt, options.c_str(), nullptr, nullptr, buffer.data(),
+                     buffer.size(), err, sizeof err) != MTP_OK) {
+      std::fprintf(stderr, "mtp_generate: %s\n", err);
+      ++failures;
+      return;
+    }
+    print(what, nlohmann::json::parse(buffer.data()));
+  };
+  auto request_log = [&](mtp_engine* engine, const char* where, const char* options) {
+    const int code = mtp_request_log(engine, where, options, buffer.data(), buffer.size(), err,
+                                     sizeof err);
+    return code == MTP_OK ? nlohmann::json::parse(buffer.data()) : nlohmann::json(err);
+  };
+  mtp_engine* engine = open();
+  if (engine == nullptr) return 1;
+  generate(engine, "before", "the cat sat", R"({"max_new_tokens": 8})");
+  CHECK(!std::filesystem::exists(dir));
+  print("bad keep", request_log(engine, dir, R"({"keep": "one"})"));
+  print("bad option", request_log(engine, dir, R"({"files": 3})"));
+  const std::string file = std::string(dir) + ".file";
+  { std::ofstream(file) << "x"; }
+  print("not a folder", request_log(engine, file.c_str(), nullptr));
+  CHECK(!std::filesystem::exists(dir));
+  print("opened", request_log(engine, dir, R"({"file_bytes": 1024, "keep": 1})"));
+  const std::string options = R"({"max_new_tokens": 12, "store": true})";
+  generate(engine, "chat", "the cat sat on the mat", options);
+  generate(engine, "raw", "hi, hi, hi, hi", R"({"max_new_tokens": 12, "chat": false})");
+  mtp_chat* chat = mtp_chat_create(engine, "You answer briefly.", err, sizeof err);
+  CHECK(chat != nullptr);
+  for (const char* turn : {"the cat sat on the mat", "and then? é 🤗"}) {
+    if (chat == nullptr || mtp_chat_add_user(chat, turn, err, sizeof err) != MTP_OK ||
+        mtp_chat_generate(chat, options.c_str(), nullptr, nullptr, buffer.data(), buffer.size(),
+                          err, sizeof err) != MTP_OK) {
+      std::fprintf(stderr, "chat: %s\n", err);
+      ++failures;
+      continue;
+    }
+    print("turn", nlohmann::json::parse(buffer.data()));
+  }
+  mtp_chat_free(chat);
+  for (int i = 0; i < 6; ++i)  // past 1 KiB: the log rotates, the oldest file goes
+    generate(engine, "more", "one two three four five", options);
+  print("stopped", request_log(engine, "", nullptr));
+  generate(engine, "after", "the cat sat", R"({"max_new_tokens": 8})");
+  mtp_close(engine);
+  mtp_engine* second = open();
+  if (second == nullptr) return 1;
+  print("seeded", request_log(second, dir, nullptr));
+  mtp_close(second);
+  return failures ? 1 : 0;
+}
+
 }  // namespace
 
 // No arguments: the unit tests. BUNDLE PROMPT OPTIONS_JSON: the C API on that bundle.
 // chat BUNDLE: the chat C API on that bundle. store FILE: an AnswerStore driven by FILE.
 // store-api BUNDLE PROMPT: the C API's store on that bundle. store-log BUNDLE LOG: the requests
-// a request log seeds the store with.
+// a request log seeds the store with. request-log BUNDLE DIR: the C API's request log.
 int main(int argc, char** argv) {
   if (argc == 4 && std::string(argv[1]) == "store-api") return run_store_api(argv[2], argv[3]);
   if (argc == 4 && std::string(argv[1]) == "store-log") return run_store_log(argv[2], argv[3]);
+  if (argc == 4 && std::string(argv[1]) == "request-log")
+    return run_request_log(argv[2], argv[3]);
   if (argc == 4) return run_c_api(argv[1], argv[2], argv[3]);
   if (argc == 3 && std::string(argv[1]) == "chat") return run_chat(argv[2]);
   if (argc == 3 && std::string(argv[1]) == "store") return run_store(argv[2]);
