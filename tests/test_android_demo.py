@@ -380,14 +380,21 @@ def test_chat_keeps_the_cache_between_turns(request, bundle_name):
     assert answers["system"][0]["prompt_tokens"] == len(expected)
 
 
-def test_jni_chat(jni_build, jdk, bundle):
-    """The app's Chat and Settings (Engine.kt) holding conversations, as the chat screen does."""
+def test_jni_chat(jni_build, jdk, bundle, tmp_path):
+    """The app's Chat and Settings (Engine.kt) holding conversations, as the chat screen does,
+    and its request log ("remember my requests")."""
+    from mtp_edge.request_log import read_log
+
     library_dir, classpath = jni_build
     java = [str(jdk / "bin" / "java"), "-Xcheck:jni", f"-Djava.library.path={library_dir}"]
-    done = _run(java + ["-cp", classpath, "org.mtpedge.demo.ChatCheck", str(bundle)], timeout=900)
+    log = tmp_path / "files" / "request-logs" / "bundle"
+    done = _run(
+        java + ["-cp", classpath, "org.mtpedge.demo.ChatCheck", str(bundle), str(log)],
+        timeout=900,
+    )
     assert "WARNING in native method" not in done.stdout + done.stderr, done.stderr
     lines = [json.loads(line) for line in done.stdout.splitlines()]
-    assert len(lines) == 20, done.stdout
+    assert len(lines) == 25, done.stdout
 
     # Two turns, plain then speculative: each turn's answer with the cache kept is the answer
     # after a prefill of the whole conversation, and the second turn prefills only itself.
@@ -419,3 +426,15 @@ def test_jni_chat(jni_build, jdk, bundle):
     assert lines[17] >= 1
     assert lines[18] is True
     assert lines[19]["result"]["token_ids"] == lines[1]["result"]["token_ids"]
+
+    # Remembering: nothing was logged before keepRequestLog; after it, the answered turn, which
+    # a restarted engine's store takes in; then nothing more once it stopped.
+    opened, remembered, stopped, restarted, refused = lines[20:25]
+    assert opened["log"] == str(log) and opened["seeded_requests"] == 0
+    records = list(read_log(log))
+    assert len(records) == 1
+    assert records[0].messages == [{"role": "user", "content": "the cat sat on the mat"}]
+    assert records[0].answer_ids == remembered["result"]["token_ids"]
+    assert stopped == {"log": None}
+    assert restarted["seeded_requests"] == restarted["store_requests"] == 1
+    assert refused.startswith("java.lang.RuntimeException: cannot write the request log in ")

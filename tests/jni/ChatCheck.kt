@@ -1,6 +1,6 @@
 // Holds conversations with the app's Chat (android_demo's Engine.kt over the JNI library and the
 // chat C API) on a real bundle, as the chat screen does, and prints one JSON value per line for
-// tests/test_android_demo.py: args BUNDLE_DIR. A second conversation, through the bindings
+// tests/test_android_demo.py: args BUNDLE_DIR LOG_DIR. A second conversation, through the bindings
 // (Native) with the cache not reused, prefills the whole conversation each turn: the reference.
 @file:JvmName("ChatCheck")
 
@@ -82,6 +82,18 @@ fun main(args: Array<String>) {
     chat.reset()
     out.println(chat.addUser("the cat sat on the mat"))
     out.println(answer(chat, greedy.copy(speculative = false)))
+    // "Remember my requests": a log in the app's storage (args[1]) that each answered turn goes
+    // into, and from which another engine's store starts; a folder that cannot be made refused.
+    val log = File(args[1])
+    out.println(engine.keepRequestLog(log, JSONObject().put("file_bytes", 4096)))
+    chat.reset()
+    chat.addUser("the cat sat on the mat")
+    out.println(answer(chat, greedy.copy(store = true)))
+    out.println(engine.keepRequestLog(null))
+    val restarted = Engine.open(File(args[0]))
+    out.println(restarted.keepRequestLog(log))
+    restarted.close()
+    out.println(error { engine.keepRequestLog(File(File(args[0], "manifest.json"), "log")) })
     chat.close()
     Native.chatFree(whole)
     engine.close()

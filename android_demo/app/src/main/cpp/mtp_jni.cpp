@@ -263,6 +263,23 @@ JNIEXPORT jbyteArray JNICALL Java_org_mtpedge_demo_Native_generate(JNIEnv* env, 
   return to_bytes(env, result);
 }
 
+// Keeps a request log in dir (mtp_request_log; empty: logging stops): the core's result JSON
+// as UTF-8 ({"log", "seeded_requests", "store_tokens", ...}).
+JNIEXPORT jbyteArray JNICALL Java_org_mtpedge_demo_Native_requestLog(JNIEnv* env, jclass,
+                                                                     jlong handle,
+                                                                     jbyteArray dir,
+                                                                     jbyteArray options_json) {
+  std::vector<char> out(kErrorLen), err(kErrorLen);
+  const int status = mtp_request_log(engine_of(handle), from_bytes(env, dir).c_str(),
+                                     from_bytes(env, options_json).c_str(), out.data(),
+                                     out.size(), err.data(), err.size());
+  if (status != MTP_OK) {
+    throw_runtime(env, err.data());
+    return nullptr;
+  }
+  return to_bytes(env, out.data());
+}
+
 // A conversation on the engine (mtp_chat_create); an empty system prompt: the template's.
 JNIEXPORT jlong JNICALL Java_org_mtpedge_demo_Native_chatCreate(JNIEnv* env, jclass,
                                                                 jlong handle,

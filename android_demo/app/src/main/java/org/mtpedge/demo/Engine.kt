@@ -19,6 +19,18 @@ class Engine private constructor(internal var handle: Long) : AutoCloseable {
         return JSONObject(result.text())
     }
 
+    /**
+     * Keeps a log of the requests answered from now on in [dir], the app's own storage (null:
+     * stop; the files stay), and lets the store of past requests start from what it holds, so
+     * that drafting keeps what it learned across restarts. The same files refine the heads on a
+     * computer: `mtp-train --init HEADS --prompts DIR`. The core's result JSON.
+     */
+    fun keepRequestLog(dir: File?, options: JSONObject = JSONObject()): JSONObject {
+        check(handle != 0L) { "engine is closed" }
+        val path = (dir?.path ?: "").utf8()
+        return JSONObject(Native.requestLog(handle, path, options.toString().utf8()).text())
+    }
+
     override fun close() {
         if (handle != 0L) {
             Native.close(handle)
@@ -34,7 +46,9 @@ class Engine private constructor(internal var handle: Long) : AutoCloseable {
 /**
  * What the settings sheet sets for each answer; k null: the bundle's own. [store]: the drafter
  * goes on from the app's earlier requests where it stops short (the core's store of past
- * requests: in memory only, bounded, output unchanged).
+ * requests: in memory, bounded, output unchanged). [remember] (off unless the user turns it on):
+ * the requests are also kept in a log in the app's storage (Engine.keepRequestLog), from which
+ * the store starts after a restart.
  */
 data class Settings(
     val speculative: Boolean = true,
@@ -42,6 +56,7 @@ data class Settings(
     val temperature: Double = 0.0,
     val maxNewTokens: Int = 256,
     val store: Boolean = true,
+    val remember: Boolean = false,
 ) {
     fun toJson(): JSONObject = JSONObject()
         .put("speculative", speculative)

@@ -34,6 +34,7 @@ class MainActivity : Activity() {
     @Volatile private var stopRequested = false
     private var generating = false
     private var settings = Settings()
+    private var bundleDir: File? = null
     private var pieces = 0 // of the answer being generated, for the live rate
     private var firstPieceAt = 0L
 
@@ -54,6 +55,8 @@ class MainActivity : Activity() {
         sendButton.setOnClickListener { if (generating) stopRequested = true else send() }
         find<Button>(R.id.settings).setOnClickListener { showSettings() }
         find<Button>(R.id.new_chat).setOnClickListener { newChat() }
+        val saved = getSharedPreferences(PREFERENCES, MODE_PRIVATE)
+        settings = settings.copy(remember = saved.getBoolean(REMEMBER, false))
 
         val bundles = findBundles(this)
         if (bundles.isEmpty()) {
@@ -74,10 +77,35 @@ class MainActivity : Activity() {
         }
     }
 
+    /** Where the requests to a bundle are logged when the user asked to remember them. */
+    private fun requestLogDir(bundle: File) = File(File(filesDir, "request-logs"), bundle.name)
+
+    /**
+     * Remembering on: the engine logs each answered request in the app's storage, and its
+     * store starts from what earlier sessions logged. Off: logging stops and the log is deleted.
+     * Runs on the worker thread; a message for the stats line when something went wrong.
+     */
+    private fun applyRemember(opened: Engine, bundle: File, remember: Boolean): String? {
+        val dir = requestLogDir(bundle)
+        return try {
+            if (remember) {
+                opened.keepRequestLog(dir)
+            } else {
+                opened.keepRequestLog(null)
+                dir.deleteRecursively()
+            }
+            null
+        } catch (e: RuntimeException) {
+            getString(R.string.log_failed, e.message)
+        }
+    }
+
     private fun openBundle(dir: File) {
+        bundleDir = dir
         sendButton.isEnabled = false
         messages.removeAllViews()
         statsView.text = getString(R.string.loading, dir.name)
+        val remember = settings.remember
         worker.execute {
             closeEngine()
             val started = SystemClock.elapsedRealtime()
@@ -85,7 +113,9 @@ class MainActivity : Activity() {
                 val opened = Engine.open(dir)
                 engine = opened
                 chat = Chat(opened)
-                getString(R.string.loaded, dir.name, SystemClock.elapsedRealtime() - started)
+                val took = SystemClock.elapsedRealtime() - started
+                val problem = if (remember) applyRemember(opened, dir, true) else null
+                problem ?: getString(R.string.loaded, dir.name, took)
             } catch (e: RuntimeException) {
                 closeEngine()
                 getString(R.string.load_failed, e.message)
@@ -187,6 +217,8 @@ class MainActivity : Activity() {
         val maxNewTokens = view.find<EditText>(R.id.setting_max_new_tokens)
         speculative.isChecked = settings.speculative
         store.isChecked = settings.store
+        val remember = view.find<Switch>(R.id.setting_remember)
+        remember.isChecked = settings.remember
         k.setText(settings.k?.toString().orEmpty())
         temperature.setText(settings.temperature.toString())
         maxNewTokens.setText(settings.maxNewTokens.toString())
@@ -194,13 +226,28 @@ class MainActivity : Activity() {
             .setTitle(R.string.settings)
             .setView(view)
             .setPositiveButton(android.R.string.ok) { _, _ ->
+                val rememberChanged = remember.isChecked != settings.remember
                 settings = Settings(
                     speculative = speculative.isChecked,
                     k = k.text.toString().toIntOrNull(),
                     temperature = temperature.text.toString().toDoubleOrNull() ?: 0.0,
                     maxNewTokens = maxNewTokens.text.toString().toIntOrNull() ?: 256,
                     store = store.isChecked,
+                    remember = remember.isChecked,
                 )
+                getSharedPreferences(PREFERENCES, MODE_PRIVATE).edit()
+                    .putBoolean(REMEMBER, remember.isChecked).apply()
+                val chosen = settings.remember
+                val bundle = bundleDir
+                if (rememberChanged) worker.execute {
+                    val opened = engine
+                    val problem = if (opened != null && bundle != null) {
+                        applyRemember(opened, bundle, chosen)
+                    } else {
+                        null
+                    }
+                    if (problem != null) runOnUiThread { statsView.text = problem }
+                }
             }
             .setNegativeButton(android.R.string.cancel, null)
             .show()
@@ -233,6 +280,9 @@ class MainActivity : Activity() {
         super.onDestroy()
     }
 }
+
+private const val PREFERENCES = "settings"
+private const val REMEMBER = "remember_requests"
 
 // findViewById's generic form (<T : View>) is API 26; these read the View and cast it, which
 // compiles against every android.jar the app is built with (API 23 here, 35 with Gradle).

@@ -35,6 +35,16 @@ internal object Native {
         listener: TextListener,
     ): ByteArray
 
+    /**
+     * Keeps a request log in [dir] (empty: logging stops), seeding the store from it; the
+     * core's result JSON. Throws RuntimeException with the core's message.
+     */
+    @JvmStatic external fun requestLog(
+        handle: Long,
+        dir: ByteArray,
+        optionsJson: ByteArray,
+    ): ByteArray
+
     /** A conversation on an engine (empty system prompt: the template's default). */
     @JvmStatic external fun chatCreate(handle: Long, systemPrompt: ByteArray): Long
 
