@@ -8,6 +8,7 @@ import pytest
 from tiny import hf_reference, save_hf_dir
 
 from mtp_edge.checkpoints import load_model
+from mtp_edge.machine import INT8_PATHS
 from mtp_edge.mtp import target_fingerprint
 from mtp_edge.train import TrainOptions, engines
 from mtp_edge.train.int8 import Int8Transformer
@@ -34,6 +35,11 @@ def test_the_rule():
     assert engines.choose({"int8": 1.0, "fp32": 3.0})[0] == "int8"
     path, why = engines.choose({"int8": 14.0, "fp32": 1.0})
     assert path == "fp32" and "14.0x slower" in why
+    # The words name the CPU's int8 path by its flags; the choice stays the measurement's.
+    path, why = engines.choose({"int8": 14.0, "fp32": 1.0}, INT8_PATHS["avx2"])
+    assert path == "fp32" and why.endswith("(this CPU's int8 path: avx2, no int8 dot product)")
+    path, why = engines.choose({"int8": 3.1, "fp32": 1.0}, INT8_PATHS["avx512-vnni"])
+    assert path == "fp32" and "although this CPU has an int8 dot product (avx512-vnni)" in why
     assert engines.choose({"int8": 1.0, "fp32": 1.05})[0] == "fp32"  # a near tie: the exact one
 
 

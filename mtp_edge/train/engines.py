@@ -21,6 +21,7 @@ from torch import nn
 
 from mtp_edge.checkpoints import LoadedModel
 from mtp_edge.errors import UserError
+from mtp_edge.machine import Int8Path, int8_path
 from mtp_edge.model import Transformer
 from mtp_edge.mtp import target_fingerprint
 from mtp_edge.train.int8 import Int8Linear, int8_writer
@@ -49,13 +50,17 @@ def _distinct_linears(target: Transformer) -> list[tuple[torch.Tensor, int]]:
     return [(w, n) for w, n in counts.values()]
 
 
-def _best_seconds(f: Callable[[], object], repeats: int = 3) -> float:
-    f()  # warm-up (first-call allocations, kernel selection)
-    best = float("inf")
+def _best_seconds(*calls: Callable[[], object], repeats: int = 3) -> list[float]:
+    """The best time of each call over `repeats` rounds, the calls taking turns within a round,
+    so that other work on the cores coming and going weighs on all of them alike."""
+    for f in calls:
+        f()  # warm-up (first-call allocations, kernel selection)
+    best = [float("inf")] * len(calls)
     for _ in range(repeats):
-        began = time.perf_counter()
-        f()
-        best = min(best, time.perf_counter() - began)
+        for i, f in enumerate(calls):
+            began = time.perf_counter()
+            f()
+            best[i] = min(best[i], time.perf_counter() - began)
     return best
 
 
@@ -73,20 +78,32 @@ def probe_paths(target: Transformer, rows: int) -> dict[str, float]:
         x = torch.randn(rows, width, generator=generator)
         int8 = Int8Linear(part)
         scale = count * out_rows / len(part) / rows
-        seconds["fp32"] += _best_seconds(lambda: F.linear(x, part)) * scale  # noqa: B023
-        seconds["int8"] += _best_seconds(lambda: int8(x)) * scale  # noqa: B023
+        fp32, int8_s = _best_seconds(lambda: F.linear(x, part), lambda: int8(x))  # noqa: B023
+        seconds["fp32"] += fp32 * scale
+        seconds["int8"] += int8_s * scale
     return seconds
 
 
-def choose(measured: dict[str, float]) -> tuple[str, str]:
-    """The eager path to take from `measured` (seconds per token by path) and why, in words."""
+def choose(measured: dict[str, float], path: Int8Path | None = None) -> tuple[str, str]:
+    """The eager path to take from `measured` (seconds per token by path) and why, in words.
+    `path`: this CPU's int8 path by its flags (machine.int8_path), which the words name; the
+    choice is the measurement's alone."""
     int8, fp32 = measured["int8"], measured["fp32"]
     ratio = fp32 / max(int8, 1e-12)
     if ratio > INT8_MARGIN:
         return "int8", f"int8 matmuls {ratio:.1f}x faster than fp32 here"
     if ratio >= 1 / INT8_MARGIN:
         return "fp32", "int8 no faster than fp32 here (fp32 is the target's own numbers)"
-    return "fp32", f"int8 matmuls {1 / ratio:.1f}x slower than fp32 here (no fast int8 units)"
+    slower = f"int8 matmuls {1 / ratio:.1f}x slower than fp32 here"
+    if path is None or path.name == "unknown":
+        return "fp32", slower
+    if not path.dot_product:
+        return "fp32", f"{slower} (this CPU's int8 path: {path.name}, no int8 dot product)"
+    # A CPU with an int8 dot product measured slow: most likely other work on its cores.
+    return "fp32", (
+        f"{slower}, although this CPU has an int8 dot product ({path.name}): other work on "
+        "the cores may have slowed the probe"
+    )
 
 
 @dataclass
@@ -138,7 +155,7 @@ def resolve_auto(options: TrainOptions, target: Transformer, say, earlier: dict)
             continue
         rows = min(rows, options.seq_len) if role == "labeller" else rows
         measured = probe_paths(target, rows)
-        path, why = choose(measured)
+        path, why = choose(measured, int8_path())
         setattr(options, role, path)
         times = ", ".join(f"{k} {v * 1e3:.2f} ms/token" for k, v in sorted(measured.items()))
         say(f"{role}: {path} ({why}; {times} at {rows} rows; --{role} forces one)")
