@@ -124,6 +124,62 @@ def test_the_users_requests_are_split_on_their_own():
     assert _split_text(plain, 0.1, 0, 1) == _split(40, 0.1, 0, 1)
 
 
+def test_a_requests_answers_stay_on_one_side_of_the_split():
+    """With several answers per request: a held-out request keeps only its first (greedy)
+    answer, none of a held-out request's answers is trained on, every other answer is."""
+    plain = [Sequence([1, 2, 3], 0, "code") for _ in range(40)]
+    yours = [Sequence([4, 5, r, a], 2, YOURS, f"request {r}") for r in range(20) for a in range(3)]
+    train, heldout = _split_text(plain + yours, 0.1, 0, 1)
+    held = [(plain + yours)[i] for i in heldout if i >= 40]
+    assert len(held) == 2 and all(s.tokens[3] == 0 for s in held)  # the first answers
+    held_groups = {s.group for s in held}
+    trained = [(plain + yours)[i] for i in train if i >= 40]
+    assert not {s.group for s in trained} & held_groups
+    assert len(trained) == 3 * (20 - len(held_groups))
+    # One answer each: the split of the requests is the one before answers were grouped.
+    single = [Sequence([4, 5, 6, i], 2, YOURS, f"request {i}") for i in range(20)]
+    ungrouped = [Sequence([4, 5, 6, i], 2, YOURS) for i in range(20)]
+    assert _split_text(plain + single, 0.1, 0, 1) == _split_text(plain + ungrouped, 0.1, 0, 1)
+
+
+def test_several_answers_per_request(tmp_path):
+    """--answers-per-request 3: after each request's greedy answer, sampled ones (cached under
+    their own keys, recorded in the recipe), while the share has room; refused where it
+    cannot sample or is below 1."""
+    save_chat_dir(tmp_path / "model", hidden_size=32, intermediate_size=64)
+    rng = random.Random(1)
+    asks = tmp_path / "asks.txt"
+    asks.write_text("\n".join(" ".join(rng.choice(WORDS) for _ in range(6)) for _ in range(12)))
+    out = tmp_path / "run" / "heads.safetensors"
+    options = TrainOptions(
+        out=str(out), model=str(tmp_path / "model"), prompts=str(asks), steps=4,
+        gen_tokens=400, gen_max_new=8, gen_batch=8, raw_tokens=200, batch_size=32, seq_len=64,
+        draft_vocab=48, warmup=2, eval_every=10, writer="fp32", labeller="fp32", heldout=0.2,
+        answers_per_request=3, prompts_share=0.9,
+    )  # fmt: skip
+    lines: list[str] = []
+    train_heads(options, lines.append)
+    written = [
+        json.loads(line) for line in artifact_paths(out)["generated"].read_text().splitlines()
+    ]
+    asked = set(read_prompts(str(asks)))
+    greedy = {e["prompt"]: e["response_ids"] for e in written if e["prompt"] in asked}
+    sampled = [e for e in written if "\x00sample " in e["prompt"]]
+    assert len(greedy) == len(asked) and sampled
+    assert {e["prompt"].split("\x00")[0] for e in sampled} <= asked
+    assert any(e["response_ids"] != greedy[e["prompt"].split("\x00")[0]] for e in sampled)
+    line = next(x for x in lines if x.startswith("answers to your requests:"))
+    assert f"{len(asked)} of {len(asked)} (+" in line and "sampled answers)" in line
+    recipe = json.loads(out.with_suffix(".json").read_text())["recipe"]
+    assert recipe["answers_per_request"] == 3
+    for bad, message in (
+        ({"answers_per_request": 0}, "--answers-per-request must be >= 1"),
+        ({"answers_per_request": 2, "writer": "bundle", "bundle": "b"}, "--writer fp32 or int8"),
+    ):
+        with pytest.raises(UserError, match=message):
+            TrainOptions(out=str(out), **bad)
+
+
 def test_a_run_answers_your_requests_and_reports_them(tmp_path):
     save_chat_dir(tmp_path / "model", hidden_size=32, intermediate_size=64)
     rng = random.Random(0)

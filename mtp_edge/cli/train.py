@@ -40,6 +40,15 @@ from mtp_edge.files import check_output
     "answers --prompts; the rest is the default text, which keeps the heads drafting for what "
     "your requests never ask.",
 )
+@click.option(
+    "--answers-per-request",
+    default=1,
+    show_default=True,
+    type=int,
+    help="Answers the target writes to each of --prompts: its greedy one, then answers sampled "
+    "at temperature 0.7 while --prompts-share has room. More text of your requests' kind from "
+    "a few hundred of them (each request's answers stay on one side of the held-out split).",
+)
 @click.option("--k", default=4, show_default=True, help="Draft steps unrolled in training.")
 @click.option(
     "--minutes",

@@ -19,6 +19,8 @@ class Sequence:
     tokens: list[int]
     start: int  # first position a draft may start from (the last prompt token of a chat turn)
     kind: str = ""  # the kind of text, for per-category results ("": the user's, unknown)
+    # The request an answer belongs to (--prompts): the held-out split keeps its answers together
+    group: str = ""
 
 
 # Pure-Python stdlib modules: their docstrings and sources are prose and code that ship offline.

@@ -77,6 +77,10 @@ class TrainOptions:
     # heads will draft for, and the default quarter keeps them drafting for what a stream of
     # a few hundred requests never asks (its test part is unlike it too).
     prompts_share: float = 0.75
+    # Answers the target writes to each of the user's requests: the greedy one, then sampled
+    # ones (ANSWER_TEMPERATURE), while the share above has room: more of the requests' own
+    # kind of text from a few hundred of them, whose greedy answers alone the heads memorise.
+    answers_per_request: int = 1
     raw_tokens: int = 50_000  # tokens of offline text (default corpus only)
     seq_len: int = 512  # longest text sequence
     heldout: float = 0.05  # fraction of sequences held out for evaluation
@@ -148,6 +152,15 @@ class TrainOptions:
                 f"--prompts-share must be in (0, 1], got {self.prompts_share}",
             ),
             (
+                self.answers_per_request >= 1,
+                f"--answers-per-request must be >= 1, got {self.answers_per_request}",
+            ),
+            (
+                self.answers_per_request == 1 or self.writer != "bundle",
+                "--answers-per-request above 1 samples answers, which the exported target's "
+                "writer does not: give --writer fp32 or int8",
+            ),
+            (
                 not (self.prompts and self.data),
                 "--data gives the training text itself and --prompts asks the target to write "
                 "it: give one",
@@ -201,6 +214,8 @@ class TrainOptions:
         values["data"] = [Path(p).name for p in self.data]
         values["init"] = Path(self.init).name if self.init else None
         values["prompts"] = Path(self.prompts).name if self.prompts else None
+        if self.answers_per_request == 1:  # recipes from before it compare equal
+            values.pop("answers_per_request")
         if not self.prompts:  # recipes from before --prompts compare equal
             values.pop("prompts")
             values.pop("prompts_share")

@@ -80,20 +80,26 @@ def _split(n: int, fraction: float, seed: int, world: int) -> tuple[list[int], l
 
 def _split_text(sequences, fraction: float, seed: int, world: int) -> tuple[list, list]:
     """_split over the text, the user's requests (--prompts) split on their own, so that the
-    held-out part holds its share of them: what "tau on your requests" is measured on."""
+    held-out part holds its share of them: what "tau on your requests" is measured on. A
+    request's answers (--answers-per-request) stay on one side: a held-out request keeps its
+    first (greedy) answer for the measurement, and its sampled ones are left out."""
     yours = [i for i, s in enumerate(sequences) if s.kind == YOURS]
     if not yours:
         return _split(len(sequences), fraction, seed, world)
     rest = [i for i, s in enumerate(sequences) if s.kind != YOURS]
     train, heldout = _split(len(rest), fraction, seed, world)
     train, heldout = [rest[i] for i in train], [rest[i] for i in heldout]
-    if len(yours) >= 2:
-        order = torch.randperm(len(yours), generator=torch.Generator().manual_seed(seed + 1))
-        cut = max(1, round(len(yours) * fraction))
-        heldout += [yours[i] for i in order[:cut].tolist()]
-        train += [yours[i] for i in order[cut:].tolist()]
+    groups: dict[str, list[int]] = {}  # a request's answers, its greedy one first
+    for i in yours:
+        groups.setdefault(sequences[i].group or f"\x00{i}", []).append(i)
+    answers = list(groups.values())
+    if len(answers) >= 2:
+        order = torch.randperm(len(answers), generator=torch.Generator().manual_seed(seed + 1))
+        cut = max(1, round(len(answers) * fraction))
+        heldout += [answers[i][0] for i in order[:cut].tolist()]
+        train += [j for i in order[cut:].tolist() for j in answers[i]]
     else:
-        train += yours
+        train += [j for group in answers for j in group]
     return sorted(train), sorted(heldout)
 
 

@@ -10,6 +10,7 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from mtp_edge.checkpoints import LoadedModel
@@ -32,6 +33,9 @@ from mtp_edge.train.prompts import YOURS, encode_request, request_key
 # Without --minutes and without --self-prompt-tokens: response tokens to self-written requests
 # per template response token (about SELF_WRITTEN_SHARE of the writing time, as they cost more).
 SELF_WRITTEN_PER_TEMPLATE = 0.25
+# The temperature of the answers after the first (--answers-per-request): near the greedy
+# answer's phrasing, varied enough to be more text.
+ANSWER_TEMPERATURE = 0.7
 
 
 def _read_generated(path: Path, target_hash: str) -> dict[str, dict]:
@@ -140,9 +144,27 @@ def _answers_to_yours(
         loaded, options, target_hash, rank, world, progress, writer,
         stream, limit, timed, frozen is not None,
     )  # fmt: skip
+    answered = len(yours)
+    # Sampled answers after the greedy ones, a round over the requests at a time, while the
+    # share has room (a resumed run reads back those it wrote, and no more).
+    for sample in range(1, options.answers_per_request):
+        if (limit is not None and mine >= limit) or (timed is not None and timed.writing_over()):
+            break
+        stream = ((YOURS, request) for request in options.requests)
+        more, wrote = _responses(
+            loaded, options, target_hash, rank, world, progress, writer, stream,
+            None if limit is None else limit - mine, timed, frozen is not None, sample=sample,
+        )  # fmt: skip
+        yours, mine = yours + more, mine + wrote
+        if not more:
+            break
     if timed is not None:
         timed.writing_share = 1.0
-    progress(f"answers to your requests: {len(yours)} of {len(options.requests)}, {mine} tokens")
+    sampled = f" (+{len(yours) - answered} sampled answers)" if len(yours) > answered else ""
+    progress(
+        f"answers to your requests: {answered} of {len(options.requests)}{sampled}, "
+        f"{mine} tokens"
+    )
     return yours, mine
 
 
@@ -158,13 +180,16 @@ def _responses(
     limit,
     budget=None,
     replay: bool = False,
+    sample: int = 0,
 ) -> list[Sequence]:
     """Responses to `prompts` until `limit` response tokens (None: no limit) or, with a
     `budget`, its writing deadline: a batch cut by the deadline keeps what it wrote (each row a
     prefix of its greedy response, as --gen-max-new cuts them too). `replay`: only the cached
     responses, as a --minutes run that stopped writing read them (a resumed run's text). A
-    finite stream of prompts ends the writing when it runs out. Returns the sequences and their
-    response tokens."""
+    finite stream of prompts ends the writing when it runs out. `sample` > 0: the sample-th
+    answer sampled at ANSWER_TEMPERATURE (seeded by --seed and `sample`) instead of the greedy
+    one, cached under its own key; replayed, a round ends quietly where the earlier run
+    stopped. Returns the sequences and their response tokens."""
     path = artifact_paths(options.out)["generated"]
     cached = _read_generated(path, target_hash)
     tokenizer = loaded.tokenizer
@@ -176,6 +201,12 @@ def _responses(
     bar = generation.writing_bar(limit, "writing responses", "tok", 0)
 
     read = [0, 0]  # prompts of the batch prefilled, of how many (a batch starts with them)
+    sampling = {}
+    if sample:
+        seed = options.seed * 1_000_003 + sample
+        sampling = {"temperature": ANSWER_TEMPERATURE,
+                    "generator": torch.Generator().manual_seed(seed)}  # fmt: skip
+    groups: dict[str, str] = {}  # cache key -> the request's own key
 
     def shown(added: int) -> bool:
         """Tokens written by a decoding step: the bar only (no deadline to stop on)."""
@@ -205,15 +236,19 @@ def _responses(
             except StopIteration:
                 exhausted = True
                 break
-            prompt, ids = request_key(request), encode_request(tokenizer, request)
+            group, ids = request_key(request), encode_request(tokenizer, request)
+            prompt = group if not sample else f"{group}\x00sample {sample}"
             if prompt not in seen and len(ids) <= options.seq_len:
                 seen.add(prompt)
                 kinds[prompt] = kind
+                groups[prompt] = group if kind == YOURS else ""
                 batch.append((prompt, ids))
         if not batch:
             break
         todo = [(p, ids) for p, ids in batch if p not in cached]
-        if replay and len(todo) == len(batch):
+        ended = replay and sample and bool(todo)  # the earlier run's sampled answers end here
+        exhausted = exhausted or ended
+        if replay and not sample and len(todo) == len(batch):
             raise UserError(
                 f"the text an earlier run wrote is gone from {path}: rerun without --resume"
             )
@@ -232,9 +267,15 @@ def _responses(
             prompt_ids, longest = [ids for _, ids in mine], options.gen_max_new
             read[:] = [0, len(mine) if eager else 0]
             write = generation.generate_batch if eager else generation.generate_with_session
+            if sampling and not eager:
+                raise UserError(
+                    "--answers-per-request above 1 samples answers, which the exported "
+                    "target's writer does not: give --writer fp32 or int8"
+                )
             outs = write(
-                writer, prompt_ids, longest, tokenizer.eos_ids, on_step=step if timed else shown
-            )
+                writer, prompt_ids, longest, tokenizer.eos_ids,
+                on_step=step if timed else shown, **sampling,
+            )  # fmt: skip
             if not timed and budget is not None:
                 budget.wrote(sum(map(len, outs)))
             cut = budget is not None and budget.writing_over()
@@ -260,7 +301,11 @@ def _responses(
                 f.writelines(json.dumps(e, ensure_ascii=False) + "\n" for e in responses)
         for entry in responses:
             cached[entry["prompt"]] = entry
-        if not cut and not any(cached.get(p, {}).get("response_ids") for p, _ in batch):
+        if (
+            not cut
+            and not ended
+            and not any(cached.get(p, {}).get("response_ids") for p, _ in batch)
+        ):
             raise UserError(
                 f"{loaded.name} ended every response at once (eos first): it cannot write its own "
                 "training text; give text files with --data"
@@ -274,6 +319,7 @@ def _responses(
                         entry["prompt_ids"] + entry["response_ids"],
                         len(entry["prompt_ids"]) - 1,
                         kinds[prompt],
+                        groups[prompt],
                     )
                 )
                 total += len(entry["response_ids"])
