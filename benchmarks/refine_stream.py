@@ -123,7 +123,7 @@ def write_stream(work: Path, max_new_tokens: int) -> dict:
 # in all, the stream's answers taking up to share x gen of them, template answers the rest),
 # raw (--raw-tokens: offline text), max_new (--gen-max-new: the longest answer written).
 RUN_SETTINGS = {"minutes": 0.0, "share": 0.85, "k": 4, "steps": 600, "gen": 24000,
-                "raw": 20000, "max_new": 96}  # fmt: skip
+                "raw": 20000, "max_new": 96, "answers": 1}  # fmt: skip
 
 
 def parse_run(text: str) -> dict:
@@ -202,6 +202,8 @@ def train(runner: Runner, run: dict, stream: dict, threads: int) -> Path:
             "--prompts-share", f"{run['share']:g}", "--k", str(run["k"]),
             "--gen-max-new", str(run["max_new"]), "--threads", str(threads), "-o", str(out),
             "--json", str(out.with_suffix(".summary.json"))]  # fmt: skip
+    if run["answers"] != 1:
+        argv += ["--answers-per-request", str(run["answers"])]
     if run["minutes"] > 0:
         argv += ["--minutes", f"{run['minutes']:g}"]
     else:
