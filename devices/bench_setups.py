@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from mtp_edge.devices.harness import Prompt, Suite, bench_report, progress_line
 from mtp_edge.devices.workers import IsolatedSetup
@@ -103,7 +104,43 @@ def bench(
             for run, report in zip(runs, reports, strict=True):
                 mark_partial(report, run.done, len(prompts), cause)
             raise Stopped(reports, cause) from None
-        return [run.report(command, peer) for run in runs]
+        return _reports_sharing_peers(runs, setups, command, peer)
     finally:
         for run in runs:
             run.close()
+
+
+def _reports_sharing_peers(runs, setups: list[LoadOptions], command: str, peer: bool) -> list:
+    """Each worker's report, the ExecuTorch TextLLMRunner peer measured once per target program:
+    setups that differ only in their drafter (a bundle and its copies with other heads, one
+    bundle at several floors) decode the same .pte, and the peer takes minutes a setup."""
+    reports, measured = [], {}
+    for run, options in zip(runs, setups, strict=True):
+        key = _peer_key(options) if peer else None
+        first = measured.get(key) if key is not None else None
+        report = run.report(command, peer and first is None)
+        if first is not None and report is not None and "peer_textllmrunner" in first[1]:
+            report["peer_textllmrunner"] = {
+                **first[1]["peer_textllmrunner"],
+                "shared_with": first[0],
+            }
+        elif key is not None and report is not None:
+            measured[key] = (run.label, report)
+        reports.append(report)
+    return reports
+
+
+def _peer_key(options: LoadOptions) -> tuple | None:
+    """What the TextLLMRunner peer of a setup decodes: the bundle's target program and tokenizer
+    (by their sha256) and whether prompts are chat-wrapped. None: not a bundle, or unreadable
+    (its own worker then measures, or reports why not)."""
+    if not options.bundle:
+        return None
+    from mtp_edge.manifest import Manifest, sha256
+
+    try:
+        bundle = Path(options.bundle)
+        target = Manifest.load(bundle, verify=False).models["target"].sha256
+        return (target, sha256(bundle / "tokenizer.json"), options.chat)
+    except Exception:
+        return None

@@ -366,7 +366,8 @@ def to_markdown(report: dict) -> str:
         lines += [
             "",
             "Peer baseline, ExecuTorch TextLLMRunner on the same target .pte (plain): "
-            + (f"{peer['tokens_per_s']:.1f} tok/s" if "error" not in peer else peer["error"]),
+            + (f"{peer['tokens_per_s']:.1f} tok/s" if "error" not in peer else peer["error"])
+            + (f" (measured once, with {peer['shared_with']})" if "shared_with" in peer else ""),
         ]
     llama = report.get("peer_llama_cpp")
     if llama:

@@ -290,6 +290,7 @@ def test_bench_report_with_compare_and_repeat(bundle, bundle_8bit, prompts, tmp_
     assert report["machine"]["memory_bandwidth_gbs"] > 0
     runs = report["runs"]
     assert [Path(r["bundle"]).name for r in runs] == ["tiny-8da4w", "tiny-8da8w"]
+    assert not any("shared_with" in r["peer_textllmrunner"] for r in runs)  # two programs
     for r in runs:
         spread = r["summary"]["spread"]
         assert len(spread["ar_tokens_per_s"]["runs"]) == 2
@@ -304,7 +305,12 @@ def test_compare_k_values_of_one_bundle(bundle, prompts, tmp_path):
     args = ["--bundle", str(bundle), "--compare", f"{bundle},k=2", "--prompts", str(prompts)]
     result = CliRunner().invoke(bench, [*args, "--json", str(out)])
     assert result.exit_code == 0, result.output
-    assert [r["k"] for r in json.loads(out.read_text())["runs"]] == [4, 2]
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["k"] for r in runs] == [4, 2]
+    # One target program: ExecuTorch's runner decodes it once, both setups report it.
+    first, second = runs[0]["peer_textllmrunner"], runs[1]["peer_textllmrunner"]
+    assert "shared_with" not in first and second.pop("shared_with").startswith(bundle.name)
+    assert second == first
     bad = CliRunner().invoke(bench, ["--bundle", str(bundle), "--compare", f"{bundle},q=1"])
     assert "expected DIR[,k=N][,drafter=NAME][,draft_confidence=P]" in error_line(bad)
     bad = CliRunner().invoke(
