@@ -4,7 +4,11 @@ the shipped heads and plain decoding, side by side in one run.
 
     python benchmarks/refine_stream.py --work DIR [--run NAME:key=value,... ...] [--floor P ...]
         [--threads 2] [--max-new-tokens 64] [--nice] [--shipped-only]
-        [--out benchmarks/results/drafting/refine_stream]
+        [--model GGUF|HF_DIR --heads HEADS] [--out benchmarks/results/drafting/refine_stream]
+
+The target is the default model with its shipped heads unless --model names another one; then
+--heads gives the heads to start from (that model's general heads, from a plain mtp-train run),
+and "shipped" below means those.
 
 The stream is adapt_stream.py's (questions about Python standard-library modules, a theme
 unlike the heads' training text) with more templates, so that it holds 400 distinct requests.
@@ -140,7 +144,9 @@ def parse_run(text: str) -> dict:
     return run
 
 
-def shipped_heads() -> str:
+def shipped_heads(args) -> str:
+    if args.model:
+        return str(Path(args.heads).resolve())
     from mtp_edge.mtp import shipped_heads as find
 
     path = find("SmolLM2-135M-Instruct")
@@ -195,10 +201,16 @@ class Runner:
         return seconds
 
 
-def train(runner: Runner, run: dict, stream: dict, threads: int) -> Path:
+def model_args(args) -> list[str]:
+    return ["-m", str(Path(args.model).resolve())] if args.model else []
+
+
+def train(runner: Runner, run: dict, stream: dict, args) -> Path:
+    threads = args.threads
     out = runner.work / run["name"] / "heads.safetensors"
     out.parent.mkdir(parents=True, exist_ok=True)
-    argv = [bin_("mtp-train"), "--init", shipped_heads(), "--prompts", stream["train_file"],
+    argv = [bin_("mtp-train"), *model_args(args), "--init", shipped_heads(args),
+            "--prompts", stream["train_file"],
             "--prompts-share", f"{run['share']:g}", "--k", str(run["k"]),
             "--gen-max-new", str(run["max_new"]), "--threads", str(threads), "-o", str(out),
             "--json", str(out.with_suffix(".summary.json"))]  # fmt: skip
@@ -213,14 +225,16 @@ def train(runner: Runner, run: dict, stream: dict, threads: int) -> Path:
     return out
 
 
-def export(runner: Runner, name: str, heads: Path | None, k: int) -> Path:
+def export(runner: Runner, name: str, heads: Path | None, k: int, args) -> Path:
     bundle = runner.work / "bundles" / name
     shipped = runner.work / "bundles" / "shipped"
     if heads is not None and k == 4 and name != "shipped":  # the shipped bundle's k
         argv = [bin_("mtp-export"), "--update-heads", str(shipped), "--heads", str(heads)]
         runner.run(f"export-{name}", [*argv, "-o", str(bundle)], bundle / "manifest.json")
         return bundle
-    argv = [bin_("mtp-export"), "--target", "android", "-o", str(bundle)]
+    argv = [bin_("mtp-export"), "--target", "android", *model_args(args), "-o", str(bundle)]
+    if heads is None and args.model:
+        heads = Path(shipped_heads(args))
     if heads is not None:
         argv += ["--heads", str(heads)]
     if k != 4:
@@ -241,11 +255,11 @@ def terms(summary: dict) -> dict:
     return {k: summary.get(k) for k in keys}
 
 
-def describe(spec: str, work: Path) -> tuple[str, float | None]:
+def describe(spec: str, start: str) -> tuple[str, float | None]:
     """A --compare spec's setup name and draft-confidence floor (None: the bundle's)."""
     path, *settings = spec.split(",")
     name = Path(path).name
-    label = "shipped heads" if name == "shipped" else f"refined: {name}"
+    label = start if name == "shipped" else f"refined: {name}"
     floor = None
     for item in settings:
         key, _, value = item.partition("=")
@@ -259,7 +273,7 @@ def report(args, stream: dict, runs: list[dict], bench: dict, runner: Runner, sp
     # mtp-bench's runs come in the order of the setups: --bundle, then each --compare.
     # One setup alone: mtp-bench writes its report flat, not as a list of runs.
     for spec, entry in zip(specs, bench.get("runs", [bench]), strict=True):
-        label, floor = describe(spec, runner.work)
+        label, floor = describe(spec, "starting heads" if args.model else "shipped heads")
         s = entry["summary"]
         identical = sum(bool(p["identical"]) for p in entry["prompts"])
         rows.append({
@@ -291,6 +305,8 @@ def report(args, stream: dict, runs: list[dict], bench: dict, runner: Runner, sp
         })  # fmt: skip
     result = {
         "goal": "tau >= 2.3 on the 100 test requests, speedup >= 1.8x over plain, lossless",
+        "model": args.model or "default (SmolLM2-135M-Instruct)",
+        "starting_heads": shipped_heads(args),
         "stream": stream,
         "runs": trained,
         "setups": rows,
@@ -308,6 +324,9 @@ def markdown(result: dict) -> str:
     s = result["stream"]
     lines = [
         "# Heads refined on a request stream",
+        "",
+        f"Model: {result.get('model', 'default')}; starting heads: "
+        f"{Path(result.get('starting_heads', 'shipped')).name}.",
         "",
         f"Stream: {s['distinct_requests']} distinct requests ({s['templates']} templates x "
         f"{s['modules']} Python standard-library modules). Training: {s['train_requests']} "
@@ -340,7 +359,7 @@ def markdown(result: dict) -> str:
                       f"of {p['prompts']} test requests; the figures are over those."]  # fmt: skip
     lines += [
         "",
-        "Training (from the shipped heads, on the 200 training requests):",
+        "Training (from the starting heads, on the 200 training requests):",
         "",
         "| run | settings | training minutes (wall / CPU) | steps | draft vocab | tau on its "
         "held-out requests | held-out tau (all text) |",
@@ -386,8 +405,15 @@ def main() -> None:
         action="store_true",
         help="No training: the shipped heads' bundle alone on the test requests (the baseline).",
     )
+    parser.add_argument("--model", help="Another target than the default (GGUF or HF folder).")
+    parser.add_argument("--heads", help="With --model: the heads to start from (its general ones).")
     parser.add_argument("--out", default="benchmarks/results/drafting/refine_stream")
     args = parser.parse_args()
+    if bool(args.model) != bool(args.heads):
+        parser.error("--model and --heads go together: the target and the heads to start from")
+    for given in filter(None, (args.model, args.heads)):
+        if not Path(given).exists():
+            parser.error(f"{given}: no such file or folder")
 
     work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -397,9 +423,9 @@ def main() -> None:
         return
     runs = [] if args.shipped_only else [parse_run(r) for r in args.run or ["main"]]
     runner = Runner(work, args.nice)
-    heads = {r["name"]: train(runner, r, stream, args.threads) for r in runs}
-    shipped = export(runner, "shipped", None, 4)
-    refined = {r["name"]: export(runner, r["name"], heads[r["name"]], r["k"]) for r in runs}
+    heads = {r["name"]: train(runner, r, stream, args) for r in runs}
+    shipped = export(runner, "shipped", None, 4, args)
+    refined = {r["name"]: export(runner, r["name"], heads[r["name"]], r["k"], args) for r in runs}
     bench_json = work / ("bench-shipped.json" if args.shipped_only else "bench.json")
     argv = [bin_("mtp-bench"), "--bundle", str(shipped)]
     specs = setups(shipped, refined, args.floor)
