@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 
 import pytest
+import torch
 from click.testing import CliRunner
 from tiny import save_chat_dir
 
@@ -207,6 +209,39 @@ def test_a_run_answers_your_requests_and_reports_them(tmp_path):
     assert "tau on your requests" in summary["report"]
     recipe = json.loads(out.with_suffix(".json").read_text())
     assert recipe["recipe"]["prompts"] == "asks.jsonl" and recipe["recipe"]["prompts_share"] == 0.75
+    # every evaluation measured the held-out requests too, and the heads kept are the best there
+    history = summary["history"]
+    assert [h["step"] for h in history] == [0, 10, 20]
+    assert all(h["yours_tau"] >= 1 for h in history)
+    best = next(h for h in history if h["step"] == summary["best_step"])
+    assert best["yours_tau"] == max(h["yours_tau"] for h in history)
+    assert any("your requests tau~" in line for line in lines if line.startswith("step "))
+
+    # Refined from those heads with a learning rate too small to change a weight: no step beats the
+    # start, which is written as it was, and the run says so.
+    again = tmp_path / "again" / "heads.safetensors"
+    lines.clear()
+    options = replace(options, out=str(again), init=str(out), lr=1e-30)
+    summary = train_heads(options, lines.append)
+    assert summary["best_step"] == 0
+    assert any(line.startswith("note: no step beat the heads of --init") for line in lines)
+
+
+def test_the_users_held_out_requests_choose_the_best_heads():
+    """With --prompts the held-out answers to the user's requests decide which heads a run
+    keeps: the rest of the held-out text may be text the --init heads trained on."""
+    from mtp_edge.train.state import Scores
+
+    head = torch.nn.Linear(2, 2)
+    scores = Scores(recipe={})
+    scores.remember({"step": 0, "tau": 3.0, "loss": 1.0, "yours_tau": 1.5}, head)
+    scores.remember({"step": 100, "tau": 2.2, "loss": 2.0, "yours_tau": 1.9}, head)
+    scores.remember({"step": 200, "tau": 2.5, "loss": 1.5, "yours_tau": 1.8}, head)
+    assert scores.best_entry["step"] == 100
+    plain = Scores(recipe={})  # no requests of the user's: the whole held-out tau
+    for entry in ({"step": 0, "tau": 3.0, "loss": 1.0}, {"step": 100, "tau": 2.2, "loss": 2.0}):
+        plain.remember(entry, head)
+    assert plain.best_entry["step"] == 0
 
 
 def test_gen_max_new_reaches_the_writer(tmp_path, monkeypatch):

@@ -189,4 +189,7 @@ def evaluate(
 def describe(result: dict) -> str:
     """One held-out result on one line."""
     accepted = "/".join(f"{a:.2f}" for a in result["acceptance"])
-    return f"loss {result['loss']:.3f}  acceptance {accepted}  tau~{result['tau']:.2f}"
+    line = f"loss {result['loss']:.3f}  acceptance {accepted}  tau~{result['tau']:.2f}"
+    if "yours_tau" in result:
+        line += f"  your requests tau~{result['yours_tau']:.2f}"
+    return line

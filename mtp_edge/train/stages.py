@@ -326,6 +326,10 @@ def heads_and_optimizer(run: Run, labelled: Labelled) -> Trainer:
     to_draft[draft_ids] = torch.arange(len(draft_ids))
     train, heldout = labels_to(labelled.train, device), labels_to(labelled.heldout, device)
     longest = int(max(train.bounds[:, 1].max(), heldout.bounds[:, 1].max()))
+    mine = [i for i, s in enumerate(labelled.heldout_seqs) if s.kind == YOURS]
+    yours = None  # evaluate's all-reduce needs one held-out set on every process
+    if mine and run.world == 1:
+        yours = labels_to(select_sequences(labelled.heldout, mine), device)
     return Trainer(
         config=config,
         head=head,
@@ -340,6 +344,7 @@ def heads_and_optimizer(run: Run, labelled: Labelled) -> Trainer:
         rope=tuple(t.to(device) for t in rope_tables(c, longest + options.k + 1)),
         soft=options.labels == "soft",
         context=context,
+        yours=yours,
     )
 
 
@@ -413,6 +418,13 @@ def evaluation(run: Run, labelled: Labelled, trainer: Trainer, scores: Scores) -
     if run.rank == 0:
         save_heads(head.cpu(), config, options.out)
         run.say(f"wrote {options.out}: held-out {describe(final)} (step {final['step']})")
+        if final["step"] == 0 and options.init and scores.step > 0:
+            run.say(
+                f"note: no step beat the heads of --init on held-out text ({scores.step} steps): "
+                "they are written as they were (on this run's draft vocabulary); fewer --steps "
+                "or a lower --lr learn without forgetting them, more text per request "
+                "(--answers-per-request) gives more to learn"
+            )
         text = {
             "written": labelled.written,
             "labelled": labelled.labelled,

@@ -102,6 +102,13 @@ class Trainer:
     rope: tuple[torch.Tensor, torch.Tensor]
     soft: bool
     context: bool  # heads with attention (trained on whole sequences)
+    # the held-out answers to --prompts' requests, what the run's best heads are chosen on when
+    # there are any (None: no --prompts, or several processes)
+    yours: Labels | None = None
+
+
+def _rank(entry: dict) -> tuple:
+    return (entry.get("yours_tau", entry["tau"]), entry["tau"], -entry["loss"])
 
 
 @dataclass
@@ -116,9 +123,12 @@ class Scores:
 
     def remember(self, entry: dict, head: MTPHead) -> None:
         """A held-out evaluation: into the history, and kept if it is the best so far (higher
-        tau, the greedy acceptance drafting earns; then lower loss)."""
+        tau, the greedy acceptance drafting earns; then lower loss). With the user's requests
+        (--prompts) their held-out answers' tau decides first: the rest of the held-out text is
+        default text, which heads started from --init may have trained on, so its tau favours
+        the start over what the run learns."""
         self.history.append(entry)
         best = self.best_entry
-        if best is None or (entry["tau"], -entry["loss"]) > (best["tau"], -best["loss"]):
+        if best is None or _rank(entry) > _rank(best):
             self.best_entry = entry
             self.best = {n: t.detach().clone() for n, t in head.state_dict().items()}

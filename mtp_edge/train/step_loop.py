@@ -64,6 +64,15 @@ def held_out(
     return result
 
 
+def scored(run: Run, t: Trainer, show: bool = True) -> dict:
+    """A held-out evaluation for the history: all the held-out text, and with --prompts also
+    the held-out answers to the user's requests alone ("yours_tau")."""
+    result = held_out(run, t, show=show)
+    if t.yours is not None:
+        result["yours_tau"] = held_out(run, t, t.yours, show=False)["tau"]
+    return result
+
+
 def checkpoint(run: Run, t: Trainer, scores: Scores) -> None:
     if run.rank == 0:
         record = {"step": scores.step, "recipe": scores.recipe, "world_size": run.world}
@@ -138,8 +147,11 @@ class Pace:
     def now(self, step: int, last: bool) -> tuple[bool, bool]:
         """Whether to evaluate, whether to save after `step`."""
         if self.deadline is None:
-            every = self.options.eval_every, self.options.checkpoint_every
-            return step % every[0] == 0 or last, step % every[1] == 0 or last
+            # at least ~10 evaluations a run: a short refinement (--init) can pass its best
+            # between two evaluations 500 steps apart
+            steps = self.options.steps or 0
+            every = min(self.options.eval_every, max(25, steps // 10))
+            return step % every == 0 or last, step % self.options.checkpoint_every == 0 or last
         due = last or self.clock() - self.last_eval >= self.every_s
         return due, due
 
@@ -153,7 +165,7 @@ def train_steps(run: Run, t: Trainer, scores: Scores) -> None:
     options, say = run.options, run.say
     run.timer.stage("training")
     if scores.step == 0:
-        scores.remember({"step": 0, **held_out(run, t)}, t.head)
+        scores.remember({"step": 0, **scored(run, t)}, t.head)
         say("step 0  held-out " + describe(scores.history[-1]))
     pace = Pace(run)
     running, last_log, first_step = [], time.perf_counter(), scores.step
@@ -173,7 +185,7 @@ def train_steps(run: Run, t: Trainer, scores: Scores) -> None:
         evaluate_now, save_now = pace.now(step, last=not going)
         if evaluate_now:
             # No bar of its own under the training bar (in a log, a nested bar is noise).
-            result = held_out(run, t, show=False)
+            result = scored(run, t, show=False)
             entry = {"step": step, "train_loss": sum(running) / len(running), **result}
             scores.remember(entry, t.head)
             pace.last_eval = run.clock()
