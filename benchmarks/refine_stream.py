@@ -335,7 +335,8 @@ def markdown(result: dict) -> str:
         f"modules training saw (seen-module), {s['test_new_module']} about the "
         f"{len(s['new_modules'])} it never saw (new-module: {', '.join(s['new_modules'])}).",
         "",
-        "| setup | floor | tau | tau seen / new module | verify/decode | draft/decode | "
+        "| setup | floor | tau | median tau per request, seen / new module | verify/decode | "
+        "draft/decode | "
         "plain tok/s | spec tok/s | speedup | identical to plain |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
