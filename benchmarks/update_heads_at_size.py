@@ -142,8 +142,9 @@ def main() -> None:
     )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    out.with_suffix(".md").write_text(markdown(result))
+    # "heads_update_1.5b" has no suffix to replace: the extensions are appended
+    Path(f"{out}.json").write_text(json.dumps(result, indent=1) + "\n")
+    Path(f"{out}.md").write_text(markdown(result))
     print(markdown(result))
 
 
