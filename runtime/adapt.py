@@ -21,7 +21,13 @@ Training needs no weights of the program: a pair keeps the features f (float32),
 logits the program returned for them (float16) and the target's token; a step fits U and V by
 cross-entropy of (stored logits + U V f) on a batch drawn from the buffer. The buffer is
 preallocated (2048 pairs: 38 MB for a 576-wide head with 8192 draft tokens), so memory stays
-flat however long the stream.
+flat however long the stream. A step's batch allocates and frees blocks of several MB (256 rows
+of 8192 logits: 8 MB, and their gradient); glibc's malloc, once such a block is freed, serves
+that size from its heap and keeps it resident, so an adapting model fixes the mmap threshold at
+1 MB (`mtp_edge.memory.return_freed_memory`, for the whole process). Measured over 400 requests
+(benchmarks/adapt_memory.py): RSS +40 MB over the second half with glibc's default, +0.4 with
+the threshold fixed (the first half fills the buffer and the store); malloc's bytes in use
++0.2 either way.
 
 Cost, bounded by accounting: each request earns `share` (default 10%) of its generation time as
 credit (capped at 2 s, so idle time does not pile up into a long burst); optimizer steps run
@@ -56,6 +62,7 @@ import torch
 import torch.nn.functional as F
 
 from mtp_edge.errors import UserError
+from mtp_edge.memory import return_freed_memory
 from mtp_edge.mtp import MTPConfig, MTPHead, heads_file, save_heads
 from mtp_edge.runtime.answer_store import AnswerStore
 from mtp_edge.runtime.drafters import Draft, HybridDrafter
@@ -153,6 +160,7 @@ class Adapter:
         self.adapt_seconds = 0.0
         self.generation_seconds = 0.0
         self.store = AnswerStore()  # the requests served, drafted from where the head stops
+        return_freed_memory()  # a step's multi-MB temporaries go back when freed
         self.queued: list[tuple] = []  # pairs of the request so far, filed when it ends
 
     def features(self, g: torch.Tensor) -> torch.Tensor:
