@@ -50,13 +50,6 @@ def malloc_in_use_mb() -> float | None:
     return (info.uordblks + info.hblkhd) / 2**20
 
 
-def rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
 def serve(args) -> None:
     """The child: one setting, the adapting model alone, a row per request as JSON lines."""
     import mtp_edge.runtime.adapt as adapt
@@ -64,7 +57,7 @@ def serve(args) -> None:
     if args.setting == "glibc-default":  # what an adapting model did before it fixed the threshold
         adapt.return_freed_memory = lambda: None
     sys.path.insert(0, str(Path(__file__).parent))
-    from adapt_stream import stream
+    from adapt_stream import rss_mb, stream
 
     from mtp_edge import load
 
