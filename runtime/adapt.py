@@ -360,9 +360,10 @@ def check_can_adapt(spec: str | None) -> None:
         )
 
 
-def bundle_heads(bundle, heads: str | None) -> tuple[MTPHead, str]:
-    """The heads a bundle's MTP program was exported from: `heads`, else those shipped for its
-    model, checked against what the bundle records (draft vocabulary, recipe, sizes)."""
+def bundle_heads(bundle, heads: str | None, use: str = "--adapt", flag: str = "--heads"):
+    """The heads a bundle's MTP program was exported from and their path: `heads`, else those
+    shipped for its model, checked against what the bundle records (draft vocabulary, recipe,
+    sizes). `use` and `flag` name, in errors, what needs them and the option that gives them."""
     from safetensors import safe_open
 
     from mtp_edge.mtp import _METADATA_KEY, load_heads
@@ -371,8 +372,8 @@ def bundle_heads(bundle, heads: str | None) -> tuple[MTPHead, str]:
     path = heads_file(m.model_name, heads)
     if path is None:
         raise UserError(
-            f"--adapt on bundle {bundle.path} needs the heads file it was exported from (the "
-            "bundle carries them only inside its program): pass --heads FILE"
+            f"{use} on bundle {bundle.path} needs the heads file it was exported from (the "
+            f"bundle carries them only inside its program): pass {flag} FILE"
         )
     try:
         with safe_open(str(path), framework="pt") as f:
@@ -380,7 +381,7 @@ def bundle_heads(bundle, heads: str | None) -> tuple[MTPHead, str]:
     except Exception as e:  # noqa: BLE001 - any unreadable file gets the one line below
         raise UserError(
             f"{path} is not an MTP heads file ({type(e).__name__}): pass the heads bundle "
-            f"{bundle.path} was exported from with --heads"
+            f"{bundle.path} was exported from with {flag}"
         ) from None
 
     class _Target:  # what load_heads checks: the sizes the bundle records
@@ -398,7 +399,7 @@ def bundle_heads(bundle, heads: str | None) -> tuple[MTPHead, str]:
     if not same_ids or (bundle_recipe and recipe != bundle_recipe):
         raise UserError(
             f"{path} are not the heads bundle {bundle.path} was exported from (draft "
-            f"vocabulary or training recipe differ): pass those with --heads FILE"
+            f"vocabulary or training recipe differ): pass those with {flag} FILE"
         )
     return head.float(), str(path)
 

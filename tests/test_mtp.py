@@ -485,6 +485,20 @@ def test_init_continues_from_heads(tiny_dir, trained):
     assert second.config.attention == first.config.attention
 
 
+def test_init_takes_heads_or_the_bundle_they_were_exported_into(tmp_path, mtp_bundle_of):
+    """--init names a heads file, or a bundle (the heads it was exported from, when they are at
+    hand); anything else is one line naming --init, not a hint to train heads at that path."""
+    from mtp_edge.train.stages import init_heads
+
+    with pytest.raises(UserError, match=r"^--init \S*nope.safetensors: no heads file there"):
+        init_heads(str(tmp_path / "nope.safetensors"))
+    bundle = mtp_bundle_of("none")  # a tiny model: no heads are shipped for it
+    with pytest.raises(UserError, match=r"^--init on bundle .*: pass --init FILE$"):
+        init_heads(str(bundle))
+    heads = str(bundle.parent / "heads.safetensors")
+    assert init_heads(heads) == heads
+
+
 def test_further_training_takes_the_new_texts_vocabulary():
     """--init on other text: the draft vocabulary is chosen anew; shared tokens keep their
     trained LM-head rows (wherever they now sit), new ones start from the target's rows."""

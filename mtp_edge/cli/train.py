@@ -109,7 +109,8 @@ from mtp_edge.files import check_output
     "--init",
     default=None,
     help="Continue training these heads (their design carries over; the draft vocabulary "
-    "is chosen on the new text, shared tokens keep their trained rows).",
+    "is chosen on the new text, shared tokens keep their trained rows): a heads file, or a "
+    "bundle whose heads are shipped for its model.",
 )
 @click.option(
     "--raw-tokens",

@@ -141,6 +141,23 @@ def _train(options: TrainOptions, rank: int, world: int, progress, clock) -> dic
     return evaluation(run, labelled, trainer, scores)
 
 
+def init_heads(init: str) -> str:
+    """The heads file --init names: a heads file, or a bundle directory (the heads it was
+    exported from: those shipped for its model, checked against it)."""
+    path = Path(init)
+    if (path / "manifest.json").is_file():
+        from mtp_edge.runtime.adapt import bundle_heads
+        from mtp_edge.runtime.bundle import open_bundle
+
+        return str(bundle_heads(open_bundle(path), None, "--init", "--init")[1])
+    if not path.is_file():
+        raise UserError(
+            f"--init {init}: no heads file there; give the .safetensors heads to continue from "
+            "(what mtp-train -o wrote) or the bundle they were exported into"
+        )
+    return init
+
+
 def set_up(options: TrainOptions, rank: int, world: int, progress, clock) -> Run:
     """The budget (under --minutes), the target, --init's heads, who writes and who labels;
     under --minutes, this machine's rates measured."""
@@ -176,6 +193,7 @@ def set_up(options: TrainOptions, rank: int, world: int, progress, clock) -> Run
     loaded.model.requires_grad_(False)
     start = None
     if options.init:  # continue training these heads: their design carries over
+        options.init = init_heads(options.init)
         start = load_heads(options.init, loaded.model, loaded.name)
         options.attention = start.config.attention
         say(f"starting from {options.init} ({start.config.attention} attention)")
