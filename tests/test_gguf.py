@@ -58,12 +58,16 @@ def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
-def random_blocks(rows: int, cols: int, kind: Q, rng) -> np.ndarray:
-    """Valid Q4_K/Q6_K/IQ4_NL bytes: random quants and scales, small f16 block scales.
+# Types gguf-py cannot quantize to; any bytes make a valid block of them once the block's f16
+# scale is a sane number.
+RANDOM_BLOCK_TYPES = (
+    Q.Q4_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS, Q.IQ3_S, Q.IQ3_XXS, Q.IQ2_S, Q.IQ2_XS, Q.IQ2_XXS,
+    Q.IQ1_M, Q.IQ1_S, Q.TQ2_0,
+)  # fmt: skip
 
-    gguf-py cannot quantize to these types, and any bytes make a valid block once its f16
-    scales are sane numbers.
-    """
+
+def random_blocks(rows: int, cols: int, kind: Q, rng) -> np.ndarray:
+    """Valid bytes of one of RANDOM_BLOCK_TYPES: random quants and scales, small f16 scales."""
     block_values, block_bytes = gguf.GGML_QUANT_SIZES[kind]
     blocks = rng.integers(0, 256, size=(rows * cols // block_values, block_bytes), dtype=np.uint8)
     scale = np.array([1e-4], dtype=np.float16).view(np.uint8)
@@ -71,7 +75,14 @@ def random_blocks(rows: int, cols: int, kind: Q, rng) -> np.ndarray:
         blocks[:, -2:] = scale
     elif kind == Q.Q4_K:  # d, dmin, packed scales, quants
         blocks[:, 0:2] = blocks[:, 2:4] = scale
-    else:  # IQ4_NL: d, quants
+    elif kind == Q.TQ2_0:  # quants, then d
+        blocks[:, -2:] = scale
+    elif kind == Q.IQ1_M:  # qs[32], qh[16], scales as 4 x u16 whose top nibbles make the f16 d
+        bits = int(np.array([1e-2], dtype=np.float16).view(np.uint16)[0])
+        for i in range(4):
+            byte = blocks[:, 49 + 2 * i]
+            blocks[:, 49 + 2 * i] = (byte & 0x0F) | (((bits >> (4 * i)) & 0xF) << 4)
+    else:  # the other IQ types begin with d
         blocks[:, 0:2] = np.array([1e-2], dtype=np.float16).view(np.uint8)
     return blocks.reshape(rows, -1)
 
@@ -114,7 +125,7 @@ def write_gguf(path, reference, arch: str, tensor_types: dict, permute: bool = F
         if permute and ".attn_k." in name:
             values = llama_cpp_permute(values, c.num_key_value_heads)
         kind = tensor_types.get(name, Q.F32)
-        if kind in (Q.Q4_K, Q.Q6_K, Q.IQ4_NL):
+        if kind in RANDOM_BLOCK_TYPES:
             data = random_blocks(*values.shape, kind, rng)
             writer.add_tensor(name, data, raw_dtype=kind)
         elif kind == Q.F32:
@@ -278,11 +289,79 @@ def test_llama3_rope_recovered_from_divisors(head_dim, factor):
     assert _llama3_scaling(config, divisors, None) == scaling
 
 
+IQ4_VALUES = np.array(  # llama.cpp's kvalues_iq4nl
+    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32
+)
+
+
+def iq4_reference(blocks: np.ndarray, kind: Q) -> np.ndarray:
+    """IQ4_NL / IQ4_XS values as ggml's dequantize_row_iq4_* define them, written out here."""
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [blocks, 1]
+    if kind == Q.IQ4_NL:  # d, then 16 bytes: low nibbles are values 0-15, high 16-31
+        qs = blocks[:, 2:18]
+        return (d * IQ4_VALUES[np.concatenate([qs & 0xF, qs >> 4], axis=1)]).reshape(-1)
+    scales_h = blocks[:, 2:4].copy().view(np.uint16).astype(np.int32)[:, 0]
+    scales_l = blocks[:, 4:8].astype(np.int32)
+    out = []
+    for ib in range(8):  # eight sub-blocks of 32 values, a 6-bit scale each
+        low = (scales_l[:, ib // 2] >> (4 * (ib % 2))) & 0xF
+        scale = (low | (((scales_h >> (2 * ib)) & 3) << 4)) - 32
+        qs = blocks[:, 8 + 16 * ib : 24 + 16 * ib]
+        values = IQ4_VALUES[np.concatenate([qs & 0xF, qs >> 4], axis=1)]
+        out.append(d * scale[:, None] * values)
+    return np.concatenate(out, axis=1).reshape(-1)
+
+
+@pytest.mark.parametrize("kind", [Q.IQ4_NL, Q.IQ4_XS])
+def test_iq4_weights_are_the_values_the_format_defines(tmp_path, kind):
+    """An oracle independent of gguf-py and transformers for the common IQ types."""
+    reference = hf_reference(
+        "qwen2", hidden_size=256, intermediate_size=256, num_attention_heads=4, vocab=len(TOKENS)
+    )
+    path = tmp_path / "iq4.gguf"
+    write_gguf(path, reference, "qwen2", {"blk.1.ffn_up.weight": kind})
+    raw = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.1.ffn_up.weight")
+    _, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+    expected = iq4_reference(np.asarray(raw.data).reshape(-1, block_bytes), kind)
+    loaded = load_model(str(path))
+    weight = loaded.model.layers[1].mlp.up_proj.weight.detach().numpy()
+    assert weight.shape == (256, 256)
+    np.testing.assert_array_equal(weight.reshape(-1), expected)
+
+
+def test_every_iq_type_matches_transformers(tmp_path):
+    """The importance-matrix types of llama.cpp's quantize (IQ4_XS and IQ3_M files mix several),
+    one per tensor, against transformers' own GGUF loading of the same file."""
+    reference = hf_reference(
+        "qwen3", hidden_size=256, intermediate_size=256, num_attention_heads=4, vocab=len(TOKENS)
+    )
+    path = tmp_path / "tiny-iq.gguf"
+    types = {
+        "blk.0.attn_q.weight": Q.IQ4_XS,
+        "blk.0.attn_k.weight": Q.IQ4_NL,
+        "blk.0.attn_v.weight": Q.IQ3_S,
+        "blk.0.attn_output.weight": Q.IQ3_XXS,
+        "blk.0.ffn_gate.weight": Q.IQ2_S,
+        "blk.0.ffn_up.weight": Q.IQ2_XS,
+        "blk.0.ffn_down.weight": Q.IQ2_XXS,
+        "blk.1.ffn_gate.weight": Q.IQ1_M,
+        "blk.1.ffn_up.weight": Q.IQ1_S,
+    }
+    write_gguf(path, reference, "qwen3", types)
+    kinds = {t.name: Q(t.tensor_type) for t in gguf.GGUFReader(path).tensors}
+    assert all(kinds[name] == kind for name, kind in types.items())
+    loaded = load_model(str(path))
+    for layer in loaded.model.layers:
+        for weight in (layer.mlp.gate_proj.weight, layer.self_attn.v_proj.weight):
+            assert torch.isfinite(weight).all() and weight.abs().max() > 0
+    assert_same_logits(loaded.model, transformers_from_gguf(path))
+
+
 def test_unsupported_quant_type(tmp_path):
-    path = tmp_path / "iq.gguf"
-    reference = hf_reference("qwen2", vocab=len(TOKENS))
-    write_gguf(path, reference, "qwen2", {"blk.0.ffn_up.weight": Q.IQ4_NL})
-    with pytest.raises(UserError, match="IQ4_NL, which is not supported: supported are F32"):
+    path = tmp_path / "tq.gguf"
+    reference = hf_reference("qwen2", hidden_size=256, intermediate_size=256, vocab=len(TOKENS))
+    write_gguf(path, reference, "qwen2", {"blk.0.ffn_up.weight": Q.TQ2_0})
+    with pytest.raises(UserError, match="TQ2_0, which is not supported: supported are F32"):
         load_model(str(path))
 
 
