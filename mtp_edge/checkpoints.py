@@ -340,6 +340,14 @@ def _hf_config(path: Path) -> ModelConfig:
         raise UserError(f"{config_file} is not valid json ({e}): download it again") from None
     if not isinstance(data, dict):
         raise UserError(f"{config_file} is not a json object: download it again")
+    quantized = data.get("quantization_config") or data.get("compression_config")
+    if quantized:  # GPTQ, AWQ, FP8, bitsandbytes...: packed integers and scales, not weights
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+        raise UserError(
+            f"{path} holds pre-quantized weights (config.json's quantization_config: "
+            f"{method}), which mtp-edge does not read: give the float model's directory (F32, "
+            "F16 or BF16 safetensors) or a GGUF file of it; mtp-export quantizes it"
+        )
     with _naming(config_file):
         try:
             config = ModelConfig.from_hf(data)

@@ -114,6 +114,18 @@ def test_unsupported_architecture(tmp_path):
         load_model(str(tmp_path))
 
 
+@pytest.mark.parametrize("method", ["fp8", "gptq", "awq"])
+def test_pre_quantized_checkpoints_are_named_not_misread(tmp_path, method):
+    """An FP8 checkpoint's weights are float8 tensors beside `weight_scale_inv` scales: read as
+    weights they would be wrong by the scales, so the directory is refused before its tensors."""
+    hf_reference("qwen3").save_pretrained(tmp_path, safe_serialization=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method, "weight_block_size": [128, 128]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match=f"pre-quantized weights .*: {method}\\), .* float model"):
+        load_model(str(tmp_path))
+
+
 def test_missing_tokenizer(tmp_path):
     hf_reference("llama").save_pretrained(tmp_path, safe_serialization=True)
     with pytest.raises(UserError, match="no tokenizer.json"):
