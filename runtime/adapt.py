@@ -393,12 +393,18 @@ def bundle_heads(bundle, heads: str | None, use: str = "--adapt", flag: str = "-
 
     head = load_heads(path, _Target, m.model_name, config.target_hash)
     vocab = json.loads((bundle.path / m.models["drafter_vocab"].file).read_text())
-    recipe = {k: v for k, v in head.config.recipe.items() if k != "adapted"}
-    bundle_recipe = {k: v for k, v in (m.drafter.recipe or {}).items() if k != "adapted"}
+    # What identifies heads is how they were trained; a bundle whose heads were swapped in
+    # (mtp-export --update-heads) also records the file's name and hash, and adapting adds a
+    # mark, neither of which changes what the heads were trained as.
+    bookkeeping = ("adapted", "heads_file", "heads_sha256")
+    recipe = {k: v for k, v in head.config.recipe.items() if k not in bookkeeping}
+    bundle_recipe = {k: v for k, v in (m.drafter.recipe or {}).items() if k not in bookkeeping}
     same_ids = head.draft_ids.tolist() == list(vocab["draft_ids"])
     if not same_ids or (bundle_recipe and recipe != bundle_recipe):
+        carried = (m.drafter.recipe or {}).get("heads_file")
+        which = f" (it carries {carried}, swapped in with --update-heads)" if carried else ""
         raise UserError(
-            f"{path} are not the heads bundle {bundle.path} was exported from (draft "
+            f"{path} are not the heads bundle {bundle.path} was exported from{which} (draft "
             f"vocabulary or training recipe differ): pass those with {flag} FILE"
         )
     return head.float(), str(path)

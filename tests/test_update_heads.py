@@ -15,6 +15,7 @@ from tiny import save_random_heads
 
 from mtp_edge.checkpoints import load_model
 from mtp_edge.cli import export, run
+from mtp_edge.errors import UserError
 from mtp_edge.manifest import Manifest, sha256
 from mtp_edge.mtp import MTPConfig, MTPHead, init_from_target, load_heads, save_heads
 from mtp_edge.runtime.backends import backend
@@ -127,6 +128,31 @@ def test_heads_update_in_place(kind, mtp_bundle_of, onnx_mtp_bundle, copy_bundle
     assert vocab == list(range(48))
     assert bundle_drafter(open_bundle(bundle)) is not None
     lossless(bundle)
+
+
+def test_an_updated_bundle_adapts_and_refines_from_its_new_heads(
+    mtp_bundle_of, copy_bundle, tmp_path
+):
+    """The update records the heads' file and hash in the recipe; those name the file, not what
+    the heads were trained as, so --adapt and --init still know the heads the bundle carries."""
+    from mtp_edge.runtime.adapt import bundle_heads
+
+    bundle = copy_bundle(mtp_bundle_of("none"), "bundle")
+    heads = refined_heads(bundle, tmp_path / "refined.safetensors", seed=3)
+    assert update(bundle, "--heads", heads).exit_code == 0
+
+    head, source = bundle_heads(open_bundle(bundle), str(heads))
+    assert source == str(heads) and head.config.draft_vocab_size == 48
+    args = ["--bundle", str(bundle), "--prompt", "the cat sat on", "--no-chat-template"]
+    args += ["--json", "-", "--max-new-tokens", "24", "--draft-confidence", "0"]
+    adapted = CliRunner().invoke(run, [*args, "--adapt", "--heads", str(heads)])
+    assert adapted.exit_code == 0, adapted.output
+    plain = CliRunner().invoke(run, [*args, "--drafter", "none"])
+    assert json.loads(adapted.stdout)["token_ids"] == json.loads(plain.stdout)["token_ids"]
+    # Heads other than the ones swapped in are refused, naming the file the bundle carries.
+    other = refined_heads(bundle, tmp_path / "other.safetensors", seed=4, draft_tokens=40)
+    with pytest.raises(UserError, match=r"it carries refined.safetensors, swapped in with"):
+        bundle_heads(open_bundle(bundle), str(other))
 
 
 def test_update_into_another_directory_leaves_the_bundle(mtp_bundle_of, copy_bundle, tmp_path):
