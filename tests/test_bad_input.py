@@ -571,6 +571,20 @@ def test_predict_and_train_refuse_unwritable_outputs(bundle):
     assert "cannot write in /proc/x" in error_line(result)
 
 
+def test_train_refuses_an_unwritable_summary_before_the_run(tmp_path, monkeypatch):
+    """The summary's path is checked with --out's, not after the run has trained for hours."""
+    import mtp_edge.train
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr(mtp_edge.train, "train_heads", no_run)
+    args = ["--out", str(tmp_path / "heads.safetensors"), "--json", "/proc/x/summary.json"]
+    assert "--json /proc/x/summary.json: cannot write in /proc/x" in error_line(
+        CliRunner().invoke(train, args)
+    )
+
+
 def test_compare_spec_typos_are_one_line(bundle):
     result = CliRunner().invoke(bench, ["--bundle", str(bundle), "--compare", f"{bundle},kk=3"])
     assert "expected DIR[,k=N]" in error_line(result)

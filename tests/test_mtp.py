@@ -543,6 +543,14 @@ def test_resume_continues_exactly(tiny_dir):
         train_heads(options(tiny_dir, resume=True, lr=1e-2, **settings), lines.append)
 
 
+def test_resume_with_no_earlier_run_is_refused(tiny_dir, tmp_path):
+    """A mistyped --out with --resume must not start a new run quietly."""
+    out = tmp_path / "typo" / "heads.safetensors"
+    with pytest.raises(UserError, match="--resume: no earlier run next to .*drop --resume"):
+        train_heads(options(tiny_dir, out=str(out), steps=2, resume=True), print)
+    assert not out.parent.exists()
+
+
 DDP_SCRIPT = """
 import json, os, sys
 from mtp_edge.train import TrainOptions, train_heads
@@ -621,6 +629,36 @@ def test_save_writes_fp16_and_json(tmp_path):
     assert json.loads((tmp_path / "h.json").read_text())["draft_vocab_size"] == 3
     back = load_heads(tmp_path / "h.safetensors", target, "tiny")
     torch.testing.assert_close(back.proj.weight, head.proj.weight, atol=1e-3, rtol=1e-3)
+
+
+def test_a_heads_path_that_is_no_heads_file_says_what_to_give(tmp_path):
+    """A directory, and a heads file whose tensors do not fit its own config (edited or
+    damaged): one line each, saying what to give or do instead."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    target = tiny_model(seed=0, vocab=48)
+    head = random_head(target, [0, 5, 7])
+    config = head.config
+    config.target_name, config.target_hash = "tiny", target_fingerprint(target)
+    good = tmp_path / "h.safetensors"
+    save_heads(head, config, good)
+    with pytest.raises(UserError, match=r"is a directory.*--heads takes a \.safetensors"):
+        load_heads(tmp_path, target, "tiny")
+    with safe_open(str(good), framework="pt") as f:
+        metadata = f.metadata()
+        state = {name: f.get_tensor(name) for name in f.keys()}
+    wrong_shape = {**state, "proj.weight": state["proj.weight"][:, :-1].contiguous()}
+    missing = {name: t for name, t in state.items() if name != "proj.weight"}
+    for name, tensors in (("shape", wrong_shape), ("missing", missing)):
+        path = tmp_path / f"{name}.safetensors"
+        save_file(tensors, str(path), metadata=metadata)
+        with pytest.raises(UserError) as e:
+            load_heads(path, target, "tiny")
+        message = str(e.value)
+        assert "does not match its own config" in message and "proj.weight" in message
+        assert "train it again with mtp-train" in message, message
+        assert "\n" not in message
 
 
 # --- training against an exported target -----------------------------------------------------

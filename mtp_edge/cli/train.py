@@ -212,6 +212,7 @@ def train(data, freeze_lm_head, writer, labeller, json_out, **options):
     from mtp_edge.train import TrainOptions, train_heads
 
     check_output(options["out"], "--out")
+    check_output(json_out, "--json")  # before the run, not after hours of it
     options = TrainOptions(
         data=tuple(data),
         train_lm_head=not freeze_lm_head,

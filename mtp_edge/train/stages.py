@@ -158,6 +158,13 @@ def init_heads(init: str) -> str:
     return init
 
 
+def earlier_run(paths: dict[str, Path]) -> bool:
+    """Whether anything a run keeps for --resume lies next to its --out."""
+    labels = paths["labels"]
+    kept = [path for name, path in paths.items() if name != "labels"]
+    return any(p.exists() for p in kept) or any(labels.parent.glob(labels.name + ".*"))
+
+
 def set_up(options: TrainOptions, rank: int, world: int, progress, clock) -> Run:
     """The budget (under --minutes), the target, --init's heads, who writes and who labels;
     under --minutes, this machine's rates measured."""
@@ -166,6 +173,12 @@ def set_up(options: TrainOptions, rank: int, world: int, progress, clock) -> Run
     if options.prompts:  # bad lines are refused before any long work (or any file made)
         options.requests = read_prompts(options.prompts)
     paths = artifact_paths(options.out)
+    if options.resume and not earlier_run(paths):
+        # A mistyped --out would otherwise start a whole new run of hours without a word.
+        raise UserError(
+            f"--resume: no earlier run next to {options.out} (no checkpoint, written text or "
+            "labels beside it): check --out, or drop --resume to start a new run"
+        )
     if rank == 0:
         Path(options.out).parent.mkdir(parents=True, exist_ok=True)
     state = read_state(paths["checkpoint_json"]) if options.resume else {}
