@@ -315,3 +315,18 @@ def test_a_taken_port_is_one_line_error(server):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [result.stderr.strip()]
     assert "in use" in result.stderr and result.stderr.startswith("error: ")
+
+
+def test_a_port_is_held_from_the_start_of_loading():
+    """Two servers started together: the second is refused at once, not after loading its model
+    and failing in uvicorn (a bound socket that does not listen yet holds no port on Linux)."""
+    from mtp_edge.cli.serve import _listen
+    from mtp_edge.errors import UserError
+
+    first = _listen("127.0.0.1", 0)
+    try:
+        port = first.getsockname()[1]
+        with pytest.raises(UserError, match=f"port {port} on 127.0.0.1 is in use"):
+            _listen("127.0.0.1", port).close()
+    finally:
+        first.close()

@@ -119,7 +119,11 @@ def _listen(host: str, port: int) -> socket.socket:
     listener = socket.socket(family, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        listener.bind((host, port))  # uvicorn listens once the model is loaded
+        listener.bind((host, port))
+        # Listening now holds the port while the model loads (a second server started
+        # meanwhile is refused here, not after its own load); connections made meanwhile
+        # wait in the backlog until uvicorn accepts them.
+        listener.listen(128)
     except OSError as e:
         listener.close()
         if e.errno == errno.EADDRINUSE:
