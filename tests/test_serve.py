@@ -330,3 +330,19 @@ def test_a_port_is_held_from_the_start_of_loading():
             _listen("127.0.0.1", port).close()
     finally:
         first.close()
+
+
+def test_a_taken_port_leaves_no_log_folder(tmp_path):
+    from click.testing import CliRunner
+
+    from mtp_edge.cli.serve import _listen, serve
+
+    held = _listen("127.0.0.1", 0)
+    try:
+        port = str(held.getsockname()[1])
+        log = tmp_path / "new" / "log"
+        result = CliRunner().invoke(serve, ["--port", port, "--log", str(log)])
+        assert result.exit_code == 2 and "is in use" in result.output, result.output
+        assert not (tmp_path / "new").exists()
+    finally:
+        held.close()

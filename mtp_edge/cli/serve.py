@@ -75,11 +75,11 @@ def serve(
 
     for stop in stop_strings:
         check_utf8(stop, "--stop")
-    if log:
-        RequestLog(log)  # an unwritable folder fails before the port is taken and the load
     check_adapt(opts["adapt"], save_heads)
     listener = _listen(host, port)  # a taken port fails before the model loads
     try:
+        if log:  # an unwritable folder fails before the load; a taken port made no folder
+            RequestLog(log)
         from mtp_edge.api import load
 
         if not _is_loopback(host):
