@@ -160,6 +160,11 @@ class Manifest:
     def load(cls, directory: str | Path, verify: bool = True) -> Manifest:
         directory = Path(directory)
         path = directory / MANIFEST
+        if directory.is_file():
+            raise UserError(
+                f"bundle {directory} is a file: give the bundle's directory"
+                + (f" ({directory.parent})" if directory.name == MANIFEST else "")
+            )
         if not directory.is_dir():
             raise UserError(f"bundle {directory} does not exist: export one with mtp-export")
         try:

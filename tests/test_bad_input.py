@@ -585,6 +585,11 @@ def test_train_refuses_an_unwritable_summary_before_the_run(tmp_path, monkeypatc
     )
 
 
+def test_a_bundle_given_as_its_manifest_file_is_named(bundle):
+    result = CliRunner().invoke(run, ["--bundle", str(bundle / "manifest.json"), "-p", "hi"])
+    assert f"is a file: give the bundle's directory ({bundle})" in error_line(result)
+
+
 def test_compare_spec_typos_are_one_line(bundle):
     result = CliRunner().invoke(bench, ["--bundle", str(bundle), "--compare", f"{bundle},kk=3"])
     assert "expected DIR[,k=N]" in error_line(result)
