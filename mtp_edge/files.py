@@ -94,7 +94,7 @@ def check_output(path: str | Path | None, flag: str, directory: bool = False) ->
     """Fail before the work, not after it: `path` (a file, or with `directory` a directory that
     will be replaced) must be creatable where it is. The parent is created and a probe file
     written and removed there, which also catches what permissions alone do not show (a
-    read-only or virtual filesystem, root on /proc)."""
+    read-only or virtual filesystem, root on /proc); folders made for it are removed again."""
     if path is None or str(path) == "-":
         return
     path = Path(path)
@@ -103,6 +103,9 @@ def check_output(path: str | Path | None, flag: str, directory: bool = False) ->
     if path.exists() and directory and not path.is_dir():
         raise UserError(f"{flag} {path} is a file: give a directory name")
     parent = path.resolve().parent
+    # The folders made for the probe are removed after it: a run refused later for another
+    # reason leaves no empty folders behind (every writer here makes its own parents).
+    made = [p for p in (parent, *parent.parents) if not p.exists()]
     try:
         parent.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=parent)
@@ -114,6 +117,12 @@ def check_output(path: str | Path | None, flag: str, directory: bool = False) ->
         raise UserError(
             f"{flag} {path}: cannot write in {parent} ({reason}): choose another path"
         ) from None
+    finally:
+        for folder in made:  # deepest first
+            try:
+                folder.rmdir()
+            except OSError:  # not made after all, or something else wrote there meanwhile
+                pass
 
 
 def remove_stale_partials(out: str | Path, suffix: str = ".partial") -> list[Path]:

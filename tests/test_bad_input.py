@@ -585,6 +585,19 @@ def test_train_refuses_an_unwritable_summary_before_the_run(tmp_path, monkeypatc
     )
 
 
+def test_checking_an_output_path_leaves_no_folders(tmp_path):
+    """Outputs are checked before the work; a command refused after that check (a bad input
+    found later) must not leave the empty folders the check made."""
+    from mtp_edge.files import check_output
+
+    check_output(tmp_path / "new" / "deeper" / "heads.safetensors", "--out")
+    check_output(tmp_path / "other" / "bundle", "--out", directory=True)
+    assert list(tmp_path.iterdir()) == []
+    out = tmp_path / "new" / "h.safetensors"
+    result = CliRunner().invoke(train, ["--prompts", str(tmp_path / "none.txt"), "--out", str(out)])
+    assert result.exit_code == 2 and list(tmp_path.iterdir()) == []
+
+
 def test_a_bundle_given_as_its_manifest_file_is_named(bundle):
     result = CliRunner().invoke(run, ["--bundle", str(bundle / "manifest.json"), "-p", "hi"])
     assert f"is a file: give the bundle's directory ({bundle})" in error_line(result)
