@@ -43,11 +43,36 @@ class Prompt:
     max_new_tokens: int
     # a logged conversation of several messages (`prompt` is then its last user message)
     messages: list[dict] | None = None
+    # a logged raw completion: `prompt` is the whole text the model saw, without a chat template
+    raw: bool = False
+    # its ids as logged, where its text does not encode back to them (mtp_edge/request_log.py)
+    token_ids: list[int] | None = None
 
     @property
     def request(self) -> str | list[dict]:
         """What a generator encodes: the conversation where there is one, else the prompt."""
         return self.messages or self.prompt
+
+
+def prompt_ids(encode: Callable, p: Prompt) -> list[int]:
+    """The prompt's ids as `encode` (a Generator's, runtime/assemble.py) makes them, except a
+    logged raw completion: its logged ids, else its text as plain text (special tokens written
+    in it as text), as the server ran it, whatever the generator's chat setting (its encode
+    would wrap a string in the chat template)."""
+    if not p.raw:
+        return encode(p.request)
+    gen = getattr(encode, "__self__", None)
+    if getattr(gen, "tokenizer", None) is None:
+        raise TypeError("a raw prompt is encoded with a Generator's encode (runtime/assemble.py)")
+    if p.token_ids is None:
+        return gen.tokenizer.encode_prompt(p.prompt, chat=False)
+    vocab = gen.session.vocab_size
+    if not all(0 <= i < vocab for i in p.token_ids):
+        raise UserError(
+            f"the logged raw prompt {p.id} holds token ids outside this model's vocabulary "
+            f"(0..{vocab - 1}): bench the log with the model that served it"
+        )
+    return list(p.token_ids)
 
 
 def is_request_log(path: Path) -> bool:
@@ -64,24 +89,73 @@ def is_request_log(path: Path) -> bool:
 
 
 def logged_prompts(path: Path) -> list[Prompt]:
-    """A request log (mtp_edge/request_log.py) as a suite: each distinct conversation once,
-    answered at about the length it was answered when logged (16..512 tokens)."""
-    from mtp_edge.request_log import read_log
+    """A request log (mtp_edge/request_log.py) as a suite: each distinct request once, answered
+    at about the length it was answered when logged (16..512 tokens). A raw completion (one
+    user message marked "raw") is benched as the plain text it was, not in the chat template."""
+    from mtp_edge.request_log import log_files, read_log
 
+    if path.is_dir() and not log_files(path):
+        raise UserError(
+            f"{path} holds no request log (requests.jsonl files written by --log): "
+            "mtp-bench --prompts takes a log folder or one .jsonl prompts file"
+        )
     prompts, seen = [], set()
     for record in read_log(path):
-        key = json.dumps(record.messages, sort_keys=True)
+        key = json.dumps(record.messages, sort_keys=True)  # "raw" included: another request
         users = [m["content"] for m in record.messages if m["role"] == "user"]
         if key in seen or not users or record.messages[-1]["role"] != "user":
             continue
         seen.add(key)
         length = min(max(len(record.answer_ids), 16), 512) if record.answer_ids else 128
+        name = f"log-{len(prompts) + 1}"
+        if len(record.messages) == 1 and record.messages[0].get("raw"):
+            ids = record.messages[0].get("token_ids")
+            if ids is not None and not (
+                isinstance(ids, list)
+                and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+            ):
+                raise UserError(f'{record.where}: "token_ids" must be a list of token ids')
+            if users[-1] or ids:  # a raw prompt of no text and no ids asks nothing
+                prompts.append(Prompt(name, "log", users[-1], length, raw=True, token_ids=ids))
+            continue
         messages = [{"role": m["role"], "content": m["content"]} for m in record.messages]
         conversation = messages if len(messages) > 1 else None
-        prompts.append(Prompt(f"log-{len(prompts) + 1}", "log", users[-1], length, conversation))
+        prompts.append(Prompt(name, "log", users[-1], length, conversation))
     if not prompts:
         raise UserError(f"the request log {path} holds no request that ends with a user message")
     return prompts
+
+
+FIELDS = 'expected {"id", "category", "prompt", "max_new_tokens"} per line'
+
+
+def _prompt_row(line: str, where: str) -> Prompt:
+    """One line of a prompts file, checked as it is read: a wrong field is the file's fault,
+    named with its file:line, not an error later in the run."""
+    try:
+        row = json.loads(line)
+    except ValueError as e:
+        raise UserError(f"{where}: not a JSON line ({e}): {FIELDS}") from None
+    if not isinstance(row, dict):
+        raise UserError(f"{where}: not a JSON object: {FIELDS}")
+    if not isinstance(row.get("id"), str | int) or isinstance(row["id"], bool):
+        raise UserError(f'{where}: every prompt needs an "id" (a string naming it in the report)')
+    prompt = row.get("prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        got = "nothing" if "prompt" not in row else json.dumps(prompt)[:60]
+        raise UserError(f'{where}: "prompt" must be a non-empty string, got {got}')
+    category = row.get("category", "default")
+    if not isinstance(category, str) or not category:
+        raise UserError(f'{where}: "category" must be a non-empty string, got {category!r}')
+    n = row.get("max_new_tokens", 128)
+    if isinstance(n, float) and n.is_integer():
+        n = int(n)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise UserError(
+            f'{where}: "max_new_tokens" must be a whole number >= 1, got {json.dumps(n)} '
+            "(leave it out for 128)"
+        )
+    return Prompt(str(row["id"]), category, prompt, n)
 
 
 def load_prompts(path: str | Path | None = None) -> list[Prompt]:
@@ -91,32 +165,26 @@ def load_prompts(path: str | Path | None = None) -> list[Prompt]:
     if path is not None and Path(path).exists() and is_request_log(Path(path)):
         return logged_prompts(Path(path))
     if path is None:
-        text = resources.files("mtp_edge").joinpath("prompts.jsonl").read_text()
+        text = resources.files("mtp_edge").joinpath("prompts.jsonl").read_text(encoding="utf-8")
         where = "the built-in suite"
     else:
         try:
-            text = Path(path).read_text()
+            text = Path(path).read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(
+                f"{path}: not UTF-8 text ({e.reason} at byte {e.start}): save the prompts file "
+                "as UTF-8"
+            ) from None
         except OSError as e:
             raise UserError(f"cannot read prompts file {path}: {e.strerror}") from None
         where = str(path)
-    prompts = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            prompts.append(
-                Prompt(
-                    str(row["id"]),
-                    str(row.get("category", "default")),
-                    str(row["prompt"]),
-                    int(row.get("max_new_tokens", 128)),
-                )
-            )
-        except (ValueError, KeyError, TypeError) as e:
-            raise UserError(
-                f"{where} line {n}: expected JSON with id, category, prompt, max_new_tokens ({e})"
-            ) from None
+    # Lines at "\n" only, as editors number them (splitlines also splits at U+2028 and others,
+    # which a JSON string may hold).
+    prompts = [
+        _prompt_row(line, f"{where}:{n}")
+        for n, line in enumerate(text.split("\n"), 1)
+        if line.strip()
+    ]
     if not prompts:
         raise UserError(f"{where} holds no prompts")
     return prompts
@@ -189,7 +257,7 @@ class Suite:
         self.last_runs: tuple[GenerationResult, GenerationResult] | None = None
 
     def run_prompt(self, session, encode, drafter, p: Prompt, config, max_new_tokens=None) -> dict:
-        prompt_ids = encode(p.request)
+        ids = prompt_ids(encode, p)
         cfg = GenerationConfig(
             max_new_tokens=max_new_tokens or p.max_new_tokens,
             k=config.k,
@@ -201,8 +269,8 @@ class Suite:
         ar_rates, spec_rates = [], []
         for totals in self.passes:
             # Interleaved, so that machine drift affects both alike.
-            plain = generate(session, prompt_ids, None, cfg)
-            spec = generate(session, prompt_ids, drafter, cfg)
+            plain = generate(session, ids, None, cfg)
+            spec = generate(session, ids, drafter, cfg)
             ar_rates.append(plain.stats.decode_tokens_per_s)
             spec_rates.append(spec.stats.decode_tokens_per_s)
             totals["ar_tokens"] += _decode_tokens(plain)
@@ -227,7 +295,7 @@ class Suite:
         row = {
             "id": p.id,
             "category": p.category,
-            "prompt_tokens": len(prompt_ids),
+            "prompt_tokens": len(ids),
             "ar_tokens": plain.stats.generated_tokens,
             "spec_tokens": s.generated_tokens,
             "ar_tokens_per_s": round(statistics.median(ar_rates), 3),
@@ -418,6 +486,12 @@ def _fallback_words(report: dict) -> str:
     )
 
 
+def _target_sha256(bundle: str) -> str:
+    from mtp_edge.manifest import Manifest
+
+    return Manifest.load(bundle, verify=False).models["target"].sha256
+
+
 def bench_report(
     gen, suite: Suite, command: str, prompts, max_new_tokens, progress, peer: bool = True
 ) -> dict:
@@ -427,6 +501,9 @@ def bench_report(
 
     report = {
         "bundle": gen.bundle,
+        # What identifies the bundle measured wherever it is later moved or copied, and not a
+        # bundle re-exported in place (mtp-predict --from-bench checks it)
+        **({"target_sha256": _target_sha256(gen.bundle)} if gen.bundle is not None else {}),
         "model": gen.name,
         "backend": gen.session.name,
         "drafter": "none" if gen.drafter is None else gen.drafter.name,
@@ -443,7 +520,10 @@ def bench_report(
 
         progress("[peer] ExecuTorch TextLLMRunner, plain decoding of the same target .pte")
         bundle_dir = Path(gen.bundle)
-        runs = [(gen.render(p.request), max_new_tokens or p.max_new_tokens) for p in prompts]
+        runs = [
+            (p.prompt if p.raw else gen.render(p.request), max_new_tokens or p.max_new_tokens)
+            for p in prompts
+        ]
         report["peer_textllmrunner"] = textllmrunner_baseline(
             bundle_dir / "target.pte", bundle_dir / "tokenizer.json", runs
         )

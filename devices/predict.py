@@ -417,17 +417,89 @@ def _show(t: CallTime) -> dict:
 
 
 def load_bench(path: str | Path) -> dict:
-    """An mtp-bench JSON (one run; with --compare, its first run)."""
+    """An mtp-bench JSON (one run; with --compare, its first run), checked for the figures the
+    prediction reads, so that any other JSON is one line here rather than a crash later."""
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as e:
         raise UserError(f"cannot read bench report {path}: {e.strerror}") from None
     except ValueError as e:
         raise UserError(f"{path} is not JSON ({e}): pass the file mtp-bench --json wrote") from None
-    data = data["runs"][0] if "runs" in data else data
-    if "summary" not in data or "tau" not in data["summary"]:
-        raise UserError(f"{path} is not an mtp-bench report: it has no summary with tau")
+
+    def refuse(why: str) -> UserError:
+        return UserError(
+            f"{path} is not an mtp-bench --json report ({why}): pass the file mtp-bench --json "
+            "wrote"
+        )
+
+    if not isinstance(data, dict):
+        raise refuse(f"it holds a JSON {type(data).__name__}, not an object")
+    if "runs" in data:  # mtp-bench --compare: the first run is the --bundle one
+        runs = data["runs"]
+        if not isinstance(runs, list) or not runs or not isinstance(runs[0], dict):
+            raise refuse('its "runs" is not a list of reports')
+        data = runs[0]
+    summary = data.get("summary")
+    if not isinstance(summary, dict) or "tau" not in summary:
+        raise refuse("it has no summary with tau")
+    for key in ("tau", "acceptance_rate", "ar_tokens_per_s", "spec_tokens_per_s", "speedup"):
+        if not _is_number(summary.get(key)):
+            raise refuse(f'its summary has no number "{key}"')
+    rows = data.get("prompts", [])
+    if not isinstance(rows, list) or not all(
+        isinstance(r, dict)
+        and _is_number(r.get("prompt_tokens"))
+        and _is_number(r.get("ar_tokens"))
+        for r in rows
+    ):
+        raise refuse('its "prompts" are not rows with prompt_tokens and ar_tokens')
     return data
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def check_bench_of(bench: dict, path: str | Path, bundle: str | Path, manifest: Manifest) -> None:
+    """Refuse a bench report of another bundle, model, backend or drafter: its tau and tokens/s
+    would be taken as this bundle's and the prediction would look right while being of
+    something else. The target's sha256 decides where the report records it (a copied or moved
+    bundle is the same bundle; one re-exported in place is not); else the bundle's path."""
+    again = f"bench this bundle (mtp-bench --bundle {bundle} --json BENCH.json) and pass that"
+    where = bench.get("bundle")
+    if not isinstance(where, str) or not where:
+        what = bench.get("model") or "a model"
+        raise UserError(
+            f"{path} is a bench of {what} on the {bench.get('backend')} backend, not of a "
+            f"bundle: {again}"
+        )
+    target = manifest.models["target"].sha256
+    recorded = bench.get("target_sha256")
+    same_path = Path(where).resolve() == Path(bundle).resolve()
+    if recorded is None and not same_path:
+        try:  # a report from before target_sha256: the bundle it names, if it is still there
+            recorded = Manifest.load(where, verify=False).models["target"].sha256
+        except (UserError, OSError, KeyError, ValueError):
+            raise UserError(
+                f"{path} is a bench of the bundle {where}, not of {bundle} (and {where} is no "
+                f"bundle to compare now): {again}"
+            ) from None
+    if recorded is not None and recorded != target:
+        raise UserError(
+            f"{path} is a bench of the bundle {where}, whose target differs from {bundle}'s "
+            f"(sha256): {again}"
+        )
+    for key, ours in (("model", manifest.model_name), ("backend", manifest.backend)):
+        if key in bench and bench[key] != ours:
+            raise UserError(
+                f"{path} is a bench of {key} {bench[key]}, and {bundle} is {ours}: {again}"
+            )
+    drafter = bench.get("drafter")
+    if isinstance(drafter, str) and drafter.split("+")[0] != manifest.drafter.kind:
+        raise UserError(
+            f"{path} measured the {drafter} drafter, and {bundle} drafts with "
+            f"{manifest.drafter.kind}: its tau is not this bundle's; {again}, without --drafter"
+        )
 
 
 def compare_with_measured(prediction: dict, bench: dict) -> dict:
@@ -501,6 +573,8 @@ def predict_bundle(bundle, device_names, from_bench, command: str, progress) -> 
     bench_report = None if from_bench is None else load_bench(from_bench)
     cost = bundle_cost(bundle)
     manifest = Manifest.load(bundle, verify=False)
+    if bench_report is not None:
+        check_bench_of(bench_report, from_bench, bundle, manifest)
     if bench_report is not None and isinstance(bench_report.get("k"), int):
         # Predict at the k the measurement ran: the runtime may have drafted fewer tokens than
         # the bundle's k (on a CPU without an int8 dot product, runtime/assemble.py), or --k.

@@ -324,6 +324,11 @@ def load_heads(
     """Read heads written by `save_heads`, refusing heads trained for another target
     (`target_hash`: the target's fingerprint, when its weights are no longer float)."""
     path = Path(path)
+    if path.is_dir():
+        raise UserError(
+            f"{path} is a directory, not MTP heads: --heads takes a .safetensors heads file "
+            "(the one mtp-train --out wrote)"
+        )
     if not path.is_file():
         raise UserError(f"MTP heads not found: {path} (train them with mtp-train --out {path})")
     try:
@@ -356,8 +361,11 @@ def load_heads(
     try:
         head.load_state_dict(state)
     except RuntimeError as e:
-        first = str(e).splitlines()[1:2] or [str(e)]
-        raise UserError(f"{path} does not match its own config ({first[0].strip()})") from None
+        first = (str(e).splitlines()[1:2] or [str(e)])[0].strip().rstrip(".")
+        raise UserError(
+            f"{path} does not match its own config ({first}): the file is damaged or "
+            "was edited; train it again with mtp-train, or give the heads file that came with it"
+        ) from None
     return head.to(target.dtype).eval()
 
 

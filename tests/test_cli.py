@@ -133,7 +133,7 @@ def test_bench_bad_prompts_file(tiny_dir, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"id": "a", "prompt": "x"}\nnot json\n')
     result = invoke(bench, ["--model", str(tiny_dir), "--prompts", str(prompts)])
-    assert_one_line_error(result, "line 2")
+    assert_one_line_error(result, f"{prompts}:2: not a JSON line")
 
 
 def test_bench_report(tiny_dir, tmp_path):

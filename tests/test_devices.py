@@ -259,7 +259,7 @@ def test_predict_refuses_a_file_that_is_not_a_bench_report(bundle, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     result = CliRunner().invoke(predict, ["--bundle", str(bundle), "--from-bench", str(bad)])
-    assert "not an mtp-bench report" in error_line(result)
+    assert "not an mtp-bench --json report" in error_line(result)
 
 
 # --- the report ----------------------------------------------------------------------------------

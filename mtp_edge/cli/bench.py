@@ -241,6 +241,12 @@ def profile(device, bundle, prompts_path, max_new_tokens, repeat, json_out, runn
             "mtp-profile's runner takes one user message per prompt, and these prompts hold "
             "conversations: measure them with mtp-bench --prompts, or give single-turn prompts"
         )
+    if any(p.raw for p in prompts):
+        raise UserError(
+            "mtp-profile's runner wraps each prompt in the chat template, and this request log "
+            "holds raw completions: measure them with mtp-bench --prompts, or give prompts for "
+            "the chat template"
+        )
     report = profile_device(
         device,
         bundle,
