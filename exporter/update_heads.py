@@ -82,6 +82,11 @@ def update_heads(
         check_output(out, "--update-heads", directory=True)
     remove_stale_partials(out)
     module = _head_exporter(manifest, bundle, heads)
+    if heads.is_dir():
+        raise UserError(
+            f"--heads {heads} is a directory: give the .safetensors heads file mtp-train --out "
+            "wrote"
+        )
     if not heads.is_file():
         raise UserError(f"MTP heads not found: {heads} (train them with mtp-train --out {heads})")
 

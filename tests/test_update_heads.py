@@ -217,6 +217,9 @@ def break_bundle(bundle: Path, heads: Path, how: str, tmp_path: Path) -> tuple[P
         edit_manifest(bundle, source={"path": str(tmp_path / "gone"), "format": "hf"})
     elif how == "no heads file":
         heads = tmp_path / "missing.safetensors"
+    elif how == "heads a directory":
+        heads = tmp_path / "heads-dir"
+        heads.mkdir()
     elif how == "--out a file":
         out = {"--out": tmp_path / "a-file"}
         out["--out"].write_text("not a bundle")
@@ -236,6 +239,7 @@ REFUSALS = {
     "a damaged bundle": "does not match its sha256",
     "its source checkpoint gone": "is gone",
     "no heads file": "MTP heads not found",
+    "heads a directory": "is a directory: give the .safetensors heads file",
     "--out a file": "is a file",
     "--out a directory that is not a bundle": "is not a bundle",
 }
