@@ -38,7 +38,7 @@ from mtp_edge.exporter.pipeline import ExportOptions, export_bundle
 from mtp_edge.limits import check, check_stop
 from mtp_edge.manifest import Manifest
 from mtp_edge.platforms import platform
-from mtp_edge.request_log import RequestLog
+from mtp_edge.request_log import RequestLog, raw_message, raw_prompt_ids
 from mtp_edge.runtime.assemble import Generator, LoadOptions, assemble, parse_ngram_sizes
 from mtp_edge.runtime.backends import backend
 from mtp_edge.runtime.loop import (
@@ -227,12 +227,14 @@ class Model:
             store.add(prompt + record.answer_ids, len(prompt))
 
     def _logged_prompt_ids(self, messages: list[dict]) -> list[int]:
-        """A logged request's prompt as it was encoded (a raw prompt as plain text, else through
-        the chat template); nothing where it cannot be encoded here."""
+        """A logged request's prompt as it was encoded (a raw prompt as its ids, or plain text,
+        else through the chat template); nothing where it cannot be encoded here."""
         tokenizer = self.tokenizer
         try:
             if len(messages) == 1 and messages[0].get("raw"):
-                return tokenizer.encode_prompt(messages[0]["content"], chat=False)
+                ids = raw_prompt_ids(tokenizer, messages[0])
+                vocab = self._generator.session.vocab_size
+                return ids if all(i < vocab for i in ids) else []  # another model's ids
             if tokenizer.chat_template is not None:
                 return tokenizer.encode_messages(messages)
         except UserError:
@@ -355,13 +357,13 @@ class Model:
 
     def _logged(self, prompt, ids: list[int]) -> list[dict] | None:
         """What the request log keeps of a prompt: one user message (marked raw where the chat
-        template was not applied, or the prompt came as token ids)."""
+        template was not applied, or the prompt came as token ids, and then read back as the
+        same ids: raw_message)."""
         if self._log is None:
             return None
-        if isinstance(prompt, str):
-            message = {"role": "user", "content": prompt}
-            return [message if self.generator.chat else {**message, "raw": True}]
-        return [{"role": "user", "content": self.tokenizer.decode(ids), "raw": True}]
+        if isinstance(prompt, str) and self.generator.chat:
+            return [{"role": "user", "content": prompt}]
+        return [raw_message(self.tokenizer, ids, prompt if isinstance(prompt, str) else None)]
 
     def _message_ids(self, messages) -> list[int]:
         return self.tokenizer.encode_messages(messages, self.generator.parse_special)
@@ -408,9 +410,7 @@ class Model:
                 piece = text.finish(generated) if last else text.feed(generated)
                 stats = step.stats
                 if last and logged is not None and self._log is not None:
-                    self._log.append(
-                        logged, generated, step.stats.tau, step.stop_reason, gen.name
-                    )
+                    self._log.append(logged, generated, step.stats.tau, step.stop_reason, gen.name)
                 yield Chunk(
                     piece, step.tokens, len(ids), keep, step.stop_reason, stats if last else None
                 )

@@ -51,15 +51,59 @@ def test_threads_append_whole_lines(tmp_path):
     assert len(list(read_log(tmp_path))) == 160
 
 
-def test_a_torn_last_line_is_skipped_but_a_broken_middle_line_is_named(tmp_path):
-    RequestLog(tmp_path).append(CHAT, [5], 1.0)
+def test_a_torn_record_spoils_only_itself_and_readers_count_what_they_skip(tmp_path, capsys):
+    """A writer killed mid-append leaves a record without its newline: the next append starts a
+    line of its own, and readers skip a line that is not JSON wherever it is, and say so."""
+    log = RequestLog(tmp_path)
+    log.append(CHAT, [5], 1.0)
     path = tmp_path / "requests.jsonl"
     with open(path, "a") as f:
         f.write('{"messages": [{"role": "us')  # a writer killed mid-append
-    assert len(list(read_log(tmp_path))) == 1
-    path.write_text('{"messages": [}\n' + path.read_text())
-    with pytest.raises(UserError, match=r"requests.jsonl:1: not a JSON line"):
-        list(read_log(tmp_path))
+    assert len(list(read_log(tmp_path))) == 1  # torn last line
+    log.append([{"role": "user", "content": "after"}], [6], 1.0)
+    assert path.read_text().split("\n")[1] == '{"messages": [{"role": "us'
+    skipped: list[str] = []
+    records = list(read_log(tmp_path, skipped))
+    assert [r.messages[-1]["content"] for r in records] == ["Hi!", "after"]
+    assert skipped == [f"{path}:2"]
+    capsys.readouterr()
+    # and one more first, cut in the middle of a character
+    path.write_bytes('{"messages": [{"content": "é'.encode()[:-1] + b"\n" + path.read_bytes())
+    assert [r.answer_ids for r in read_log(tmp_path)] == [[5], [6]]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "skipped 2 lines that are not JSON" in err[0]
+    assert f"first at {path}:1" in err[0]
+
+
+def test_a_short_write_is_finished_and_a_failed_one_taken_back(tmp_path, monkeypatch):
+    """os.write may write part of a record: the rest follows. A write that fails (a full disk)
+    leaves the log as it was, and is a one-line error."""
+    import errno
+    import os
+
+    log = RequestLog(tmp_path)
+    log.append(CHAT, [1], 1.0)
+    path = tmp_path / "requests.jsonl"
+    real_write = os.write
+    with monkeypatch.context() as m:
+        m.setattr(os, "write", lambda fd, data: real_write(fd, bytes(data[:7])))
+        log.append([{"role": "user", "content": "in pieces"}], list(range(30)), 2.0)
+    assert [r.answer_ids for r in read_log(tmp_path)] == [[1], list(range(30))]
+    before = path.read_bytes()
+    calls = []
+
+    def full_disk(fd, data):
+        calls.append(len(data))
+        if len(calls) > 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, bytes(data[:10]))
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "write", full_disk)
+        with pytest.raises(UserError, match="No space left on device") as e:
+            log.append([{"role": "user", "content": "lost"}], [2], 1.0)
+    assert "\n" not in str(e.value) and str(path) in str(e.value)
+    assert path.read_bytes() == before
 
 
 @pytest.mark.parametrize(
@@ -103,7 +147,9 @@ def test_the_api_logs_each_request_only_when_asked(chat_tiny_dir, tmp_path, monk
     streamed = [c.token_ids for c in logged.stream_chat(CHAT, max_new_tokens=5)]
     records = list(read_log(tmp_path / "log"))
     assert [r.messages for r in records] == [
-        [{"role": "user", "content": "hello there"}], CHAT, CHAT
+        [{"role": "user", "content": "hello there"}],
+        CHAT,
+        CHAT,
     ]
     assert records[0].answer_ids == again.token_ids == first.token_ids  # logging changes nothing
     assert records[1].answer_ids == answer.token_ids
@@ -137,7 +183,9 @@ def test_bench_reads_a_request_log_as_its_suite(chat_tiny_dir, tmp_path):
     log.append([{"role": "user", "content": "the the the"}], [5] * 3, 2.0)
     prompts = load_prompts(tmp_path)
     assert [(p.prompt, p.max_new_tokens, p.messages is not None) for p in prompts] == [
-        ("Hi!", 40, True), ("why?", 128, True), ("the the the", 16, False)
+        ("Hi!", 40, True),
+        ("why?", 128, True),
+        ("the the the", 16, False),
     ]
     assert prompts[1].messages == turn
     gen = assemble(LoadOptions(model=str(chat_tiny_dir), drafter="ngram", max_seq_len=256))
@@ -145,3 +193,31 @@ def test_bench_reads_a_request_log_as_its_suite(chat_tiny_dir, tmp_path):
     assert len(body["prompts"]) == 3 and all(row["identical"] for row in body["prompts"])
     # a conversation is encoded whole, not as its last message alone
     assert len(gen.encode(prompts[1].request)) > len(gen.encode("why?"))
+
+
+def test_a_prompt_of_token_ids_is_logged_to_encode_back_to_its_ids(chat_tiny_dir, tmp_path):
+    """Logged token-id prompts keep their special tokens in the text, and read back (by the
+    adapting model's store and by mtp-train) as the very ids that were generated from."""
+    import mtp_edge
+    from mtp_edge.request_log import raw_prompt_ids
+    from mtp_edge.train.prompts import encode_request, read_prompts
+
+    llm = mtp_edge.load(chat_tiny_dir, drafter="ngram", max_seq_len=256, log=tmp_path)
+    tok = llm.tokenizer
+    im_end = tok.backend.token_to_id("<|im_end|>")
+    plain = tok.encode_prompt("hello there", chat=False)
+    prompts = [
+        plain,  # text the server encoded: logged as that text alone
+        tok.encode_prompt("hi <|im_end|> there", chat=False, parse_special=True),
+        [tok.bos_id, im_end, 0],  # all special
+        plain[1:],  # no bos, where the tokenizer adds one
+    ]
+    for ids in prompts:
+        llm.generate(ids, max_new_tokens=2)
+    messages = [r.messages for r in read_log(tmp_path)]
+    assert messages[0] == [{"role": "user", "content": "hello there", "raw": True}]
+    assert "<|im_end|>" in messages[1][0]["content"]
+    assert messages[2][0]["content"] == "<|im_end|><|endoftext|>"
+    assert [raw_prompt_ids(tok, m[0]) for m in messages] == prompts
+    assert [llm._logged_prompt_ids(m) for m in messages] == prompts
+    assert [encode_request(tok, r) for r in read_prompts(str(tmp_path))] == prompts
