@@ -81,6 +81,17 @@ def test_a_folder_with_request_logs(tmp_path):
             '{"messages": [{"role": "assistant", "content": "x"}]}\n',
             "a.jsonl:1: the messages hold no user message",
         ),
+        (
+            "a.jsonl",
+            '{"prompt": "ok"}\n{"messages": [{"role": "user", "content": "", "raw": true}]}\n',
+            "a.jsonl:2: the request is empty",
+        ),
+        (
+            "a.jsonl",
+            '{"messages": [{"role": "user", "content": "  "}]}\n',
+            "a.jsonl:1: the request is empty",
+        ),
+        ("a.txt", "fine\n\\n\n", "a.txt:2: the request is empty"),
         ("a.txt", "\n\n", "no requests in it"),
         ("a.csv", "x,y\n", "give a .txt file"),
     ],
@@ -91,6 +102,77 @@ def test_bad_lines_are_one_line_errors(tmp_path, name, text, fragment):
     with pytest.raises(UserError, match=None) as caught:
         read_prompts(str(path))
     assert fragment in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_logs_torn_and_empty_records_are_skipped_and_counted(tmp_path, capsys):
+    """The server answers an empty completion prompt, and a killed writer leaves a torn record:
+    mtp-train --prompts LOGDIR skips both (they hold nothing to learn), in one warning line."""
+    log = RequestLog(tmp_path)
+    log.append([{"role": "user", "content": "first question"}], [5], 1.0)
+    with open(tmp_path / "requests.jsonl", "a") as f:
+        f.write('{"messages": [{"role": "us')  # a writer killed mid-append
+    log.append([{"role": "user", "content": "", "raw": True}], [6], 1.0)
+    log.append([{"role": "user", "content": "", "raw": True, "token_ids": []}], [6], 1.0)
+    log.append([{"role": "user", "content": "second question", "raw": True}], [7], 1.0)
+    capsys.readouterr()
+    requests = read_prompts(str(tmp_path))
+    assert [r[0]["content"] for r in requests] == ["first question", "second question"]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "skipped 1 line that is not JSON" in err[0], err
+    assert f"2 empty requests (first at {tmp_path / 'requests.jsonl'}:3)" in err[0]
+    only_empty = tmp_path / "empty"
+    RequestLog(only_empty).append([{"role": "user", "content": "", "raw": True}], [6], 1.0)
+    with pytest.raises(UserError, match="no requests in it"):
+        read_prompts(str(only_empty))
+
+
+def test_logged_token_ids_are_the_requests_ids(chat_tiny_dir, tmp_path):
+    """A raw request with "token_ids" (a prompt of ids whose text does not encode back to them)
+    is trained on those ids; ids outside the target's vocabulary are refused."""
+    from mtp_edge.tokenizer import Tokenizer
+    from mtp_edge.train.prompts import encode_request
+
+    tok = Tokenizer.from_hf_dir(chat_tiny_dir)
+    ids = [tok.bos_id, 2, 0, 17]
+    RequestLog(tmp_path).append(
+        [{"role": "user", "content": "x", "raw": True, "token_ids": ids}], [5], 1.0
+    )
+    (request,) = read_prompts(str(tmp_path))
+    assert encode_request(tok, request) == ids
+    alien = ({"role": "user", "content": "x", "raw": True, "token_ids": [tok.vocab_size]},)
+    with pytest.raises(UserError, match="not the target's"):
+        encode_request(tok, alien)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": [{**request[0], "token_ids": ["a"]}]}) + "\n")
+    with pytest.raises(UserError, match=r"bad.jsonl:1: \"token_ids\" must be a list"):
+        read_prompts(str(bad))
+
+
+def test_requests_too_long_to_train_on_are_said_or_refused(tmp_path):
+    """Requests longer than the training sequences are left out, and the run says how many; with
+    none left it stops before writing anything (it would train on the default text alone)."""
+    save_chat_dir(tmp_path / "model", hidden_size=32, intermediate_size=64)
+    long_asks = [" ".join(WORDS * 2) for _ in range(2)]
+    asks = tmp_path / "asks.txt"
+    asks.write_text("\n".join(f"{i} {text}" for i, text in enumerate(long_asks)) + "\n")
+    out = tmp_path / "run" / "heads.safetensors"
+    options = TrainOptions(
+        out=str(out), model=str(tmp_path / "model"), prompts=str(asks), steps=2,
+        gen_tokens=100, gen_max_new=4, gen_batch=8, raw_tokens=200, batch_size=32, seq_len=64,
+        draft_vocab=48, warmup=1, eval_every=10, writer="fp32", labeller="fp32", heldout=0.2,
+    )  # fmt: skip
+    with pytest.raises(UserError, match=r"all 2 requests are longer than the training sequences "
+                       r"\(64 tokens; the shortest has \d+\)"):  # fmt: skip
+        train_heads(options, lambda line: None)
+    assert not artifact_paths(out)["generated"].exists()
+
+    asks.write_text(asks.read_text() + "the cat sat\nthe dog ran\n")
+    lines: list[str] = []
+    train_heads(options, lines.append)
+    assert "skipped 2 of 4 of your requests, longer than the training sequences (64 tokens)" in (
+        lines
+    )
+    assert any(line.startswith("answers to your requests: 2 of 4") for line in lines), lines
 
 
 def test_the_cli_refuses_bad_prompts_before_loading(tmp_path):

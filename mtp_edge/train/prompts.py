@@ -6,7 +6,11 @@ Accepted, read before any long work (a bad line is a one-line error with its fil
   ([{"role", "content"}...], the conversation the answer follows);
 - a folder: its .txt and .jsonl files, and its request logs (requests.jsonl, requests.1.jsonl...
   as mtp_edge.request_log writes them: records with "messages", "answer_ids", "tau"), oldest
-  first.
+  first. A log's torn records (lines that are not JSON) and empty requests (the server answers
+  an empty completion prompt) are skipped, and one warning line counts them.
+
+A request that asks nothing (a raw prompt without text, a blank last user message) in the
+user's own files is refused with its file and line.
 
 A request is a plain prompt (str) or a conversation (a tuple of messages); repeats are dropped
 (the first kept), so no request sits in both the training and the held-out part.
@@ -18,7 +22,14 @@ import json
 from pathlib import Path
 
 from mtp_edge.errors import UserError
-from mtp_edge.request_log import check_messages, log_files, read_log
+from mtp_edge.logs import warn
+from mtp_edge.request_log import (
+    broken_lines,
+    check_messages,
+    log_files,
+    raw_prompt_ids,
+    read_log,
+)
 
 # The kind of text the user's requests and their answers are (Sequence.kind): the report's
 # "tau on your requests" is measured on the held-out part of it.
@@ -31,6 +42,8 @@ def _text_file(path: Path) -> list:
         text = line.strip().replace("\\n", "\n")
         if not text:
             continue
+        if not text.strip():  # a line of "\\n" only
+            raise UserError(f"--prompts {path}:{number}: {EMPTY}")
         if "\x00" in text:
             raise UserError(f"--prompts {path}:{number}: a NUL character; give text requests")
         requests.append(text)
@@ -53,7 +66,20 @@ def _conversation(messages: list[dict], where: str) -> tuple:
     if not users:
         raise UserError(f"--prompts {where}: the messages hold no user message to answer")
     kept = messages[: users[-1] + 1]
-    return tuple({k: m[k] for k in ("role", "content", "raw") if k in m} for m in kept)
+    return tuple({k: m[k] for k in ("role", "content", "raw", "token_ids") if k in m} for m in kept)
+
+
+EMPTY = "the request is empty (no text to answer): give it some text or delete the line"
+
+
+def _empty(request: tuple) -> bool:
+    """Whether a conversation asks nothing: a raw prompt with no text and no ids (raw text may
+    be blank, as a completion prompt may), or a blank last user message (which no chat template
+    is given: mtp_edge.tokenizer.check_messages)."""
+    last = request[-1]
+    if len(request) == 1 and last.get("raw"):
+        return last["content"] == "" and not last.get("token_ids")
+    return not last["content"].strip()
 
 
 def _jsonl_file(path: Path) -> list:
@@ -76,7 +102,10 @@ def _jsonl_file(path: Path) -> list:
                 messages = check_messages(entry["messages"], where)
             except UserError as e:
                 raise UserError(f"--prompts {e}") from None
-            requests.append(_conversation(messages, where))
+            request = _conversation(messages, where)
+            if _empty(request):
+                raise UserError(f"--prompts {where}: {EMPTY}")
+            requests.append(request)
         elif isinstance(entry.get("prompt"), str) and entry["prompt"].strip():
             requests.append(entry["prompt"])
         else:
@@ -87,12 +116,20 @@ def _jsonl_file(path: Path) -> list:
 
 
 def _log_folder(path: Path) -> list:
-    requests = []
-    for record in read_log(path):
-        try:
-            requests.append(_conversation(record.messages, record.where))
-        except UserError as e:
-            raise UserError(str(e)) from None
+    """The requests of the folder's logs; torn and empty records are skipped, and said so."""
+    requests, broken, empty = [], [], []
+    for record in read_log(path, broken):
+        request = _conversation(record.messages, record.where)
+        if _empty(request):  # the server answers an empty completion prompt: nothing to learn
+            empty.append(record.where)
+            continue
+        requests.append(request)
+    skipped = [broken_lines(broken)] if broken else []
+    if empty:
+        n = len(empty)
+        skipped.append(f"{n} empty request{'s' if n > 1 else ''} (first at {empty[0]})")
+    if skipped:
+        warn(f"warning: --prompts {path}: skipped {' and '.join(skipped)}")
     return requests
 
 
@@ -138,11 +175,21 @@ def request_key(request) -> str:
 
 def encode_request(tokenizer, request) -> list[int]:
     """The request's prompt ids: a plain prompt as one user turn, a conversation through the
-    chat template (a logged raw completion, one user message marked "raw", as plain text)."""
+    chat template (a logged raw completion, one user message marked "raw", as its "token_ids"
+    or else as plain text: mtp_edge.request_log.raw_prompt_ids)."""
     if isinstance(request, str):
         return tokenizer.encode_prompt(request)
     if len(request) == 1 and request[0].get("raw"):
-        return tokenizer.encode_prompt(request[0]["content"], chat=False)
+        ids = raw_prompt_ids(tokenizer, request[0])
+        vocab = tokenizer.vocab_size
+        if not all(0 <= i < vocab for i in ids):
+            raise UserError(
+                f"its token_ids are not the target's (ids 0..{vocab - 1}): give the requests "
+                "of this model, or their text alone"
+            )
+        if not ids:  # no prompt to answer: generation would start from nothing
+            raise UserError("the request encodes to no tokens: give it some text")
+        return ids
     if tokenizer.chat_template is None:
         raise UserError(
             'the target has no chat template, so --prompts conversations ("messages") cannot be '

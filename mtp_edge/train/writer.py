@@ -131,7 +131,10 @@ def _answers_to_yours(
     loaded, options, target_hash, rank, world, progress, writer, timed, frozen, deadline
 ):
     """The target's answers to the user's requests (--prompts): --prompts-share of the response
-    tokens, or of the writing time under --minutes (or, resumed, what an earlier run wrote)."""
+    tokens, or of the writing time under --minutes (or, resumed, what an earlier run wrote).
+    Requests longer than the training sequences are left out (_responses), and said so: with
+    none left, the run would train on the default text alone, so it stops first."""
+    _check_lengths(loaded.tokenizer, options, progress)
     if frozen:
         limit = frozen[2] if len(frozen) > 2 else 0
     elif deadline:
@@ -162,10 +165,28 @@ def _answers_to_yours(
         timed.writing_share = 1.0
     sampled = f" (+{len(yours) - answered} sampled answers)" if len(yours) > answered else ""
     progress(
-        f"answers to your requests: {answered} of {len(options.requests)}{sampled}, "
-        f"{mine} tokens"
+        f"answers to your requests: {answered} of {len(options.requests)}{sampled}, {mine} tokens"
     )
     return yours, mine
+
+
+def _check_lengths(tokenizer, options, progress) -> None:
+    """Say how many of the user's requests are too long to train on; none usable is an error."""
+    lengths = [len(encode_request(tokenizer, request)) for request in options.requests]
+    too_long = sum(n > options.seq_len for n in lengths)
+    if not too_long:
+        return
+    asked = len(options.requests)
+    if too_long == asked:
+        which = "the request is" if asked == 1 else f"all {asked} requests are"
+        raise UserError(
+            f"--prompts {options.prompts}: {which} longer than the training sequences "
+            f"({options.seq_len} tokens; the shortest has {min(lengths)}): give shorter requests"
+        )
+    progress(
+        f"skipped {too_long} of {asked} of your requests, longer than the training sequences "
+        f"({options.seq_len} tokens)"
+    )
 
 
 def _responses(
