@@ -551,6 +551,16 @@ def test_resume_with_no_earlier_run_is_refused(tiny_dir, tmp_path):
     assert not out.parent.exists()
 
 
+def test_writing_stops_when_no_template_prompt_fits(tiny_dir, tmp_path):
+    """Sequences shorter than every template prompt: the endless template stream offers nothing
+    to write, and the writing must stop and say so rather than draw from it forever."""
+    lines = []
+    settings = dict(out=str(tmp_path / "h.safetensors"), data=(), gen_tokens=2000, steps=2)
+    summary = train_heads(options(tiny_dir, seq_len=24, **settings), lines.append)
+    assert any(line.startswith("stopped writing: the last 5000 prompts") for line in lines)
+    assert summary["steps"] == 2  # the offline text still trains the heads
+
+
 DDP_SCRIPT = """
 import json, os, sys
 from mtp_edge.train import TrainOptions, train_heads

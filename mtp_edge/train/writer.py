@@ -189,6 +189,11 @@ def _check_lengths(tokenizer, options, progress) -> None:
     )
 
 
+# Prompts passed over in a row (repeats, or too long for the training sequences) after which
+# the writing stops rather than drawing forever from an endless stream.
+PASSED_OVER_LIMIT = 5000
+
+
 def _responses(
     loaded,
     options,
@@ -249,6 +254,7 @@ def _responses(
         return over
 
     exhausted = False
+    passed = 0  # prompts passed over in a row: an endless stream may offer none that fits
     while total < wanted and not exhausted and not (budget and budget.writing_over()):
         batch = []
         while len(batch) < options.gen_batch * world and not exhausted:
@@ -264,6 +270,13 @@ def _responses(
                 kinds[prompt] = kind
                 groups[prompt] = group if kind == YOURS else ""
                 batch.append((prompt, ids))
+                passed = 0
+            elif (passed := passed + 1) >= PASSED_OVER_LIMIT:
+                progress(
+                    f"stopped writing: the last {PASSED_OVER_LIMIT} prompts were repeats or "
+                    f"longer than the training sequences ({options.seq_len} tokens)"
+                )
+                exhausted = True
         if not batch:
             break
         todo = [(p, ids) for p, ids in batch if p not in cached]
