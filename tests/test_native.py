@@ -1574,7 +1574,27 @@ def test_store_seeded_from_a_request_log_as_python(runner, mtp_bundle, tmp_path)
     prompts = suite_ids(mtp_bundle)[:1]
     report = run_native(runner, mtp_bundle, prompts, tmp_path, "--store-log", str(log.directory))
     assert report["store_requests"] == 16
-    (log.directory / "requests.jsonl").write_text('{"messages": \n{"messages": []}\n')
+
+    # A record torn by a killed writer, then more appended: the torn line alone is skipped,
+    # by both readers alike.
+    newest = log.directory / "requests.jsonl"
+    newest.write_text('{"messages": [{"role": "user", "con')
+    log.append([{"role": "user", "content": "after the tear"}], [21, 22], tau=1.0)
+    store = python._generator.adapter.store = AnswerStore()
+    Model._seed_store(python, log)
+    expected = [[tokens, first] for tokens, first in store.sequences]
+    done = subprocess.run(
+        [str(native_runner.UNIT_TESTS), "store-log", mtp_bundle, str(tmp_path / "log")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    seeded = json.loads(done.stdout)
+    assert seeded["sequences"] == expected and expected[-1][0][-2:] == [21, 22]
+
+    # A line that is JSON but no record is the log's fault, named by file:line.
+    newest.write_text('{"messages": \n[1, 2]\n')
     done = subprocess.run(
         [
             str(runner),
@@ -1592,5 +1612,5 @@ def test_store_seeded_from_a_request_log_as_python(runner, mtp_bundle, tmp_path)
     assert done.returncode == 2
     assert (
         done.stderr.splitlines()[-1]
-        == f"error: {log.directory / 'requests.jsonl'}:1: not a JSON line"
+        == f"error: {log.directory / 'requests.jsonl'}:2: expected a JSON object"
     )

@@ -253,15 +253,13 @@ int64_t Engine::seed_store(const std::string& log) {
     for (int64_t n = 1; start <= all.size(); ++n) {
       const size_t end = std::min(all.find('\n', start), all.size());
       const std::string line = all.substr(start, end - start);
-      const bool last = end == all.size();  // no newline after it
       start = end + 1;
       if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
       const std::string where = file + ":" + std::to_string(n);
       const nlohmann::json row = nlohmann::json::parse(line, nullptr, false);
-      if (row.is_discarded()) {
-        if (last) continue;  // torn by a writer killed mid-append
-        throw UserError(where + ": not a JSON line");
-      }
+      // A record torn by a writer killed mid-append spoils only its own line (appends start
+      // on a fresh line), wherever it is: skipped, as mtp_edge/request_log.py read_log does.
+      if (row.is_discarded()) continue;
       if (!row.is_object()) throw UserError(where + ": expected a JSON object");
       const nlohmann::json answer = row.value("answer_ids", nlohmann::json::array());
       bool ids = answer.is_array(), outside = false;
@@ -294,8 +292,22 @@ std::vector<int64_t> Engine::logged_prompt_ids(const nlohmann::json& messages) c
       if (x.is_number()) return x.get<double>() != 0;
       return (x.is_string() || x.is_array() || x.is_object()) && !x.empty();
     };
-    if (messages.size() == 1 && messages[0].contains("raw") && truthy(messages[0]["raw"]))
+    if (messages.size() == 1 && messages[0].contains("raw") && truthy(messages[0]["raw"])) {
+      // A prompt that came as ids whose text does not encode back to them keeps its ids
+      // (mtp_edge/request_log.py raw_message); another model's ids are not this store's.
+      const nlohmann::json ids = messages[0].value("token_ids", nlohmann::json());
+      if (ids.is_array()) {
+        const int64_t vocab = std::min(manifest_.vocab_size, target_->vocab_size);
+        std::vector<int64_t> out;
+        for (const auto& id : ids) {
+          if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= vocab)
+            return {};
+          out.push_back(id.get<int64_t>());
+        }
+        return out;
+      }
       return encode_prompt(messages[0]["content"].get<std::string>(), /*chat=*/false);
+    }
     if (!manifest_.has_chat_template || !manifest_.chat_format) return {};
     const ChatFormat& format = *manifest_.chat_format;
     // tokenizer.py check_messages: an optional system message, then user and assistant turns

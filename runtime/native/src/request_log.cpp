@@ -124,19 +124,26 @@ void RequestLog::append(const nlohmann::ordered_json& messages, const std::vecto
   std::error_code error;
   const auto size = fs::file_size(path(0), error);
   if (!error && size > 0 && int64_t(size + line.size()) > file_bytes_) rotate();
-  const int fd = ::open(path(0).c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0600);
+  const int fd = ::open(path(0).c_str(), O_RDWR | O_APPEND | O_CREAT | O_CLOEXEC, 0600);
   if (fd < 0)
     throw UserError("cannot write the request log " + path(0) + ": " + std::strerror(errno));
   struct stat before {};
   const bool sized = ::fstat(fd, &before) == 0;
-  const ssize_t written = ::write(fd, line.data(), line.size());
+  // A record torn by a writer killed mid-append must not glue onto this one: start on a
+  // fresh line when the file does not end with one.
+  std::string out = line;
+  if (sized && before.st_size > 0) {
+    char tail = '\n';
+    if (::pread(fd, &tail, 1, before.st_size - 1) == 1 && tail != '\n') out.insert(0, "\n");
+  }
+  const ssize_t written = ::write(fd, out.data(), out.size());
   const int saved = errno;
   // A short write (a full disk) is taken back: no reader ever meets half a line mid-file.
-  if (written != ssize_t(line.size()) && written > 0 && sized) {
-    if (::ftruncate(fd, before.st_size) != 0) { /* the reader skips a torn last line */ }
+  if (written != ssize_t(out.size()) && written > 0 && sized) {
+    if (::ftruncate(fd, before.st_size) != 0) { /* the reader skips a torn line */ }
   }
   ::close(fd);
-  if (written != ssize_t(line.size()))
+  if (written != ssize_t(out.size()))
     throw UserError("cannot write the request log " + path(0) + ": " +
                     (written < 0 ? std::strerror(saved) : "short write (disk full?)"));
 }
