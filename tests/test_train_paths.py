@@ -31,6 +31,23 @@ def test_the_probe_times_both_paths(loaded):
         assert set(measured) == {"int8", "fp32"} and min(measured.values()) > 0
 
 
+def test_a_slices_fixed_cost_is_not_scaled_with_the_weight():
+    """A call's fixed cost (int8's activation quantization, the dispatch) is paid once whatever
+    the weight's rows: the time on a large weight follows the line through two slices' times,
+    not one slice's time scaled by the rows, which once made int8 look slower than fp32 where
+    it writes 2.5x faster."""
+    fixed, per_row = 2e-4, 1e-7
+
+    def timed(n):
+        return fixed + per_row * n
+
+    times = {256: timed(256), 1024: timed(1024)}
+    assert engines.full_size_seconds(times, 49152) == pytest.approx(timed(49152))
+    assert engines.full_size_seconds({64: 3e-5}, 64) == 3e-5  # a weight timed whole
+    # Noise that tilts the line below zero leaves the small slice's time, never a negative one.
+    assert engines.full_size_seconds({256: 2e-4, 1024: 1e-4}, 4096) == pytest.approx(2e-4)
+
+
 def test_the_rule():
     assert engines.choose({"int8": 1.0, "fp32": 3.0})[0] == "int8"
     path, why = engines.choose({"int8": 14.0, "fp32": 1.0})

@@ -27,9 +27,13 @@ from mtp_edge.mtp import target_fingerprint
 from mtp_edge.train.int8 import Int8Linear, int8_writer
 from mtp_edge.train.options import TrainOptions
 
-# Output rows of each weight the probe multiplies by (the rest scale with the rows), and the
-# rows of a labelled sequence it times (a sequence's rows are multiplied together).
-PROBE_OUT_ROWS = 256
+# Output rows of each weight the probe multiplies by, at two slice sizes: a call's time is a
+# fixed part (int8's activation quantization, the dispatch) plus a part per output row, and only
+# the second grows with the weight. Scaling one small slice's time up to a 49k-row LM head
+# multiplied the fixed part as well, which made int8 look 1.8x slower than fp32 at a writing
+# batch's 8 rows on a VNNI host where it writes 2.5-3.3x faster (benchmarks/results/training/
+# train_paths_vnni_*.md). And the rows of a labelled sequence it times.
+PROBE_OUT_ROWS = (256, 1024)
 PROBE_LABEL_ROWS = 128
 # int8 only when its measured time is below fp32's by this factor: fp32 writes and labels the
 # target's own numbers, int8 an approximation of them, so a near tie goes to fp32.
@@ -64,23 +68,39 @@ def _best_seconds(*calls: Callable[[], object], repeats: int = 3) -> list[float]
     return best
 
 
+def full_size_seconds(times: dict[int, float], out_rows: int) -> float:
+    """A call's time on all `out_rows` from its times on slices ({rows: seconds}): the line
+    through the two slices' times (its fixed part and its part per row, neither below zero),
+    or, with one slice, that slice's time scaled by the rows."""
+    if len(times) == 1:
+        ((rows, seconds),) = times.items()
+        return seconds * out_rows / rows
+    (small, t_small), (large, t_large) = sorted(times.items())
+    per_row = max((t_large - t_small) / (large - small), 0.0)
+    fixed = max(t_small - per_row * small, 0.0)
+    return fixed + per_row * out_rows
+
+
 @torch.inference_mode()
 def probe_paths(target: Transformer, rows: int) -> dict[str, float]:
     """Seconds per token of the target's matrix products on each eager path ("fp32", "int8"),
-    for a forward over `rows` rows at once: each distinct weight shape timed on a slice of at
-    most PROBE_OUT_ROWS output rows, scaled up to its rows and counted as often as a forward
-    multiplies by it. Attention, norms and the rest cost the same on both paths: left out."""
+    for a forward over `rows` rows at once: each distinct weight shape timed on slices of
+    PROBE_OUT_ROWS output rows (or all of them), its time on all its rows drawn through the
+    slices' (full_size_seconds), counted as often as a forward multiplies by it. Attention,
+    norms and the rest cost the same on both paths: left out."""
     seconds = {"fp32": 0.0, "int8": 0.0}
     generator = torch.Generator().manual_seed(0)
     for weight, count in _distinct_linears(target):
         out_rows, width = weight.shape
-        part = weight.detach()[:PROBE_OUT_ROWS].float()
         x = torch.randn(rows, width, generator=generator)
-        int8 = Int8Linear(part)
-        scale = count * out_rows / len(part) / rows
-        fp32, int8_s = _best_seconds(lambda: F.linear(x, part), lambda: int8(x))  # noqa: B023
-        seconds["fp32"] += fp32 * scale
-        seconds["int8"] += int8_s * scale
+        times: dict[str, dict[int, float]] = {"fp32": {}, "int8": {}}
+        for n in sorted({min(n, out_rows) for n in PROBE_OUT_ROWS}):
+            part = weight.detach()[:n].float()
+            int8 = Int8Linear(part)
+            fp32_s, int8_s = _best_seconds(lambda: F.linear(x, part), lambda: int8(x))  # noqa: B023
+            times["fp32"][n], times["int8"][n] = fp32_s, int8_s
+        for path in seconds:
+            seconds[path] += full_size_seconds(times[path], out_rows) * count / rows
     return seconds
 
 
