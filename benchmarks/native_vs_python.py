@@ -116,7 +116,7 @@ def main() -> None:
     suite = Suite(config.k, args.repeat)
     runs = []  # (plain, speculative) results of each prompt's last repeat
     for i, p in enumerate(prompts):
-        encode = lambda text, p=p: encoded[p.id]  # noqa: E731  (the runner's own token ids)
+        encode = lambda text, p=p, **_: encoded[p.id]  # noqa: E731  (the runner's own ids)
         row = suite.run_prompt(session, encode, drafter, p, config, args.max_new_tokens)
         runs.append(suite.last_runs)
         print(f"[{i + 1}/{len(prompts)}] {progress_line(row)}", file=sys.stderr)

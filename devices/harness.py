@@ -54,23 +54,18 @@ class Prompt:
         return self.messages or self.prompt
 
 
-def prompt_ids(encode: Callable, p: Prompt) -> list[int]:
-    """The prompt's ids as `encode` (a Generator's, runtime/assemble.py) makes them, except a
-    logged raw completion: its logged ids, else its text as plain text (special tokens written
-    in it as text), as the server ran it, whatever the generator's chat setting (its encode
-    would wrap a string in the chat template)."""
+def prompt_ids(encode: Callable, p: Prompt, vocab_size: int) -> list[int]:
+    """The prompt's ids as `encode` (a Generator's, runtime/assemble.py) makes them; a logged
+    raw completion as the server ran it: its logged ids, else its text without the chat
+    template (`encode(..., raw=True)`), whatever the generator's chat setting."""
     if not p.raw:
         return encode(p.request)
-    gen = getattr(encode, "__self__", None)
-    if getattr(gen, "tokenizer", None) is None:
-        raise TypeError("a raw prompt is encoded with a Generator's encode (runtime/assemble.py)")
     if p.token_ids is None:
-        return gen.tokenizer.encode_prompt(p.prompt, chat=False)
-    vocab = gen.session.vocab_size
-    if not all(0 <= i < vocab for i in p.token_ids):
+        return encode(p.prompt, raw=True)
+    if not all(0 <= i < vocab_size for i in p.token_ids):
         raise UserError(
             f"the logged raw prompt {p.id} holds token ids outside this model's vocabulary "
-            f"(0..{vocab - 1}): bench the log with the model that served it"
+            f"(0..{vocab_size - 1}): bench the log with the model that served it"
         )
     return list(p.token_ids)
 
@@ -257,7 +252,7 @@ class Suite:
         self.last_runs: tuple[GenerationResult, GenerationResult] | None = None
 
     def run_prompt(self, session, encode, drafter, p: Prompt, config, max_new_tokens=None) -> dict:
-        ids = prompt_ids(encode, p)
+        ids = prompt_ids(encode, p, session.vocab_size)
         cfg = GenerationConfig(
             max_new_tokens=max_new_tokens or p.max_new_tokens,
             k=config.k,

@@ -116,8 +116,12 @@ class Generator:
     parse_special: bool = False
     adapter: object | None = None  # runtime/adapt.py's Adapter, when the heads adapt
 
-    def encode(self, prompt: str | list[dict]) -> list[int]:
-        """A prompt's ids (one user turn in the chat template), or a conversation's."""
+    def encode(self, prompt: str | list[dict], raw: bool = False) -> list[int]:
+        """A prompt's ids (one user turn in the chat template), or a conversation's; `raw`: the
+        text as it stands, no chat template, special tokens in it read as text (a logged raw
+        completion, mtp_edge/request_log.py)."""
+        if raw:
+            return self.tokenizer.encode_prompt(prompt, chat=False)
         if isinstance(prompt, list):
             return self.tokenizer.encode_messages(prompt, self.parse_special)
         return self.tokenizer.encode_prompt(
