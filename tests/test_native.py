@@ -1512,6 +1512,18 @@ def test_c_api_request_log_is_what_python_reads(mtp_bundle, tmp_path):
     assert list(read_log(log))[-1].answer_ids == [3]
 
 
+def native_store_log(bundle: str, log: Path) -> dict:
+    """What `mtp-native-tests store-log` seeds an engine's store with from `log`."""
+    done = subprocess.run(
+        [str(native_runner.UNIT_TESTS), "store-log", bundle, str(log)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
 def test_store_seeded_from_a_request_log_as_python(runner, mtp_bundle, tmp_path):
     """mtp-runner --store-log DIR (Engine::seed_store, shown by `mtp-native-tests store-log`)
     takes from a request log exactly the requests mtp_edge/api.py _seed_store gives the Python
@@ -1561,14 +1573,7 @@ def test_store_seeded_from_a_request_log_as_python(runner, mtp_bundle, tmp_path)
     expected = [[tokens, first] for tokens, first in store.sequences]
     assert len(expected) == 15 and len(expected[3][0]) > 30  # a multi-turn prompt was encoded
 
-    done = subprocess.run(
-        [str(native_runner.UNIT_TESTS), "store-log", mtp_bundle, str(tmp_path / "log")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr
-    seeded = json.loads(done.stdout)
+    seeded = native_store_log(mtp_bundle, tmp_path / "log")
     assert seeded["added"] == 15 and seeded["sequences"] == expected
 
     prompts = suite_ids(mtp_bundle)[:1]
@@ -1583,14 +1588,7 @@ def test_store_seeded_from_a_request_log_as_python(runner, mtp_bundle, tmp_path)
     store = python._generator.adapter.store = AnswerStore()
     Model._seed_store(python, log)
     expected = [[tokens, first] for tokens, first in store.sequences]
-    done = subprocess.run(
-        [str(native_runner.UNIT_TESTS), "store-log", mtp_bundle, str(tmp_path / "log")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr
-    seeded = json.loads(done.stdout)
+    seeded = native_store_log(mtp_bundle, tmp_path / "log")
     assert seeded["sequences"] == expected and expected[-1][0][-2:] == [21, 22]
 
     # A line that is JSON but no record is the log's fault, named by file:line.
