@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+import mtp_edge  # noqa: F401  (before ExecuTorch loads: MTP_EDGE_CPU_CLASS applies at import)
+
 CATEGORIES = [
     ("linear int8 (QDU8 x QC8W)", "GEMM/GEMV with 8-bit dynamically quantized rows, int8 weights"),
     ("linear int4 (QD8 x QB4W/QC4W)", "the same with 4-bit weights"),

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
+from pathlib import Path
 
 from mtp_edge.errors import UserError
 from mtp_edge.machine import INT8_PATHS, int8_path, measure_matmul_rates
@@ -105,12 +106,26 @@ def host_device() -> Device:
             "memory_bandwidth_gbs": f"{how}: numpy sums over a 512 MB array, a stream per core",
             "cpu_int8_gops": f"{how}: {rates.how}",
             "cpu_fp32_gflops": f"{how}: {rates.how}",
-            "cpu_int8_path": f"{path.instruction}; from the CPU's flags (/proc/cpuinfo)",
+            "cpu_int8_path": f"{path.instruction}; {int8_path_source()}",
             "ram_gb": "os.sysconf",
         },
         measured=True,
         int8_path=path.name,
     )
+
+
+def int8_path_source() -> str:
+    """Where the host's int8 path comes from: the CPU's flags, or the class it runs as."""
+    from mtp_edge import cpu_class
+
+    if cpu_class.applied():
+        return (
+            f"the {cpu_class.applied()} class's kernels on this CPU ({cpu_class.ENV}; its own "
+            f"flags: {int8_path(Path('/proc/cpuinfo').read_text()).name})"
+        )
+    if os.environ.get("MTP_EDGE_INT8_PATH"):
+        return "named by MTP_EDGE_INT8_PATH (the kernels that run are this CPU's own)"
+    return "from the CPU's flags (/proc/cpuinfo)"
 
 
 def cpu_model() -> str:

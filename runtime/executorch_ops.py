@@ -17,7 +17,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from mtp_edge import logs
+from mtp_edge import cpu_class, logs
 from mtp_edge.errors import UserError
 
 _SRC = Path(__file__).parent / "native" / "src"
@@ -90,6 +90,7 @@ def load_kernels() -> None:
     global _loaded
     if _loaded is not None:
         return
+    cpu_class.check()  # MTP_EDGE_CPU_CLASS applied, or its error, before a program runs
     # ExecuTorch's runtime (and its kernel registry) must be loaded before our library joins it.
     from executorch.extension.pybindings import portable_lib  # noqa: F401
 

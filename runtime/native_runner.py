@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from mtp_edge.cpu_class import ENV as CPU_CLASS_ENV
 from mtp_edge.errors import UserError
 
 SOURCE_DIR = Path(__file__).parent / "native"
@@ -159,6 +160,12 @@ def main() -> None:
     these arguments."""
     args = sys.argv[1:]
     try:
+        if os.environ.get(CPU_CLASS_ENV):
+            raise UserError(
+                f"{CPU_CLASS_ENV} runs another CPU class's kernels in the Python runtime only "
+                f"(the native runner's XNNPACK picks its kernels as the binary loads): unset it, "
+                f"or measure with mtp-bench"
+            )
         if check_arguments(args):
             print(usage(), end="")
             return

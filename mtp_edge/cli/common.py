@@ -10,7 +10,7 @@ import sys
 
 import click
 
-from mtp_edge import logs
+from mtp_edge import cpu_class, logs
 from mtp_edge.errors import Fault, Terminated, UserError
 from mtp_edge.limits import LIMITS
 from mtp_edge.version import __version__
@@ -71,6 +71,7 @@ class OneLineErrors(click.Command):
         for signum in (signal.SIGTERM, signal.SIGHUP):
             signal.signal(signum, _terminate)
         try:
+            cpu_class.check()
             code = super().main(args, standalone_mode=False, **kwargs)
         except click.exceptions.Exit as e:
             sys.exit(e.exit_code)
