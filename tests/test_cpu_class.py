@@ -37,8 +37,9 @@ PROBE = textwrap.dedent(
     program.load_method("forward").execute([torch.randn(1, 5, 1024)])
     with tempfile.TemporaryDirectory() as tmp:
         program.write_etdump_result_to_file(f"{tmp}/p.etdp", f"{tmp}/d.bin")
-        names = sorted({e.name.split(")")[0] + ")" for b in Inspector(etdump_path=f"{tmp}/p.etdp").event_blocks
-                        for e in b.events if e.name.startswith("Fully Connected")})
+        events = Inspector(etdump_path=f"{tmp}/p.etdp").event_blocks
+        names = sorted({e.name.split(")")[0] + ")" for b in events for e in b.events
+                        if e.name.startswith("Fully Connected")})
     print(json.dumps({
         "gemms": names,
         "aten": torch.backends.cpu.get_cpu_capability(),
