@@ -122,9 +122,11 @@ def loop_overheads(cost: BundleCost, steps: int = 64) -> tuple[float, float]:
     return out[0], out[1]
 
 
-def calibrate(bundle_dir: str | Path, cost: BundleCost, repeats: int = 3) -> Calibration:
-    """Open the bundle and calibrate on it (see `calibrate_session`) a few times; the best of
-    each figure, i.e. the machine as little disturbed by other load as it was seen."""
+def calibrate(
+    bundle_dir: str | Path, cost: BundleCost, repeats: int = 3, context: int = 256
+) -> Calibration:
+    """Open the bundle and calibrate on it (see `calibrate_session`) a few times, at `context`
+    positions; the least disturbed run (`best`)."""
     from mtp_edge.runtime.assemble import LoadOptions, assemble
 
     host_device()  # probe the matmul peak before ExecuTorch takes the cores
@@ -132,7 +134,7 @@ def calibrate(bundle_dir: str | Path, cost: BundleCost, repeats: int = 3) -> Cal
     options = LoadOptions(bundle=str(bundle_dir), drafter=cost.drafter_kind, draft_confidence=0)
     gen = assemble(options)
     session, drafter = gen.session, gen.drafter
-    return best([calibrate_session(session, drafter, cost) for _ in range(repeats)])
+    return best([calibrate_session(session, drafter, cost, context) for _ in range(repeats)])
 
 
 def calibrate_session(
@@ -228,13 +230,12 @@ def _alternating_ms(session, width: int, context: int, runs: int) -> tuple[float
 
 
 def best(calibrations: list[Calibration]) -> Calibration:
-    """The highest bandwidth and compute and the lowest overheads among calibrations."""
-    fields = {}
-    for name in asdict(calibrations[0]):
-        if name == "measured_ms":
-            continue
-        values = [getattr(c, name) for c in calibrations]
-        fields[name] = max(values) if name.startswith(("bandwidth", "compute")) else min(values)
+    """The calibration of the least disturbed run (its one-token call the fastest), every figure
+    from that run. Taking the best of each figure from different runs paired one run's bandwidth
+    with another's compute and overhead: on a noisy AVX2-class run the overhead came out 0 and
+    plain decoding was predicted 36% too fast."""
+    chosen = min(calibrations, key=lambda c: c.measured_ms["target_1_token"])
+    fields = {name: getattr(chosen, name) for name in asdict(chosen) if name != "measured_ms"}
     return Calibration(**fields, measured_ms={"runs": [c.measured_ms for c in calibrations]})
 
 
@@ -502,8 +503,13 @@ def check_bench_of(bench: dict, path: str | Path, bundle: str | Path, manifest: 
         )
 
 
+# How close the host's prediction should come to the measurement (benchmarks/README.md goals).
+PREDICTION_GOAL = 0.15
+
+
 def compare_with_measured(prediction: dict, bench: dict) -> dict:
-    """Predicted vs measured tokens/s on the host, and the relative error of each."""
+    """Predicted vs measured tokens/s, verify/decode and speedup on the host, and the relative
+    error of each."""
     s = bench["summary"]
     out = {}
     pairs = [("plain", prediction["plain"]["tokens_per_s"], s["ar_tokens_per_s"])]
@@ -511,6 +517,9 @@ def compare_with_measured(prediction: dict, bench: dict) -> dict:
         pairs.append(
             ("speculative", prediction["speculative"]["tokens_per_s"], s["spec_tokens_per_s"])
         )
+        if _is_number(s.get("verify_over_decode")):
+            spec = prediction["speculative"]
+            pairs.append(("verify / decode", spec["verify_over_decode"], s["verify_over_decode"]))
         pairs.append(("speedup", prediction["speedup"], s["speedup"]))
     for name, predicted, measured in pairs:
         error = (predicted - measured) / measured if measured else None
@@ -518,7 +527,7 @@ def compare_with_measured(prediction: dict, bench: dict) -> dict:
             "predicted": predicted,
             "measured": measured,
             "error": None if error is None else round(error, 4),
-            "within_25_percent": error is not None and abs(error) <= 0.25,
+            "within_goal": error is not None and abs(error) <= PREDICTION_GOAL,
         }
     return out
 
@@ -549,14 +558,14 @@ def to_markdown(predictions: list[dict], validation: dict | None = None) -> str:
             "",
             "Host: predicted vs measured (mtp-bench)",
             "",
-            "| quantity | predicted | measured | error | within ±25% |",
+            f"| quantity | predicted | measured | error | within ±{PREDICTION_GOAL:.0%} |",
             "|---|---|---|---|---|",
         ]
         for name, v in validation.items():
             error = "—" if v["error"] is None else f"{v['error']:+.1%}"
             lines.append(
                 f"| {name} | {v['predicted']:.2f} | {v['measured']:.2f} | {error} | "
-                f"{'yes' if v['within_25_percent'] else 'NO'} |"
+                f"{'yes' if v['within_goal'] else 'NO'} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -591,7 +600,10 @@ def predict_bundle(bundle, device_names, from_bench, command: str, progress) -> 
             for d in chosen
         }
     progress("[calibrate] timing the bundle's programs on this machine")
-    calibration = calibrate(bundle, replace(cost, k=host_k))
+    # At the context the measurement ran at (its prompts' mean, and half the answers): a
+    # verification's attention grows with the context, and faster than a decoding step's.
+    context = acceptance_from(bench_report, manifest, host_k)["context"] if bench_report else 256
+    calibration = calibrate(bundle, replace(cost, k=host_k), context=max(int(context), 8))
     predictions = []
     for d in chosen:
         k = ks[d.name]

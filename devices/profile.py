@@ -348,10 +348,16 @@ def side_by_side(report: dict, prediction: dict) -> str:
     ]
     validation = report.get("host_validation")
     if validation:
-        lines += ["", "| quantity | error of the prediction | within ±25% |", "|---|---|---|"]
+        from mtp_edge.devices.predict import PREDICTION_GOAL
+
+        lines += [
+            "",
+            f"| quantity | error of the prediction | within ±{PREDICTION_GOAL:.0%} |",
+            "|---|---|---|",
+        ]
         for name, v in validation.items():
             error = "—" if v["error"] is None else f"{v['error']:+.1%}"
-            lines.append(f"| {name} | {error} | {'yes' if v['within_25_percent'] else 'NO'} |")
+            lines.append(f"| {name} | {error} | {'yes' if v['within_goal'] else 'NO'} |")
     return "\n".join(lines) + "\n"
 
 
