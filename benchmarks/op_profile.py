@@ -35,7 +35,7 @@ import torch
 import mtp_edge  # noqa: F401  (before ExecuTorch loads: MTP_EDGE_CPU_CLASS applies at import)
 
 CATEGORIES = [
-    ("linear int8 (QDU8 x QC8W)", "GEMM/GEMV with 8-bit dynamically quantized rows, int8 weights"),
+    ("linear int8 (QD8/QDU8 x QC8W)", "GEMM/GEMV with 8-bit dynamically quantized rows, int8 weights"),
     ("linear int4 (QD8 x QB4W/QC4W)", "the same with 4-bit weights"),
     ("linear fp32", "float GEMMs: the RoPE rotation and the norms' mean, as small products"),
     ("xnnpack element-wise", "norms, SwiGLU, residual adds, reshapes inside the delegate"),
@@ -53,7 +53,7 @@ def category(name: str, delegated: bool) -> str | None:
     if delegated:
         if name.startswith("Fully Connected"):
             if "QC8W" in name:
-                return "linear int8 (QDU8 x QC8W)"
+                return "linear int8 (QD8/QDU8 x QC8W)"
             if "4W" in name:
                 return "linear int4 (QD8 x QB4W/QC4W)"
             return "linear fp32"

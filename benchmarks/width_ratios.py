@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+import mtp_edge  # noqa: F401  (before ExecuTorch loads: MTP_EDGE_CPU_CLASS applies at import)
+
 
 def quartiles(values: list[float]) -> tuple[float, float, float]:
     q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
