@@ -397,7 +397,7 @@ def test_profile_on_host_reports_measurement_and_prediction(bundle, prompts, tmp
     report = json.loads(out.read_text())
     assert report["summary"]["prompts"] == 3 and len(report["prompts"]) == 3
     assert report["prediction"]["device"] == "host"
-    assert set(report["host_validation"]) == {"plain", "speculative", "speedup"}
+    assert set(report["host_validation"]) == {"plain", "speculative", "verify / decode", "speedup"}
     assert "predicted" in result.stdout and "measured" in result.stdout
 
 

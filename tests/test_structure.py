@@ -201,7 +201,8 @@ def reachable(edges: dict[str, set[str]], start: str) -> set[str]:
 def test_the_package_root_is_in_the_graph_and_the_ground_does_not_reach_it():
     edges = graph()
     assert "mtp_edge" in edges and "mtp_edge.api" in edges["mtp_edge"]
-    assert edges["mtp_edge"] - {"mtp_edge.api"} <= {"mtp_edge.version"}
+    # cpu_class: MTP_EDGE_CPU_CLASS must act as mtp_edge loads, before ExecuTorch does
+    assert edges["mtp_edge"] - {"mtp_edge.api"} <= {"mtp_edge.version", "mtp_edge.cpu_class"}
     wrong = [m for m in edges if room(m) == "ground" and "mtp_edge" in reachable(edges, m)]
     assert not wrong, wrong
 
