@@ -35,7 +35,7 @@ import torch
 import mtp_edge  # noqa: F401  (before ExecuTorch loads: MTP_EDGE_CPU_CLASS applies at import)
 
 CATEGORIES = [
-    ("linear int8 (QD8/QDU8 x QC8W)", "GEMM/GEMV with 8-bit dynamically quantized rows, int8 weights"),
+    ("linear int8 (QD8/QDU8 x QC8W)", "GEMMs with 8-bit dynamically quantized rows, int8 weights"),
     ("linear int4 (QD8 x QB4W/QC4W)", "the same with 4-bit weights"),
     ("linear fp32", "float GEMMs: the RoPE rotation and the norms' mean, as small products"),
     ("xnnpack element-wise", "norms, SwiGLU, residual adds, reshapes inside the delegate"),
