@@ -82,17 +82,21 @@ def test_the_avx2_class_runs_xnnpacks_and_torchs_avx2_kernels(tmp_path):
         assert own["attention"] is None
 
 
-def test_an_unknown_class_is_one_line_and_exit_2(tmp_path):
-    env = {**os.environ, "MTP_EDGE_CPU_CLASS": "avx3"}
-    done = subprocess.run(
-        [sys.executable, "-c", "from mtp_edge.cli import devices; devices()", "--json",
-         str(tmp_path / "d.json")],
+def run_as(cpu_class: str, code: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`python -c CODE ARGS...` with MTP_EDGE_CPU_CLASS set."""
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
         capture_output=True,
         text=True,
-        env=env,
-        cwd=tmp_path,
+        env={**os.environ, "MTP_EDGE_CPU_CLASS": cpu_class},
+        cwd=cwd,
         timeout=300,
-    )  # fmt: skip
+    )
+
+
+def test_an_unknown_class_is_one_line_and_exit_2(tmp_path):
+    code = "from mtp_edge.cli import devices; devices()"
+    done = run_as("avx3", code, "--json", str(tmp_path / "d.json"), cwd=tmp_path)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         "error: MTP_EDGE_CPU_CLASS=avx3 is not a CPU class mtp-edge can run: use one of avx2, "
@@ -125,16 +129,8 @@ def test_the_class_set_after_executorch_loaded_is_refused_before_a_program_runs(
 
 
 def test_the_native_runner_refuses_the_class(tmp_path):
-    env = {**os.environ, "MTP_EDGE_CPU_CLASS": "avx2"}
-    done = subprocess.run(
-        [sys.executable, "-c", "from mtp_edge.runtime.native_runner import main; main()",
-         "--bundle", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=300,
-    )  # fmt: skip
+    code = "from mtp_edge.runtime.native_runner import main; main()"
+    done = run_as("avx2", code, "--bundle", str(tmp_path), cwd=tmp_path)
     assert done.returncode == 2
     assert "MTP_EDGE_CPU_CLASS runs another CPU class's kernels in the Python runtime only" in (
         done.stderr
