@@ -30,6 +30,7 @@ import os
 from pathlib import Path
 
 from mtp_edge.errors import UserError
+from mtp_edge.machine import cpu_flags
 
 ENV = "MTP_EDGE_CPU_CLASS"
 
@@ -125,14 +126,12 @@ def apply(name: str | None) -> None:
 
 def _cpu_flags() -> set[str]:
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        flags = cpu_flags(Path("/proc/cpuinfo").read_text())
     except OSError:
-        text = ""
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "flags":
-            return set(value.split())
-    raise UserError(f"{ENV} works on x86-64 Linux only (no x86 flags in /proc/cpuinfo): unset it")
+        flags = set()
+    if not flags:
+        raise UserError(f"{ENV} works on x86-64 Linux only (no flags in /proc/cpuinfo): unset it")
+    return flags
 
 
 def _loaded(library: str) -> str | None:

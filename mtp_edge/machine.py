@@ -73,11 +73,7 @@ def int8_path(cpuinfo: str | None = None) -> Int8Path:
             cpuinfo = Path("/proc/cpuinfo").read_text()
         except OSError:
             return _darwin_int8_path()
-    flags: set[str] = set()
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip().lower() in ("flags", "features"):
-            flags |= set(value.lower().split())
+    flags = cpu_flags(cpuinfo)
     for name, needs in (
         ("avx512-vnni", ("avx512_vnni",)),
         ("avx-vnni", ("avx_vnni",)),
@@ -92,6 +88,16 @@ def int8_path(cpuinfo: str | None = None) -> Int8Path:
         if all(flag in flags for flag in needs):
             return INT8_PATHS[name]
     return INT8_PATHS["unknown"]
+
+
+def cpu_flags(cpuinfo: str) -> set[str]:
+    """The CPU's feature flags in a /proc/cpuinfo text: x86's `flags`, ARM's `Features`."""
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip().lower() in ("flags", "features"):
+            flags |= set(value.lower().split())
+    return flags
 
 
 def _darwin_int8_path() -> Int8Path:
