@@ -1,9 +1,12 @@
-"""Our own attention op, `mtp_edge::sdpa`: causal SDPA over a static KV cache, computed one
-(row, head) at a time so that a row's result does not depend on how many rows share the call.
+"""Our own ops: the attention op `mtp_edge::sdpa` and the int8 linear `mtp_edge::linear_i8`.
 
-This module is shared ground: the exporter traces programs that call the op, the runtime runs
-them. It holds the op's definition and its eager reference; the compiled kernel that ExecuTorch
-runs lives in runtime/native/src/llama_ops.cpp (loaded by runtime/executorch_ops.py).
+`mtp_edge::sdpa` is causal SDPA over a static KV cache, computed one (row, head) at a time so
+that a row's result does not depend on how many rows share the call.
+
+This module is shared ground: the exporter traces programs that call the ops, the runtime runs
+them. It holds the ops' definitions and their eager references; the compiled kernels that
+ExecuTorch runs live in runtime/native/src/llama_ops.cpp and int8_linear.cpp (loaded by
+runtime/executorch_ops.py).
 
 Why not ExecuTorch's `llama.custom_sdpa`: its rows move by a few ulps with the number of rows in
 a call (and with the row's place in it), and in a model with 8-bit dynamically quantized
@@ -11,6 +14,13 @@ activations those ulps grow into different tokens. Speculative decoding must giv
 plain decoding gives, so with ExecuTorch's op every row of a verification had to be its own
 one-row call (reading the whole cache once per row). With this op a (k+1)-token verification is
 one call whose rows are bitwise the single steps', and every runtime runs the same kernel.
+
+`mtp_edge::linear_i8` is a linear layer with 8da8w's numbers (int8 weights with a scale per
+output channel, activations quantized to int8 per row at run time) for the `8da8w-avx2` scheme:
+its kernel takes up to 6 rows per pass over the weights where XNNPACK's int8 GEMM on a CPU without
+an int8 dot product takes 4, so a verification of up to 5 drafts reads the weights once. Its
+sums are exact integers: every CPU and every tile computes the same bits, and the eager
+reference here computes them too.
 """
 
 from __future__ import annotations
@@ -35,8 +45,66 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sta
     return out.transpose(1, 2).contiguous()
 
 
+# Int8 linear layers. A float32 epsilon bounds the activation scale from below, as torchao's.
+_EPS = torch.finfo(torch.float32).eps
+BLOCK = 16  # output channels per block of the packed weight
+LINEAR_I8_ROWS = 6  # rows the kernel takes per pass over the weights (int8_linear.cpp kRowsMax)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row of x [R, K] as int8 values (in a float tensor), with its scale and zero point
+    ([R, 1] each): the range [min(x, 0), max(x, 0)] in 255 steps, rounded half to even. The
+    kernel (int8_linear.cpp quantize_row) computes the same float32 operations."""
+    lo = x.amin(-1, keepdim=True).clamp(max=0)
+    hi = x.amax(-1, keepdim=True).clamp(min=0)
+    scale = ((hi - lo) / 255).clamp(min=_EPS)
+    zero = torch.round(-128 - lo / scale).clamp(-128, 127)
+    return (torch.round(x / scale) + zero).clamp(-128, 127), scale, zero
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float weight [N, K] as int8 with one symmetric scale per output channel."""
+    weight = weight.detach().float()
+    scale = (weight.abs().amax(1) / 127).clamp(min=_EPS)
+    q = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def pack_weight(q: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] in the kernel's layout (int8_linear.cpp): blocks of 16 channels (N padded with
+    zero rows), in each a 32-byte group per pair of columns (K padded to even): channels 0-7 as
+    (k, k + 1) pairs, then 8-15. One dimension: the layout is the kernel's business."""
+    n, k = q.shape
+    rows, cols = -(-n // BLOCK) * BLOCK, k + k % 2
+    padded = torch.zeros(rows, cols, dtype=torch.int8)
+    padded[:n, :k] = q
+    blocks = padded.view(rows // BLOCK, 2, 8, cols // 2, 2).permute(0, 3, 1, 2, 4)
+    return blocks.contiguous().view(-1)
+
+
+def unpack_weight(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """pack_weight's inverse: int8 [n, k]."""
+    rows, cols = -(-n // BLOCK) * BLOCK, k + k % 2
+    blocks = packed.view(rows // BLOCK, cols // 2, 2, 8, 2).permute(0, 2, 3, 1, 4)
+    return blocks.reshape(rows, cols)[:n, :k]
+
+
+def linear_i8(x, weight, weight_scale, weight_sum, bias=None):
+    """Eager reference of mtp_edge::linear_i8: x [..., K] float32 -> [..., N], the kernel's bits.
+    The integer sums are exact in float64 (|sum| < 2^53); the rest is the kernel's float32
+    operations in its order."""
+    k, n = x.shape[-1], weight_scale.numel()
+    q, scale, zero = quantize_rows(x.reshape(-1, k).float())
+    w = unpack_weight(weight, n, k).double()
+    sums = q.double() @ w.T - zero.double() * weight_sum.double()
+    out = sums.float() * (scale * weight_scale)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], n)
+
+
 def define() -> None:
-    """Register torch.ops.mtp_edge.sdpa (and .out) with torch; idempotent."""
+    """Register torch.ops.mtp_edge.sdpa and .linear_i8 (and their .out) with torch; idempotent."""
     global _library
     if _library is not None:
         return
@@ -54,6 +122,27 @@ def define() -> None:
         out.resize_(q.shape).copy_(attention(q, k_cache, v_cache, int(start_pos)))
         return out
 
+    lib.define(
+        "linear_i8(Tensor input, Tensor weight, Tensor weight_scale, Tensor weight_sum, "
+        "Tensor? bias) -> Tensor"
+    )
+    lib.define(
+        "linear_i8.out(Tensor input, Tensor weight, Tensor weight_scale, Tensor weight_sum, "
+        "Tensor? bias, *, Tensor(a!) out) -> Tensor(a!)"
+    )
+
+    def linear_out(x, weight, weight_scale, weight_sum, bias, *, out):
+        result = linear_i8(x, weight, weight_scale, weight_sum, bias)
+        out.resize_(result.shape).copy_(result)
+        return out
+
+    def linear_meta(x, weight, weight_scale, weight_sum, bias):
+        return x.new_empty((*x.shape[:-1], weight_scale.shape[0]))
+
+    lib.impl("linear_i8", linear_i8, "CPU")
+    lib.impl("linear_i8.out", linear_out, "CPU")
+    lib.impl("linear_i8", linear_meta, "Meta")
+    lib.impl("linear_i8.out", lambda x, w, s, t, b, *, out: out, "Meta")
     lib.impl("sdpa", functional, "CPU")
     lib.impl("sdpa.out", out_variant, "CPU")
     lib.impl("sdpa", lambda q, k, v, s: torch.empty_like(q), "Meta")

@@ -1,10 +1,10 @@
-"""The compiled kernel of our attention op (`mtp_edge::sdpa`, defined in mtp_edge/ops.py) for
-the Python runtime.
+"""The compiled kernels of our ops (`mtp_edge::sdpa`, `mtp_edge::linear_i8`, defined in
+mtp_edge/ops.py) for the Python runtime.
 
-`load_kernels()` compiles runtime/native/src/{llama_ops,python_ops}.cpp against the installed
-ExecuTorch wheel once (a second or two with g++; cached by content in the user's cache
-directory) and loads the library, which registers the kernel with ExecuTorch's runtime. The
-native runner and the phone link the same source.
+`load_kernels()` compiles runtime/native/src/{llama_ops,int8_linear,python_ops}.cpp against the
+installed ExecuTorch wheel once (seconds with g++; cached by content in the user's cache
+directory) and loads the library, which registers the kernels with ExecuTorch's runtime. The
+native runner and the phone link the same sources.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from mtp_edge import cpu_class, logs
 from mtp_edge.errors import UserError
 
 _SRC = Path(__file__).parent / "native" / "src"
-SOURCES = [_SRC / "llama_ops.cpp", _SRC / "python_ops.cpp"]
-HEADERS = [_SRC / "llama_ops.h"]
+SOURCES = [_SRC / "llama_ops.cpp", _SRC / "int8_linear.cpp", _SRC / "python_ops.cpp"]
+HEADERS = [_SRC / "llama_ops.h", _SRC / "int8_linear.h"]
 
 _loaded: ctypes.CDLL | None = None
 
@@ -61,8 +61,8 @@ def build(target: Path, flags: list[str] | tuple[str, ...] = ()) -> Path:
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise UserError(
-            "no C++ compiler found: ExecuTorch bundles need mtp-edge's attention kernel, built "
-            "once with g++; install g++ (e.g. apt-get install g++) or set CXX"
+            "no C++ compiler found: ExecuTorch bundles need mtp-edge's kernels, built once with "
+            "g++; install g++ (e.g. apt-get install g++) or set CXX"
         )
     root = _executorch_root()
     include, lib = root / "include", root / "lib"
@@ -80,13 +80,14 @@ def build(target: Path, flags: list[str] | tuple[str, ...] = ()) -> Path:
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-10:])
-            raise UserError(f"building mtp-edge's attention kernel failed:\n{tail}")
+            raise UserError(f"building mtp-edge's kernels failed:\n{tail}")
         os.replace(built, target)  # atomic: a concurrent build of the same sources is harmless
     return target
 
 
 def load_kernels() -> None:
-    """Make mtp_edge::sdpa.out runnable under executorch.runtime in this process; idempotent."""
+    """Make our ops' .out kernels runnable under executorch.runtime in this process;
+    idempotent."""
     global _loaded
     if _loaded is not None:
         return
@@ -96,6 +97,6 @@ def load_kernels() -> None:
 
     path = library_path()
     if not path.is_file():
-        logs.say("[mtp-edge] building the attention kernel (once)")  # progress: not with -q
+        logs.say("[mtp-edge] building our kernels (once)")  # progress: not with -q
         build(path)
     _loaded = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)

@@ -6,6 +6,8 @@
 // start_pos + i sees cache slots 0..start_pos + i (slots beyond hold stale drafts).
 #include "llama_ops.h"
 
+#include "int8_linear.h"
+
 #include <executorch/runtime/kernel/kernel_includes.h>
 #include <executorch/runtime/kernel/operator_registry.h>
 
@@ -765,6 +767,7 @@ void register_mtp_ops() {
       executorch::runtime::Kernel("mtp_edge::sdpa.out", mtp_sdpa),
   };
   register_missing(kernels, 1);
+  register_int8_linear();
 }
 
 }  // namespace mtp

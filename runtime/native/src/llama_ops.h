@@ -8,9 +8,10 @@ namespace mtp {
 // cannot link). Idempotent; call before loading a program.
 void register_llama_ops();
 
-// Registers our own attention kernel, mtp_edge::sdpa.out (row-exact causal SDPA; the programs
-// mtp-export writes call it), unless already registered. register_llama_ops calls it too; the
-// Python runtime loads it through python_ops.cpp.
+// Registers our own kernels, unless already registered: the attention mtp_edge::sdpa.out
+// (row-exact causal SDPA; the programs mtp-export writes call it) and the int8 linear
+// (int8_linear.h). register_llama_ops calls it too; the Python runtime loads it through
+// python_ops.cpp.
 void register_mtp_ops();
 
 }  // namespace mtp

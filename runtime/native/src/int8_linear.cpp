@@ -1,0 +1,383 @@
+// mtp_edge::linear_i8.out(Tensor input, Tensor weight, Tensor weight_scale, Tensor weight_sum,
+//                         Tensor? bias, *, Tensor(a!) out) -> Tensor(a!)
+// A linear layer with int8 weights (one scale per output channel) and int8 activations
+// quantized per row at run time, asymmetrically: the numbers of XNNPACK's 8da8w, computed by a
+// kernel of ours (mtp_edge/ops.py defines the op and its eager reference, bit for bit).
+//
+// Why our own: on a CPU without an int8 dot product (AVX2) XNNPACK's int8 GEMM takes 4 rows at a
+// time, so a 5-row verification reads every weight twice (2.0x a decode's linear time instead of
+// 1.2x, benchmarks/README.md). Here a tile takes up to 6 rows: the weights are read once for
+// a verification of up to 5 drafts. The sums are exact integers, so every version (AVX2, plain
+// C++ on any other CPU) and every tile gives a row the same bits, whatever rows share the call.
+//
+// Layouts. input [..., K] float; out [..., N]. weight: int8, in blocks of 16 output channels
+// (N padded to a multiple of 16 with zero rows), each block K2 / 2 pairs of input columns (K
+// padded to even, K2) of 32 bytes: channels 0-7 as (k, k + 1) pairs, then channels 8-15.
+// weight_scale float [N], weight_sum int32 [N] (each channel's sum of weights), bias float [N].
+#include "int8_linear.h"
+
+#include <executorch/runtime/kernel/kernel_includes.h>
+#include <executorch/runtime/kernel/operator_registry.h>
+
+#include <executorch/runtime/core/event_tracer_hooks.h>
+#include <executorch/runtime/core/function_ref.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(MTP_EDGE_BASELINE)
+#include <immintrin.h>
+#define MTP_INT8_AVX2 1
+#endif
+
+// The wheel ships the thread pool library but not its header; this is the call we make.
+namespace executorch::extension::threadpool {
+class ThreadPool {
+ public:
+  void run(executorch::runtime::FunctionRef<void(size_t)> fn, size_t range);
+};
+ThreadPool* get_threadpool();
+}  // namespace executorch::extension::threadpool
+
+// A scaled sum and its bias are two roundings on every CPU: no fused multiply-add (aarch64's
+// compilers fuse by default), so a phone computes a laptop's bits.
+#pragma GCC optimize("fp-contract=off")
+
+namespace mtp {
+namespace {
+
+using executorch::aten::ScalarType;
+using executorch::aten::SizesType;
+using executorch::aten::Tensor;
+using executorch::runtime::Error;
+using executorch::runtime::EValue;
+using executorch::runtime::KernelRuntimeContext;
+using executorch::runtime::Span;
+
+constexpr int kCols = 16;   // output channels per block
+constexpr int kRowsMax = 6; // rows per tile: 12 sums + 2 weight registers + 1 broadcast of 16
+
+// Row r's activations quantized: `pairs` int32 words, each two int16 (columns 2p, 2p + 1; the
+// padding column 0), with its scale and zero point. The rule is ops.py's quantize_rows: the
+// range [min(x, 0), max(x, 0)] over 255 steps, scale at least float32's epsilon, values and zero
+// point rounded half to even and clamped to int8. `from` is where the plain loop takes over
+// (the AVX2 version does the columns before it); every step is one IEEE operation, so both
+// give the same values.
+float row_scale(float lo, float hi, int32_t* zero) {
+  float s = (hi - lo) / 255.f;
+  if (!(s >= 1.1920928955078125e-07f)) s = 1.1920928955078125e-07f;
+  const float z = std::nearbyint(-128.f - lo / s);
+  *zero = int32_t(std::min(127.f, std::max(-128.f, z)));
+  return s;
+}
+
+void quantize_tail(const float* x, int64_t K, int64_t from, int64_t pairs, float s, int32_t zp,
+                   int16_t* q) {
+  for (int64_t k = from; k < 2 * pairs; ++k) {
+    if (k >= K) {
+      q[k] = 0;
+      continue;
+    }
+    const float v = std::nearbyint(x[k] / s) + float(zp);
+    q[k] = int16_t(std::min(127.f, std::max(-128.f, v)));
+  }
+}
+
+void quantize_row(const float* x, int64_t K, int64_t pairs, int32_t* q, float* scale,
+                  int32_t* zero) {
+  float lo = 0.f, hi = 0.f;
+  for (int64_t k = 0; k < K; ++k) {
+    lo = std::min(lo, x[k]);
+    hi = std::max(hi, x[k]);
+  }
+  *scale = row_scale(lo, hi, zero);
+  quantize_tail(x, K, 0, pairs, *scale, *zero, reinterpret_cast<int16_t*>(q));
+}
+
+// What a tile's sums become: out = float(sum - zero x channel's weight sum) x (row scale x
+// channel scale), plus the bias. y, ws, wsum and bias start at the block's first channel, y at
+// the tile's first row; xs and zp at that row.
+struct Finish {
+  float* y;
+  int64_t N;     // floats between rows of y
+  int64_t cols;  // channels of this block (16, fewer in the last)
+  const float* xs;
+  const int32_t* zp;
+  const float* ws;
+  const int32_t* wsum;
+  const float* bias;  // or nullptr
+};
+
+void finish_plain(const int32_t* sums, int rows, const Finish& f) {
+  for (int r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < f.cols; ++c) {
+      // Two roundings, in this order, as ops.py's reference: the scale product, then the
+      // scaled sum (no fused multiply-add: see the pragma above); then the bias.
+      const float scale = f.xs[r] * f.ws[c];
+      float v = float(sums[r * kCols + c] - f.zp[r] * f.wsum[c]) * scale;
+      if (f.bias != nullptr) v += f.bias[c];
+      f.y[r * f.N + c] = v;
+    }
+}
+
+// R rows x 16 channels of one block: sum over k of q[r][k] w[c][k], finished into f.y.
+template <int R>
+void tile_plain(const int8_t* w, const int32_t* q, int64_t qstep, int64_t pairs,
+                const Finish& f) {
+  int32_t acc[R][kCols] = {};
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int8_t* wp = w + 32 * p;
+    for (int r = 0; r < R; ++r) {
+      const uint32_t word = uint32_t(q[r * qstep + p]);
+      const int32_t a = int16_t(word & 0xffff), b = int16_t(word >> 16);
+      for (int c = 0; c < kCols; ++c) {
+        const int8_t* pair = wp + (c / 8) * 16 + (c % 8) * 2;
+        acc[r][c] += a * pair[0] + b * pair[1];
+      }
+    }
+  }
+  finish_plain(&acc[0][0], R, f);
+}
+
+#ifdef MTP_INT8_AVX2
+__attribute__((target("avx2"))) void quantize_row_avx2(const float* x, int64_t K, int64_t pairs,
+                                                       int32_t* q, float* scale,
+                                                       int32_t* zero) {
+  __m256 lo8 = _mm256_setzero_ps(), hi8 = lo8;
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    const __m256 v = _mm256_loadu_ps(x + k);
+    lo8 = _mm256_min_ps(lo8, v);
+    hi8 = _mm256_max_ps(hi8, v);
+  }
+  alignas(32) float los[8], his[8];
+  _mm256_store_ps(los, lo8);
+  _mm256_store_ps(his, hi8);
+  float lo = 0.f, hi = 0.f;
+  for (int i = 0; i < 8; ++i) {
+    lo = std::min(lo, los[i]);
+    hi = std::max(hi, his[i]);
+  }
+  for (; k < K; ++k) {
+    lo = std::min(lo, x[k]);
+    hi = std::max(hi, x[k]);
+  }
+  const float s = row_scale(lo, hi, zero);
+  *scale = s;
+  const __m256 sv = _mm256_set1_ps(s), zv = _mm256_set1_ps(float(*zero));
+  const __m256 low = _mm256_set1_ps(-128.f), high = _mm256_set1_ps(127.f);
+  int16_t* out = reinterpret_cast<int16_t*>(q);
+  auto eight = [&](int64_t at) {
+    const __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + at), sv),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm256_cvttps_epi32(_mm256_min_ps(high, _mm256_max_ps(low, _mm256_add_ps(v, zv))));
+  };
+  for (k = 0; k + 16 <= K; k += 16) {
+    const __m256i packed = _mm256_packs_epi32(eight(k), eight(k + 8));  // lanes 0 2 1 3
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k),
+                        _mm256_permute4x64_epi64(packed, 0xD8));
+  }
+  quantize_tail(x, K, k, pairs, s, *zero, out);
+}
+
+// The same with AVX2: each pair of columns is one vpmaddwd of 16-bit weights (sign-extended once
+// for all rows) by the row's broadcast pair, into 8 int32 sums per register; the sums are
+// exact, so this is tile_plain's result, and so is the finish (the same IEEE operations, lane by
+// lane). Named registers, not an array: GCC spilled the array's sums to the stack at every step
+// (2x slower at 5 rows).
+template <int R>
+__attribute__((target("avx2"))) void tile_avx2(const int8_t* w, const int32_t* q, int64_t qstep,
+                                               int64_t pairs, const Finish& f) {
+  __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
+  __m256i b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0;
+#define MTP_ROW(r, A, B)                                                        \
+  if constexpr (R > r) {                                                        \
+    const __m256i x = _mm256_set1_epi32(q[r * qstep + p]);                      \
+    A = _mm256_add_epi32(A, _mm256_madd_epi16(lo, x));                          \
+    B = _mm256_add_epi32(B, _mm256_madd_epi16(hi, x));                          \
+  }
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int8_t* wp = w + 32 * p;
+    // A line ahead of the reads: the tile is compute-bound at 5-6 rows, and the prefetch keeps
+    // memory busy meanwhile (measured: 5 rows 1.24x of one row's time without, 1.09x with).
+    if ((p & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(wp + 512), _MM_HINT_T0);
+    const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp)));
+    const __m256i hi =
+        _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + 16)));
+    MTP_ROW(0, a0, b0) MTP_ROW(1, a1, b1) MTP_ROW(2, a2, b2)
+    MTP_ROW(3, a3, b3) MTP_ROW(4, a4, b4) MTP_ROW(5, a5, b5)
+  }
+#undef MTP_ROW
+  if (f.cols < kCols) {  // the last block's few channels: the plain finish
+    alignas(32) int32_t sums[R * kCols];
+#define MTP_STORE(r, A, B)                                                        \
+  if constexpr (R > r) {                                                          \
+    _mm256_store_si256(reinterpret_cast<__m256i*>(sums + r * kCols), A);          \
+    _mm256_store_si256(reinterpret_cast<__m256i*>(sums + r * kCols + 8), B);      \
+  }
+    MTP_STORE(0, a0, b0) MTP_STORE(1, a1, b1) MTP_STORE(2, a2, b2)
+    MTP_STORE(3, a3, b3) MTP_STORE(4, a4, b4) MTP_STORE(5, a5, b5)
+#undef MTP_STORE
+    finish_plain(sums, R, f);
+    return;
+  }
+  const __m256i sw0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(f.wsum));
+  const __m256i sw1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(f.wsum + 8));
+  const __m256 ws0 = _mm256_loadu_ps(f.ws), ws1 = _mm256_loadu_ps(f.ws + 8);
+  const __m256 bias0 = f.bias ? _mm256_loadu_ps(f.bias) : _mm256_setzero_ps();
+  const __m256 bias1 = f.bias ? _mm256_loadu_ps(f.bias + 8) : _mm256_setzero_ps();
+  auto finish = [&](int r, __m256i sums, const __m256i& sw, const __m256& ws, const __m256& b,
+                    float* y) {
+    const __m256i z = _mm256_set1_epi32(f.zp[r]);
+    const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(f.xs[r]), ws);
+    __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sums, _mm256_mullo_epi32(z, sw))),
+                             scale);
+    if (f.bias != nullptr) v = _mm256_add_ps(v, b);
+    _mm256_storeu_ps(y, v);
+  };
+#define MTP_FINISH(r, A, B)                                                       \
+  if constexpr (R > r) {                                                          \
+    finish(r, A, sw0, ws0, bias0, f.y + r * f.N);                                 \
+    finish(r, B, sw1, ws1, bias1, f.y + r * f.N + 8);                             \
+  }
+  MTP_FINISH(0, a0, b0) MTP_FINISH(1, a1, b1) MTP_FINISH(2, a2, b2)
+  MTP_FINISH(3, a3, b3) MTP_FINISH(4, a4, b4) MTP_FINISH(5, a5, b5)
+#undef MTP_FINISH
+}
+#endif
+
+using TileFn = void (*)(const int8_t*, const int32_t*, int64_t, int64_t, const Finish&);
+
+// 1: AVX2, 0: plain; MTP_EDGE_INT8_LINEAR=plain takes the plain version on any CPU (the tests
+// compare the two).
+bool use_avx2() {
+  static const bool avx2 = [] {
+#ifdef MTP_INT8_AVX2
+    __builtin_cpu_init();
+    const char* asked = std::getenv("MTP_EDGE_INT8_LINEAR");
+    if (asked != nullptr && std::strcmp(asked, "plain") == 0) return false;
+    return bool(__builtin_cpu_supports("avx2"));
+#else
+    return false;
+#endif
+  }();
+  return avx2;
+}
+
+TileFn tile(int rows) {
+#ifdef MTP_INT8_AVX2
+  static const TileFn avx2[] = {nullptr,      tile_avx2<1>, tile_avx2<2>, tile_avx2<3>,
+                                tile_avx2<4>, tile_avx2<5>, tile_avx2<6>};
+  if (use_avx2()) return avx2[rows];
+#endif
+  static const TileFn plain[] = {nullptr,       tile_plain<1>, tile_plain<2>, tile_plain<3>,
+                                 tile_plain<4>, tile_plain<5>, tile_plain<6>};
+  return plain[rows];
+}
+
+bool check(KernelRuntimeContext& ctx, bool ok, const char* what) {
+  if (!ok) {
+    ET_LOG(Error, "mtp_edge::linear_i8: %s", what);
+    ctx.fail(Error::InvalidArgument);
+  }
+  return ok;
+}
+
+void linear_i8(KernelRuntimeContext& ctx, Span<EValue*> stack) {
+  // An event of its own in a profiled run (benchmarks/op_profile.py), as ExecuTorch's kernels.
+  executorch::runtime::internal::EventTracerProfileOpScope scope(ctx.internal_event_tracer(),
+                                                                 "mtp_edge::linear_i8.out");
+  const Tensor& input = stack[0]->toTensor();
+  const Tensor& weight = stack[1]->toTensor();
+  const Tensor& wscale = stack[2]->toTensor();
+  const Tensor& wsum = stack[3]->toTensor();
+  const bool has_bias = !stack[4]->isNone();
+  Tensor& out = stack[5]->toTensor();
+  if (!check(ctx, input.dim() >= 1 && input.scalar_type() == ScalarType::Float,
+             "float input expected") ||
+      !check(ctx, weight.scalar_type() == ScalarType::Char && wscale.dim() == 1 &&
+                      wscale.scalar_type() == ScalarType::Float &&
+                      wsum.scalar_type() == ScalarType::Int && wsum.numel() == wscale.numel(),
+             "int8 weight, float scales and int32 sums expected"))
+    return;
+  const int64_t K = input.size(input.dim() - 1), N = wscale.numel();
+  const int64_t pairs = (K + 1) / 2, blocks = (N + kCols - 1) / kCols;
+  if (!check(ctx, weight.numel() == blocks * kCols * pairs * 2,
+             "weight size does not match the input width and the channels") ||
+      !check(ctx, !has_bias || (stack[4]->toTensor().numel() == N &&
+                                stack[4]->toTensor().scalar_type() == ScalarType::Float),
+             "bias must be float [N]"))
+    return;
+  SizesType sizes[16];
+  if (!check(ctx, input.dim() <= 16, "too many dimensions")) return;
+  for (int64_t d = 0; d + 1 < input.dim(); ++d) sizes[d] = input.size(d);
+  sizes[input.dim() - 1] = SizesType(N);
+  if (!check(ctx,
+             executorch::runtime::resize_tensor(out, {sizes, size_t(input.dim())}) == Error::Ok,
+             "cannot resize the output"))
+    return;
+  const int64_t T = K > 0 ? input.numel() / K : 0;
+  if (T == 0) return;
+
+  const float* x = input.const_data_ptr<float>();
+  thread_local std::vector<int32_t> quantized;
+  thread_local std::vector<float> scales;
+  thread_local std::vector<int32_t> zeros;
+  quantized.resize(size_t(T * pairs));
+  scales.resize(size_t(T));
+  zeros.resize(size_t(T));
+#ifdef MTP_INT8_AVX2
+  const auto quantize = use_avx2() ? quantize_row_avx2 : quantize_row;
+#else
+  const auto quantize = quantize_row;
+#endif
+  for (int64_t t = 0; t < T; ++t)
+    quantize(x + t * K, K, pairs, quantized.data() + t * pairs, &scales[t], &zeros[t]);
+
+  const int8_t* w = weight.const_data_ptr<int8_t>();
+  const float* ws = wscale.const_data_ptr<float>();
+  const int32_t* sum_w = wsum.const_data_ptr<int32_t>();
+  const float* bias = has_bias ? stack[4]->toTensor().const_data_ptr<float>() : nullptr;
+  float* y = out.mutable_data_ptr<float>();
+  const int32_t* q = quantized.data();
+  const float* xs = scales.data();
+  const int32_t* zp = zeros.data();
+  // A task is a few blocks of channels for every row: a block's weights are read from memory
+  // once and stay in the core's cache for the next group of rows.
+  constexpr int64_t kBlocksPerTask = 4;
+  const int64_t tasks = (blocks + kBlocksPerTask - 1) / kBlocksPerTask;
+  auto task = [&](size_t index) {
+    const int64_t first = int64_t(index) * kBlocksPerTask;
+    const int64_t last = std::min(blocks, first + kBlocksPerTask);
+    for (int64_t b = first; b < last; ++b) {
+      const int8_t* wb = w + b * kCols * pairs * 2;
+      const int64_t c0 = b * kCols;
+      for (int64_t t0 = 0; t0 < T; t0 += kRowsMax) {
+        const int rows = int(std::min<int64_t>(kRowsMax, T - t0));
+        const Finish f{y + t0 * N + c0, N, std::min<int64_t>(kCols, N - c0), xs + t0, zp + t0,
+                       ws + c0, sum_w + c0, bias != nullptr ? bias + c0 : nullptr};
+        tile(rows)(wb, q + t0 * pairs, pairs, pairs, f);
+      }
+    }
+  };
+  if (tasks == 1) {
+    task(0);
+    return;
+  }
+  executorch::extension::threadpool::get_threadpool()->run(task, size_t(tasks));
+}
+
+}  // namespace
+
+void register_int8_linear() {
+  static const executorch::runtime::Kernel kernel("mtp_edge::linear_i8.out", linear_i8);
+  const auto registered = executorch::runtime::get_registered_kernels();
+  for (const auto& other : registered)
+    if (std::strcmp(other.name_, kernel.name_) == 0) return;
+  (void)executorch::runtime::register_kernel(kernel);
+}
+
+}  // namespace mtp
