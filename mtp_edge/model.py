@@ -232,5 +232,6 @@ class Transformer(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head (the embedding table when the model ties them)."""
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, head)
+        if self.lm_head is None:
+            return F.linear(hidden, self.embed_tokens.weight)
+        return self.lm_head(hidden)  # a module: nn.Linear, or a quantized layer in its place

@@ -67,6 +67,11 @@ class Platform:
 
 PLATFORMS: dict[str, Platform] = {}
 
+# android's scheme whose linear layers run our int8 kernel (mtp_edge::linear_i8, mtp_edge/ops.py):
+# 8da8w's numbers, 6 rows per pass over the weights on every CPU (ops.LINEAR_I8_ROWS), for CPUs
+# without an int8 dot product, where XNNPACK's int8 GEMM takes 4.
+OWN_INT8 = "8da8w-avx2"
+
 
 def register(platform: Platform) -> Platform:
     """Add a row (the rows below; a test adds one of its own)."""
@@ -83,8 +88,9 @@ register(
         backend="executorch",
         exporter="mtp_edge.exporter.executorch",
         session="mtp_edge.runtime.executorch_session",
-        # Every scheme XNNPACK lowers correctly (quantize/schemes.py says why not int8/int4).
-        schemes=("8da4w", "8da8w", "fp32"),
+        # Every scheme XNNPACK lowers correctly (quantize/schemes.py says why not int8/int4), and
+        # 8da8w in our own kernel (its tile takes 6 rows: for CPUs without an int8 dot product).
+        schemes=("8da4w", "8da8w", OWN_INT8, "fp32"),
         # Measured (benchmarks/README.md, "Weight scheme by model size"): the held-out
         # perplexity against float32. On SmolLM2-135M 4-bit weights cost 1.59x perplexity (g32)
         # and 3.4x (per channel) against 1.01x, and cut MTP acceptance so much that speculation

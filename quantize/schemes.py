@@ -1,12 +1,15 @@
 """Quantization schemes for export: which torchao config each layer gets, checked before any work.
 
-Linear layers: `8da4w` / `8da8w` (int8 activations quantized per token at run time, int4 / int8
-weights), or `fp32`. The embedding table gets weight-only `8w` / `4w`, or `none`. These are the
-forms ExecuTorch 1.5's XNNPACK partitioner lowers to its integer GEMMs, and ExecuTorch's quantized
-kernels run the embedding lookup (`embedding_byte` / `embedding_4bit`) without dequantizing the
-whole table. Weight-only int8 / int4 linears are refused: the XNNPACK partitioner takes them in
-but drops the dequantization, so the program computes with the raw integers (wrong logits), and
-outside XNNPACK there is no kernel for torchao's dequantize op ("Missing out variants").
+Linear layers: `8da4w` / `8da8w` (int8 activations quantized per token at run time, int4 /
+int8 weights), or `fp32`; `8da8w-avx2` is 8da8w's numbers in our own kernel (`Int8Linear`,
+the op `mtp_edge::linear_i8`), whose tile takes 6 rows where XNNPACK's int8 GEMM takes 4 on a
+CPU without an int8 dot product. The embedding table gets weight-only `8w` / `4w`, or `none`.
+These are the forms ExecuTorch 1.5's XNNPACK partitioner lowers to its integer GEMMs, and
+ExecuTorch's quantized kernels run the embedding lookup (`embedding_byte` / `embedding_4bit`)
+without dequantizing the whole table. Weight-only int8 / int4 linears are refused: the XNNPACK
+partitioner takes them in but drops the dequantization, so the program computes with the raw
+integers (wrong logits), and outside XNNPACK there is no kernel for torchao's dequantize op
+("Missing out variants").
 
 A tied LM head is untied first, so the head gets a linear scheme and the table a lookup scheme.
 """
@@ -21,9 +24,9 @@ from torch import nn
 
 from mtp_edge.errors import UserError
 from mtp_edge.model import Transformer
-from mtp_edge.platforms import PLATFORMS
+from mtp_edge.platforms import OWN_INT8, PLATFORMS
 
-LINEAR_SCHEMES = ("8da4w", "8da8w", "fp32")
+LINEAR_SCHEMES = ("8da4w", "8da8w", OWN_INT8, "fp32")
 EMBEDDING_SCHEMES = ("8w", "4w", "none")
 _WEIGHT_BITS = {"8da4w": torch.int4, "8da8w": torch.int8, "8w": torch.int8, "4w": torch.int4}
 _REFUSED = {
@@ -121,7 +124,7 @@ def _check_linear(flag: str, name: str, group: int, inputs: dict[str, int]) -> N
         raise UserError(
             f"unknown quantization scheme '{name}': supported are {', '.join(LINEAR_SCHEMES)}"
         )
-    if name == "8da8w" and group != 0:
+    if name in ("8da8w", OWN_INT8) and group != 0:
         raise UserError(
             f"{name} needs --group-size 0 (channelwise): XNNPACK groups only 4-bit weights"
         )
@@ -163,8 +166,12 @@ def quantize_part(model: Transformer, name: str, module: nn.Module, scheme: Quan
         if scheme.embedding != "none" and not is_quantized(module):
             _quantize_by_rows(module, _embedding_config(scheme))
     elif name == "lm_head":
-        if head != "fp32" and not is_quantized(module):
+        if head == OWN_INT8 and not is_quantized(module):
+            model.lm_head = Int8Linear(module)
+        elif head != "fp32" and not is_quantized(module):
             _quantize_by_rows(module, _linear_config(head, head_group))
+    elif scheme.linear == OWN_INT8:
+        own_int8_linears(module)
     elif scheme.linear != "fp32":
         config = _linear_config(scheme.linear, scheme.group_size)
         quantize_(module, config, lambda m, fqn: isinstance(m, nn.Linear) and not is_quantized(m))
@@ -198,8 +205,43 @@ def _quantize_by_rows(module: nn.Embedding | nn.Linear, config) -> None:
     module.weight = nn.Parameter(quantized, requires_grad=False)
 
 
+class Int8Linear(nn.Module):
+    """A linear layer of the 8da8w-avx2 scheme: int8 weights (a symmetric scale per output
+    channel) packed for our kernel, called as mtp_edge::linear_i8 (mtp_edge/ops.py)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        from mtp_edge import ops
+
+        ops.define()
+        q, scale = ops.quantize_weight(linear.weight)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("weight", ops.pack_weight(q))
+        self.register_buffer("weight_scale", scale)
+        self.register_buffer("weight_sum", q.sum(1, dtype=torch.int32))
+        bias = None if linear.bias is None else linear.bias.detach().float().clone()
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mtp_edge.linear_i8(
+            x, self.weight, self.weight_scale, self.weight_sum, self.bias
+        )
+
+
+def own_int8_linears(module: nn.Module) -> nn.Module:
+    """Replace every float nn.Linear inside `module` with an Int8Linear, in place."""
+    for name, child in module.named_children():
+        if isinstance(child, nn.Linear) and not is_quantized(child):
+            setattr(module, name, Int8Linear(child))
+        else:
+            own_int8_linears(child)
+    return module
+
+
 def is_quantized(module: nn.Module) -> bool:
     """Whether torchao already replaced this layer's weight (quantizing twice is an error)."""
+    if isinstance(module, Int8Linear):
+        return True
     weight = getattr(module, "weight", None)
     return weight is not None and type(weight) not in (torch.Tensor, nn.Parameter)
 
@@ -214,7 +256,9 @@ def quantize_modules(module: nn.Module, scheme: QuantScheme) -> nn.Module:
 
     if scheme.embedding != "none":
         quantize_(module, _embedding_config(scheme), fresh(nn.Embedding))
-    if scheme.linear != "fp32":
+    if scheme.linear == OWN_INT8:
+        own_int8_linears(module)
+    elif scheme.linear != "fp32":
         quantize_(module, _linear_config(scheme.linear, scheme.group_size), fresh(nn.Linear))
     return module
 

@@ -40,10 +40,20 @@ def k_for_this_cpu(k: int, manifest) -> int:
     CPU has a dot product (VNNI: 5 rows; the phones' SDOT/SMMLA) the bundle's k stands. An
     explicit k (--k) is never changed; the native runtime applies the same rule."""
     from mtp_edge.machine import int8_path
+    from mtp_edge.ops import LINEAR_I8_ROWS
+    from mtp_edge.platforms import OWN_INT8
 
     path = int8_path()
     fitted = k_for_int8_path(k, manifest, path)
-    if fitted != k:
+    if fitted != k and _target_scheme(manifest) == OWN_INT8:
+        from mtp_edge import logs
+
+        logs.say(
+            f"[k] {fitted} tokens drafted per step, not the bundle's {k}: its {OWN_INT8} layers "
+            f"verify up to {LINEAR_I8_ROWS} tokens in one pass over the weights (--k {k} to draft "
+            f"{k})"
+        )
+    elif fitted != k:
         from mtp_edge import logs
 
         logs.say(
@@ -54,15 +64,22 @@ def k_for_this_cpu(k: int, manifest) -> int:
     return fitted
 
 
+def _target_scheme(manifest) -> str | None:
+    target = manifest.models.get("target")
+    return (target.quant or {}).get("scheme") if target is not None else None
+
+
 def k_for_int8_path(k: int, manifest, path) -> int:
     """k_for_this_cpu's rule for a CPU whose int8 path (mtp_edge/machine.py Int8Path, or None
     where unknown) is `path`: what the runtime drafts per step there (mtp-predict for a catalog
     device)."""
-    from mtp_edge.platforms import by_backend
+    from mtp_edge.ops import LINEAR_I8_ROWS
+    from mtp_edge.platforms import OWN_INT8, by_backend
 
     row = by_backend(manifest.backend)
-    target = manifest.models.get("target")
-    scheme = (target.quant or {}).get("scheme") if target is not None else None
+    scheme = _target_scheme(manifest)
+    if scheme == OWN_INT8 and row is not None and row.backend == "executorch":
+        return min(k, LINEAR_I8_ROWS - 1)  # our kernel's tile, the same on every CPU
     if row is None or scheme not in row.int8_tile_schemes or path is None:
         return k
     if path.dot_product or path.xnnpack_rows is None or k + 1 <= path.xnnpack_rows:

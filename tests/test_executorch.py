@@ -27,6 +27,7 @@ SCHEMES = {
     "8da4w-g32": ("8da4w", 32, "8w", False),
     "8da4w-cw-tied": ("8da4w", 0, "4w", True),
     "8da8w-cw": ("8da8w", 0, "8w", False),
+    "8da8w-avx2-tied": ("8da8w-avx2", 0, "8w", True),  # our int8 kernel, the tied head's too
 }
 VERIFY_WIDTH = 5  # the verify method (ExecuTorch kernel programs) checks k + 1 = 5 tokens
 PROMPT = [5, 9, 13, 7, 5, 9, 13, 21, 30, 5, 9, 13, 7, 5, 9, 13, 21, 30, 5, 9]  # repeats: ngram hits
@@ -260,7 +261,7 @@ def test_our_kernel_computes_the_eager_attention():
         torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["8da4w-g32", "8da4w-cw-tied", "8da8w-cw"])
+@pytest.mark.parametrize("name", ["8da4w-g32", "8da4w-cw-tied", "8da8w-cw", "8da8w-avx2-tied"])
 @pytest.mark.parametrize("k", [2, 4, 7])
 def test_quantized_speculative_output_equals_its_plain_output(name, k):
     program = session(name)
@@ -305,12 +306,13 @@ def test_metadata_methods():
 @pytest.mark.parametrize(
     "quant, group, embedding, message",
     [
-        ("int3", 32, "8w", "supported are 8da4w, 8da8w, fp32"),
+        ("int3", 32, "8w", "supported are 8da4w, 8da8w, 8da8w-avx2, fp32"),
         ("int8", 0, "8w", "use 8da8w"),
         ("int4", 32, "8w", "use 8da4w"),
         ("8da4w", 24, "8w", "does not divide"),
         ("8da4w", -1, "8w", "must be >= 0"),
         ("8da8w", 32, "8w", "--group-size 0"),
+        ("8da8w-avx2", 32, "8w", "--group-size 0"),
         ("8da4w", 32, "2w", "embedding quantization"),
     ],
 )
@@ -349,6 +351,6 @@ def test_kernel_build_failure_leaves_nothing_behind(tmp_path, monkeypatch):
 
     monkeypatch.setenv("CXX", "false")  # /bin/false: exits 1, writes nothing
     target = tmp_path / "libmtp_ops.so"
-    with pytest.raises(UserError, match="building mtp-edge's attention kernel failed"):
+    with pytest.raises(UserError, match="building mtp-edge's kernels failed"):
         executorch_ops.build(target)
     assert list(tmp_path.iterdir()) == []

@@ -775,6 +775,36 @@ def test_both_runtimes_fit_k_to_the_int8_tile_alike(runner, mlp_mtp_bundle, monk
     assert native == f"error: {python_error.value}"
 
 
+def test_both_runtimes_keep_k_within_our_int8_kernels_tile(
+    runner, mlp_mtp_bundle, tmp_path, monkeypatch, capsys
+):
+    """A bundle whose target is 8da8w-avx2 (our int8 kernel: 6 rows a pass, on every CPU) keeps
+    k <= 5 natively and in Python, whatever the CPU, in the same [k] line; k = 4 stands."""
+    from mtp_edge.runtime.assemble import assemble
+
+    def scheme_and_k(k):
+        def edit(manifest):
+            manifest["models"]["target"]["quant"]["scheme"] = "8da8w-avx2"
+            manifest["drafter"]["k"] = k
+
+        return edit
+
+    for k, expected in ((7, 5), (4, 4)):
+        bundle = edited_copy(mlp_mtp_bundle, tmp_path / f"k{k}", scheme_and_k(k))
+        for path in ("avx2", "avx512-vnni", "neon-dot"):
+            env = {**os.environ, "MTP_EDGE_INT8_PATH": path}
+            done = run_runner(runner, bundle, env)
+            assert done.returncode == 0, done.stderr[-800:]
+            assert json.loads(done.stdout)["k"] == expected, (k, path)
+            capsys.readouterr()
+            monkeypatch.setenv("MTP_EDGE_INT8_PATH", path)
+            assert assemble(setup_options(bundle, 256)).config.k == expected, (k, path)
+            said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[k]")]
+            assert said == [line for line in done.stderr.splitlines() if line.startswith("[k]")]
+            assert len(said) == (k != expected), (k, path, said)
+            assert all("8da8w-avx2 layers verify up to 6 tokens" in line for line in said)
+
+
 def edited_copy(bundle, to: Path, edit) -> Path:
     shutil.copytree(bundle, to)
     manifest = json.loads((to / "manifest.json").read_text())

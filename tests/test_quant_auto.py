@@ -111,11 +111,17 @@ def test_never_below_another_candidate_by_more_than_the_spread():
 # --- options -------------------------------------------------------------------------------
 
 
-def test_auto_candidates_and_refusals():
+def test_auto_candidates_and_refusals(monkeypatch):
     auto = ExportOptions(quant="auto")
     assert resolve_options(auto, lambda _: None) == auto  # left to the search
-    assert auto_candidates(auto) == (list(PLATFORMS["android"].schemes), list(AUTO_KS))
-    assert auto_candidates(replace(auto, k=3)) == (list(PLATFORMS["android"].schemes), [3])
+    every = list(PLATFORMS["android"].schemes)
+    # Our AVX2 int8 kernel's scheme is a candidate where the CPU's int8 path is AVX2's only.
+    monkeypatch.setenv("MTP_EDGE_INT8_PATH", "avx2")
+    assert auto_candidates(auto) == (every, list(AUTO_KS))
+    monkeypatch.setenv("MTP_EDGE_INT8_PATH", "avx512-vnni")
+    without = [s for s in every if s != "8da8w-avx2"]
+    assert auto_candidates(auto) == (without, list(AUTO_KS))
+    assert auto_candidates(replace(auto, k=3)) == (without, [3])
     # k is baked into the verify method with ExecuTorch's attention op, and without a drafter
     # it means nothing: not searched.
     assert auto_candidates(replace(auto, attention_kernel="executorch"))[1] == [DEFAULT_K]

@@ -585,11 +585,18 @@ Int8Path host_int8_path() {
   return {"unknown", false, 0};
 }
 
+std::string Manifest::target_scheme() const {
+  const auto target = models.find("target");
+  return target == models.end() ? std::string() : target->second.scheme;
+}
+
 int64_t Manifest::k_for_this_cpu() const {
   const int64_t k = drafter.k;
   const auto target = models.find("target");
-  if (backend != "executorch" || target == models.end() || target->second.scheme != "8da8w")
-    return k;
+  if (backend != "executorch" || target == models.end()) return k;
+  // 8da8w-avx2 runs our own int8 kernel (int8_linear.cpp), 6 rows a pass on every CPU.
+  if (target->second.scheme == "8da8w-avx2") return std::min<int64_t>(k, 5);
+  if (target->second.scheme != "8da8w") return k;
   const Int8Path path = host_int8_path();
   if (path.dot_product || path.rows == 0 || k + 1 <= path.rows) return k;
   return std::max<int64_t>(1, path.rows - 1);

@@ -77,8 +77,10 @@ struct Manifest {
   std::string drafter_kind() const { return drafter.kind; }
   int default_k() const { return static_cast<int>(drafter.k); }
   // The bundle's k on this CPU (runtime/assemble.py k_for_this_cpu, the same rule): an 8da8w
-  // ExecuTorch target on a CPU without an int8 dot product keeps k + 1 within the GEMM's tile.
+  // ExecuTorch target on a CPU without an int8 dot product keeps k + 1 within the GEMM's tile,
+  // an 8da8w-avx2 one within our int8 kernel's 6 rows on every CPU.
   int64_t k_for_this_cpu() const;
+  std::string target_scheme() const;  // the target's quantization scheme ("" if none)
 
   // Throws UserError (missing, malformed, wrong format version, or hash mismatch when verify).
   static Manifest load(const std::string& dir, bool verify = true);

@@ -271,13 +271,17 @@ int run(int argc, char** argv) {
     throw mtp::UserError("--stop needs the bundle's tokenizer.json, which " + bundle + " lacks");
   options.config.k = k >= 0 ? k : engine.manifest().k_for_this_cpu();
   if (k < 0 && options.config.k != engine.manifest().default_k()) {
-    const mtp::Int8Path path = mtp::host_int8_path();
     const std::string given = std::to_string(engine.manifest().default_k());
     std::cerr << "[k] " << options.config.k << " tokens drafted per step, not the bundle's "
-              << given << ": this CPU (" << path.name
-              << ") has no int8 dot product and verifies up to " << path.rows
-              << " tokens in one pass over the weights (--k " << given << " to draft " << given
-              << ")" << std::endl;
+              << given << ": ";
+    if (engine.manifest().target_scheme() == "8da8w-avx2") {
+      std::cerr << "its 8da8w-avx2 layers verify up to 6 tokens in one pass over the weights";
+    } else {
+      const mtp::Int8Path path = mtp::host_int8_path();
+      std::cerr << "this CPU (" << path.name << ") has no int8 dot product and verifies up to "
+                << path.rows << " tokens in one pass over the weights";
+    }
+    std::cerr << " (--k " << given << " to draft " << given << ")" << std::endl;
   }
   engine.check_k(options.config.k);
   options.config.eos_ids = engine.manifest().eos_ids;
