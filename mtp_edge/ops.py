@@ -62,12 +62,16 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return (torch.round(x / scale) + zero).clamp(-128, 127), scale, zero
 
 
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A float weight [N, K] as int8 with one symmetric scale per output channel."""
-    weight = weight.detach().float()
-    scale = (weight.abs().amax(1) / 127).clamp(min=_EPS)
-    q = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
-    return q, scale
+def quantize_weight(weight: torch.Tensor, rows: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float weight [N, K] as int8 with one symmetric scale per output channel, `rows`
+    channels at a time (a vocabulary-sized head's float temporaries stay a block's size)."""
+    values, scales = [], []
+    for start in range(0, weight.shape[0], rows):
+        block = weight[start : start + rows].detach().float()
+        scale = (block.abs().amax(1) / 127).clamp(min=_EPS)
+        values.append(torch.round(block / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        scales.append(scale)
+    return torch.cat(values), torch.cat(scales)
 
 
 def pack_weight(q: torch.Tensor) -> torch.Tensor:
@@ -89,15 +93,23 @@ def unpack_weight(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return blocks.reshape(rows, cols)[:n, :k]
 
 
-def linear_i8(x, weight, weight_scale, weight_sum, bias=None):
+def linear_i8(x, weight, weight_scale, weight_sum, bias=None, channels: int = 8192):
     """Eager reference of mtp_edge::linear_i8: x [..., K] float32 -> [..., N], the kernel's bits.
     The integer sums are exact in float64 (|sum| < 2^53); the rest is the kernel's float32
-    operations in its order."""
+    operations in its order. `channels` (a multiple of 16: whole blocks of the packed weight)
+    output channels at a time, so a vocabulary-sized head never has a float64 copy."""
     k, n = x.shape[-1], weight_scale.numel()
     q, scale, zero = quantize_rows(x.reshape(-1, k).float())
-    w = unpack_weight(weight, n, k).double()
-    sums = q.double() @ w.T - zero.double() * weight_sum.double()
-    out = sums.float() * (scale * weight_scale)
+    q = q.double()
+    pairs = (k + k % 2) // 2
+    pieces = []
+    for c0 in range(0, n, channels):
+        c1 = min(n, c0 + channels)
+        block = weight[c0 * 2 * pairs : -(-c1 // BLOCK) * BLOCK * 2 * pairs]
+        w = unpack_weight(block, c1 - c0, k).double()
+        sums = q @ w.T - zero.double() * weight_sum[c0:c1].double()
+        pieces.append(sums.float() * (scale * weight_scale[c0:c1]))
+    out = torch.cat(pieces, 1)
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], n)

@@ -66,6 +66,17 @@ def test_packing_round_trips_and_pads_with_zeros():
     assert int(packed.abs().sum()) == int(q.abs().sum(dtype=torch.int64))  # padding is zeros
 
 
+def test_blockwise_quantization_and_reference_equal_the_whole():
+    """A vocabulary-sized head is quantized and computed a block of channels at a time: the
+    same values as all at once."""
+    torch.manual_seed(1)
+    weight, x = torch.randn(100, 71), torch.randn(3, 71)
+    q, scale = ops.quantize_weight(weight, rows=16)
+    assert all(torch.equal(a, b) for a, b in zip((q, scale), ops.quantize_weight(weight)))
+    args = (x, ops.pack_weight(q), scale, q.sum(1, dtype=torch.int32), torch.randn(100))
+    assert torch.equal(ops.linear_i8(*args, channels=32), ops.linear_i8(*args))
+
+
 def test_the_reference_is_within_int8_error_of_the_float_layer():
     torch.manual_seed(0)
     linear = nn.Linear(256, 96)
