@@ -139,6 +139,21 @@ def mtp_bundle_of(tmp_path_factory, chat_tiny_dir):
 
 
 @pytest.fixture(scope="session")
+def own_int8_bundle(tmp_path_factory, chat_tiny_dir) -> Path:
+    """An android bundle of chat_tiny_dir in 8da8w-avx2 (every linear layer, the heads' too, on
+    our int8 kernel, mtp_edge::linear_i8) with random MLP heads, 256 positions and the
+    exporter's default drafting policy."""
+
+    def build(root: Path) -> None:
+        heads = save_random_heads(chat_tiny_dir, _mkdir(root) / "heads.safetensors", "none")
+        args = ["--model", str(chat_tiny_dir), "--out", str(root / "bundle")]
+        args += ["--max-seq-len", "256", "--quality-tokens", "0", "--quant", "8da8w-avx2"]
+        export_cli(*args, "--drafter", "mtp", "--heads", str(heads))
+
+    return built_once(tmp_path_factory, "own-int8", build) / "bundle"
+
+
+@pytest.fixture(scope="session")
 def draft_lm_bundle_256(tmp_path_factory, chat_tiny_dir) -> Path:
     """An android bundle (the default 8da8w) of chat_tiny_dir with a draft model of the same
     vocabulary (the target's own weights, so that drafts are often right: a random draft model

@@ -129,6 +129,8 @@ def plain_ids(report: dict) -> list[list[int]]:
     [
         ("mtp_bundle", ("bundle", "ngram", "mtp+ngram", "none")),
         ("draft_lm_bundle", ("bundle", "draft-lm+ngram")),
+        # our int8 kernel's plain C++ version (ARM) against its AVX2 one (x86)
+        ("own_int8_bundle", ("bundle", "mtp+ngram")),
     ],
 )
 def test_arm64_speculative_equals_plain_and_x86(
