@@ -22,7 +22,7 @@ from mtp_edge.errors import UserError
 
 _SRC = Path(__file__).parent / "native" / "src"
 SOURCES = [_SRC / "llama_ops.cpp", _SRC / "int8_linear.cpp", _SRC / "python_ops.cpp"]
-HEADERS = [_SRC / "llama_ops.h", _SRC / "int8_linear.h"]
+HEADERS = [_SRC / "llama_ops.h", _SRC / "int8_linear.h", _SRC / "threadpool.h"]
 
 _loaded: ctypes.CDLL | None = None
 

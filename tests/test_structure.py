@@ -135,6 +135,25 @@ def test_every_package_is_found():
         assert name in modules
 
 
+def test_an_installed_package_has_the_kernel_sources():
+    """A wheel carries only the files pyproject's package data names: every source and header
+    the Python runtime compiles into our kernels (runtime/executorch_ops.py) must be there."""
+    import tomllib
+
+    from mtp_edge.runtime import executorch_ops
+
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    shipped = set(data["tool"]["setuptools"]["package-data"]["mtp_edge.runtime"])
+    needed = {str(p.relative_to(ROOT / "runtime")) for p in executorch_ops.SOURCES}
+    needed |= {str(p.relative_to(ROOT / "runtime")) for p in executorch_ops.HEADERS}
+    assert needed <= shipped, sorted(needed - shipped)
+    # and every header the sources include from their own folder
+    for source in executorch_ops.SOURCES + executorch_ops.HEADERS:
+        for line in source.read_text().splitlines():
+            if line.startswith('#include "'):
+                assert f"native/src/{line.split(chr(34))[1]}" in shipped, (source.name, line)
+
+
 def test_one_meaning_per_file_name():
     clashes = name_clashes(list(package_files().values()))
     assert not clashes, "rename so that each file name is one module's:\n" + "\n".join(clashes)

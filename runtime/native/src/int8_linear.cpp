@@ -15,6 +15,7 @@
 // padded to even, K2) of 32 bytes: channels 0-7 as (k, k + 1) pairs, then channels 8-15.
 // weight_scale float [N], weight_sum int32 [N] (each channel's sum of weights), bias float [N].
 #include "int8_linear.h"
+#include "threadpool.h"
 
 #include <executorch/runtime/kernel/kernel_includes.h>
 #include <executorch/runtime/kernel/operator_registry.h>
@@ -32,15 +33,6 @@
 #include <immintrin.h>
 #define MTP_INT8_AVX2 1
 #endif
-
-// The wheel ships the thread pool library but not its header; this is the call we make.
-namespace executorch::extension::threadpool {
-class ThreadPool {
- public:
-  void run(executorch::runtime::FunctionRef<void(size_t)> fn, size_t range);
-};
-ThreadPool* get_threadpool();
-}  // namespace executorch::extension::threadpool
 
 // A scaled sum and its bias are two roundings on every CPU: no fused multiply-add (aarch64's
 // compilers fuse by default), so a phone computes a laptop's bits.

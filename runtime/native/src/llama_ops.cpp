@@ -7,6 +7,7 @@
 #include "llama_ops.h"
 
 #include "int8_linear.h"
+#include "threadpool.h"
 
 #include <executorch/runtime/kernel/kernel_includes.h>
 #include <executorch/runtime/kernel/operator_registry.h>
@@ -22,15 +23,6 @@
 #include <cstring>
 #include <memory>
 #include <vector>
-
-// The wheel ships the thread pool library but not its header; this is the call we make.
-namespace executorch::extension::threadpool {
-class ThreadPool {
- public:
-  void run(executorch::runtime::FunctionRef<void(size_t)> fn, size_t range);
-};
-ThreadPool* get_threadpool();
-}  // namespace executorch::extension::threadpool
 
 namespace mtp {
 namespace {
