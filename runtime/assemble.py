@@ -38,27 +38,26 @@ def k_for_this_cpu(k: int, manifest) -> int:
     on an AVX2 host (4-row tile) k = 3 ran 1.10-1.11x against k = 4's 0.98-1.02x, side by side
     on the default model (benchmarks/README.md, "CPUs without an int8 dot product"). Where the
     CPU has a dot product (VNNI: 5 rows; the phones' SDOT/SMMLA) the bundle's k stands. An
-    explicit k (--k) is never changed; the native runtime applies the same rule."""
+    8da8w-avx2 target (our int8 kernel) keeps k + 1 within that kernel's 6 rows on every CPU.
+    An explicit k (--k) is never changed; the native runtime applies the same rule."""
     from mtp_edge.machine import int8_path
     from mtp_edge.ops import LINEAR_I8_ROWS
     from mtp_edge.platforms import OWN_INT8
 
     path = int8_path()
     fitted = k_for_int8_path(k, manifest, path)
-    if fitted != k and _target_scheme(manifest) == OWN_INT8:
+    if fitted != k:
         from mtp_edge import logs
 
+        if _target_scheme(manifest) == OWN_INT8:
+            why = f"its {OWN_INT8} layers verify up to {LINEAR_I8_ROWS} tokens"
+        else:
+            why = (
+                f"this CPU ({path.name}) has no int8 dot product and verifies up to "
+                f"{path.xnnpack_rows} tokens"
+            )
         logs.say(
-            f"[k] {fitted} tokens drafted per step, not the bundle's {k}: its {OWN_INT8} layers "
-            f"verify up to {LINEAR_I8_ROWS} tokens in one pass over the weights (--k {k} to draft "
-            f"{k})"
-        )
-    elif fitted != k:
-        from mtp_edge import logs
-
-        logs.say(
-            f"[k] {fitted} tokens drafted per step, not the bundle's {k}: this CPU ({path.name}) "
-            f"has no int8 dot product and verifies up to {path.xnnpack_rows} tokens in one pass "
+            f"[k] {fitted} tokens drafted per step, not the bundle's {k}: {why} in one pass "
             f"over the weights (--k {k} to draft {k})"
         )
     return fitted
