@@ -51,6 +51,7 @@ using executorch::runtime::Span;
 
 constexpr int kCols = 16;   // output channels per block
 constexpr int kRowsMax = 6; // rows per tile: 12 sums + 2 weight registers + 1 broadcast of 16
+constexpr int kPrefetchAhead = 2048;  // bytes of weights between a prefetch and its use
 
 // Row r's activations quantized: `pairs` int32 words, each two int16 (columns 2p, 2p + 1; the
 // padding column 0), with its scale and zero point. The rule is ops.py's quantize_rows: the
@@ -193,9 +194,12 @@ __attribute__((target("avx2"))) void tile_avx2(const int8_t* w, const int32_t* q
   }
   for (int64_t p = 0; p < pairs; ++p) {
     const int8_t* wp = w + 32 * p;
-    // A line ahead of the reads: the tile is compute-bound at 5-6 rows, and the prefetch keeps
-    // memory busy meanwhile (measured: 5 rows 1.24x of one row's time without, 1.09x with).
-    if ((p & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(wp + 512), _MM_HINT_T0);
+    // Lines 2 KB ahead of the reads: the tile is compute-bound at 5-6 rows, and the prefetch
+    // keeps memory busy meanwhile. 2 KB is 64 steps, ~0.1-0.2 us at 5 rows, about a memory
+    // latency (the model's linears at 5 rows: 1.83 one-row calls without a prefetch, 1.52-1.68
+    // at 512 bytes ahead, 1.35-1.39 at 2-4 KB; benchmarks/README.md).
+    if ((p & 1) == 0)
+      _mm_prefetch(reinterpret_cast<const char*>(wp + kPrefetchAhead), _MM_HINT_T0);
     const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp)));
     const __m256i hi =
         _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + 16)));
