@@ -36,7 +36,8 @@ from mtp_edge.devices.cost import BundleCost, bundle_cost
 from mtp_edge.errors import UserError
 from mtp_edge.machine import INT8_PATHS, int8_path
 from mtp_edge.manifest import Manifest
-from mtp_edge.runtime.assemble import k_for_int8_path
+from mtp_edge.platforms import OWN_INT8
+from mtp_edge.runtime.assemble import k_for_int8_path, target_scheme
 
 # CPU read streams on phone SoCs reach about this fraction of the LPDDR peak (assumption; the
 # host's own bandwidth is measured, not scaled).
@@ -582,6 +583,19 @@ def predict_bundle(bundle, device_names, from_bench, command: str, progress) -> 
     bench_report = None if from_bench is None else load_bench(from_bench)
     cost = bundle_cost(bundle)
     manifest = Manifest.load(bundle, verify=False)
+    if target_scheme(manifest) == OWN_INT8 and any(not d.measured for d in chosen):
+        # The catalog's int8 rates are of the CPUs' dot-product instructions, which XNNPACK's
+        # kernels use; this scheme's kernel has an AVX2 version (VPMADDWD) and a plain C++ loop
+        # for every other CPU, neither of which those rates describe.
+        why = (
+            f"{bundle} runs its layers in mtp-edge's own int8 kernel ({OWN_INT8}), whose speed "
+            "the catalog's int8 figures do not describe"
+        )
+        if "all" not in device_names:
+            raise UserError(f"{why}: predict it with --device host, on the machine that runs it")
+        progress(f"[predict] host only: {why}")
+        chosen = [d for d in chosen if d.measured]
+        names = [d.name for d in chosen]
     if bench_report is not None:
         check_bench_of(bench_report, from_bench, bundle, manifest)
     if bench_report is not None and isinstance(bench_report.get("k"), int):

@@ -49,7 +49,7 @@ def k_for_this_cpu(k: int, manifest) -> int:
     if fitted != k:
         from mtp_edge import logs
 
-        if _target_scheme(manifest) == OWN_INT8:
+        if target_scheme(manifest) == OWN_INT8:
             why = f"its {OWN_INT8} layers verify up to {LINEAR_I8_ROWS} tokens"
         else:
             why = (
@@ -63,7 +63,8 @@ def k_for_this_cpu(k: int, manifest) -> int:
     return fitted
 
 
-def _target_scheme(manifest) -> str | None:
+def target_scheme(manifest) -> str | None:
+    """The target model's weight scheme as the manifest records it (None without one)."""
     target = manifest.models.get("target")
     return (target.quant or {}).get("scheme") if target is not None else None
 
@@ -76,7 +77,7 @@ def k_for_int8_path(k: int, manifest, path) -> int:
     from mtp_edge.platforms import OWN_INT8, by_backend
 
     row = by_backend(manifest.backend)
-    scheme = _target_scheme(manifest)
+    scheme = target_scheme(manifest)
     if scheme == OWN_INT8 and row is not None and row.backend == "executorch":
         return min(k, LINEAR_I8_ROWS - 1)  # our kernel's tile, the same on every CPU
     if row is None or scheme not in row.int8_tile_schemes or path is None:

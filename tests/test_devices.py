@@ -279,6 +279,20 @@ def test_predict_drafts_on_each_device_as_its_runtime_would(bundle_8bit, tmp_pat
         assert [p["k"] for p in predictions] == [host_k, bundle_k], path
 
 
+def test_own_int8_bundle_is_predicted_on_the_host_only(own_int8_bundle, tmp_path):
+    """An 8da8w-avx2 bundle runs our own int8 kernel, whose speed the catalog's dot-product
+    figures do not describe: a catalog device is a one-line refusal, `all` is the host alone."""
+    args = ["--bundle", str(own_int8_bundle), "--device", "pixel-9"]
+    line = error_line(CliRunner().invoke(predict, args))
+    assert "8da8w-avx2" in line and "--device host" in line
+    out = tmp_path / "predict.json"
+    args = ["--bundle", str(own_int8_bundle), "--device", "all", "--json", str(out)]
+    result = CliRunner().invoke(predict, args)
+    assert result.exit_code == 0, result.output
+    assert [p["device"] for p in json.loads(out.read_text())["predictions"]] == ["host"]
+    assert "host only" in result.stderr
+
+
 def test_held_out_tau_at_a_smaller_k_adds_up_its_positions():
     """A bundle's heads were scored at their k; at a smaller k tau is 1 + that many positions'
     acceptance (the share of steps whose i-th drafted token was kept)."""
