@@ -196,8 +196,8 @@ __attribute__((target("avx2"))) void tile_avx2(const int8_t* w, const int32_t* q
     const int8_t* wp = w + 32 * p;
     // Lines 2 KB ahead of the reads: the tile is compute-bound at 5-6 rows, and the prefetch
     // keeps memory busy meanwhile. 2 KB is 64 steps, ~0.1-0.2 us at 5 rows, about a memory
-    // latency (the model's linears at 5 rows: 1.83 one-row calls without a prefetch, 1.52-1.68
-    // at 512 bytes ahead, 1.35-1.39 at 2-4 KB; benchmarks/README.md).
+    // latency (the model's linears at 5 rows: 1.67-1.83 one-row calls without a prefetch,
+    // 1.52-1.68 at 512 bytes ahead, 1.25-1.43 at 2-4 KB; benchmarks/README.md).
     if ((p & 1) == 0)
       _mm_prefetch(reinterpret_cast<const char*>(wp + kPrefetchAhead), _MM_HINT_T0);
     const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp)));
