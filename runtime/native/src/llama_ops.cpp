@@ -329,15 +329,15 @@ MTP_INLINE void score_keys(const T* qq, int64_t D, const float* k, int64_t strid
       T s[kH];
       for (int h = 0; h < kH; ++h)
         for (int i = 0; i < T::kParts; ++i) s[h].p[i] = quarter_sums(acc[r][g][h].p[i]);
-      for (int h = 0; h < kH; h += 2) {  // lane 4a of s[h] is key j0 + 4h + a's score
-        if constexpr (T::W == 16) {
+      if constexpr (T::W == 16) {
+        for (int h = 0; h < kH; h += 2) {  // lane 4a of s[h] is key j0 + 4h + a's score
           const F16 eight = __builtin_shufflevector(s[h].p[0], s[h + 1].p[0], 0, 4, 8, 12, 16, 20,
                                                     24, 28, 0, 4, 8, 12, 16, 20, 24, 28) * scale;
           std::memcpy(scores[r][g] + j0 + 4 * h, &eight, 8 * sizeof(float));
-        } else {
-          for (int a = 0; a < 8; ++a)
-            scores[r][g][j0 + 4 * h + a] = lane(s[h + a / 4], 4 * (a % 4)) * scale;
         }
+      } else {
+        for (int h = 0; h < kH; ++h)
+          for (int a = 0; a < 4; ++a) scores[r][g][j0 + 4 * h + a] = lane(s[h], 4 * a) * scale;
       }
     }
 }
@@ -378,8 +378,11 @@ MTP_INLINE void block_rows(const float* q, int64_t qstep, int64_t D, const float
       }
   alignas(64) float weights[kR][kG][kBlock];
   // 16 keys at a time where the sums fit in registers (4 kR kG chains of multiply-adds keep
-  // both units busy), else 8.
-  constexpr int kH = T::W == 16 ? (kR * kG <= 3 ? 4 : 2) : 2;
+  // both units busy), else 8. With narrower registers 4: there the sums of 8 keys (2 kR kG
+  // vectors of 16 lanes) and the 8 keys transposed (8 vectors), each vector 2 AVX2 or 4 SSE or
+  // NEON registers, went through the stack; 4 keys at a time took 9-28% less time on AVX2 and
+  // 12-17% less on SSE at 1, 2 and 5 rows (benchmarks/README.md). Each sum is unchanged.
+  constexpr int kH = T::W == 16 ? (kR * kG <= 3 ? 4 : 2) : 1;
   for (int64_t j0 = 0; j0 < most; j0 += 4 * kH)
     score_keys<kG, kR, kH>(qq, D, k, stride, j0, most, scale, weights);
   float best[kR][kG], total[kR][kG];
