@@ -9,12 +9,10 @@ the same bits (as aarch64's NEON version does: tokens on a phone are the laptop'
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
+from tiny import run_in_process
 
 from mtp_edge import ops
 from mtp_edge.runtime import executorch_ops
@@ -111,12 +109,7 @@ print("ok")
     for version in versions:
         path = tmp_path / f"{version}.safetensors"
         name = "avx9" if version == versions[0] else version
-        done = subprocess.run(
-            [sys.executable, "-c", script, str(path)], capture_output=True, text=True,
-            timeout=600, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path),
-                              "MTP_EDGE_ATTENTION_ISA": name},
-        )  # fmt: skip
-        assert done.returncode == 0 and done.stdout.strip() == "ok", (version, done.stderr[-3000:])
+        done = run_in_process(script, str(path), MTP_EDGE_ATTENTION_ISA=name)
         said = [line for line in done.stderr.splitlines() if "MTP_EDGE_ATTENTION_ISA" in line]
         if name == version:
             assert said == [], done.stderr  # the version named ran

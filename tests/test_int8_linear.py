@@ -7,13 +7,11 @@ error of the float layer."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from tiny import run_in_process
 from torch import nn
 
 from mtp_edge import ops
@@ -114,12 +112,7 @@ print("ok")
     results = {}
     for version in ("avx2", "plain"):
         path = tmp_path / f"{version}.safetensors"
-        done = subprocess.run(
-            [sys.executable, "-c", script, str(path)], capture_output=True, text=True,
-            timeout=600, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path),
-                              "MTP_EDGE_INT8_LINEAR": version},
-        )  # fmt: skip
-        assert done.returncode == 0 and done.stdout.strip() == "ok", (version, done.stderr[-3000:])
+        run_in_process(script, str(path), MTP_EDGE_INT8_LINEAR=version)
         results[version] = load_file(path)
     for key, value in results["avx2"].items():
         assert torch.equal(value, results["plain"][key]), key

@@ -250,3 +250,17 @@ def cache_home_sharing_kernels(path: Path) -> Path:
     ops.parent.mkdir(parents=True, exist_ok=True)
     ops.symlink_to(library.parent, target_is_directory=True)
     return path
+
+
+def run_in_process(script: str, argument: str, **env: str):
+    """Run `script` in a fresh Python process (a kernel version is chosen once per process) with
+    `env` added to the environment and `argument` as sys.argv[1]; it must print "ok"."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", script, argument], capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **env},
+    )  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (env, done.stderr[-3000:])
+    return done
