@@ -6,6 +6,11 @@ The exported program's own perplexity (the manifest's quality report) agrees to 
 
     python benchmarks/scheme_quality.py [--model default|PATH] [--tokens 1024]
         [--schemes 8da8w:0,8da4w:0,8da4w:32,8da4w:64,8da4w:128] [--out PATH]
+
+An entry QUANT:GROUP/HEAD:GROUP gives the LM head a scheme of its own (e.g. 8da4w:32/8da8w:0,
+4-bit layers and an 8-bit head: with a tied embedding the head is a quarter of a 0.5B model);
+a third part names linears of every layer kept in 8da8w per channel, as llama.cpp's Q4_K_M keeps
+some in more bits (8da4w:32/8da8w:0/down_proj+v_proj).
 """
 
 from __future__ import annotations
@@ -15,12 +20,12 @@ import json
 import time
 
 import torch
+from torchao.quantization import quantize_
 
 from mtp_edge.checkpoints import load_model, open_checkpoint
-from mtp_edge.exporter.executorch import load_hook
 from mtp_edge.exporter.loading import eager_forward
-from mtp_edge.exporter.platform import ExportOptions
 from mtp_edge.quantize.quality import StreamedPerplexity, perplexity
+from mtp_edge.quantize.schemes import QuantScheme, _linear_config, check_scheme, quantize_part
 from mtp_edge.texts import heldout_text
 
 RESULTS = "benchmarks/results/formats/scheme_quality"
@@ -45,18 +50,41 @@ def main() -> None:
     rows = [{"scheme": "fp32", "perplexity": round(fp32, 4), "ratio": 1.0}]
     print(json.dumps(rows[0]), flush=True)
     for entry in args.schemes.split(","):
-        quant, group = entry.split(":")
-        options = ExportOptions(
-            model=args.model,
-            quant=quant,
-            group_size=int(group),
-            embedding_quant=args.embedding_quant,
+        layers, _, rest = entry.partition("/")
+        head, _, eight = rest.partition("/")
+        kept = set(filter(None, eight.split("+")))
+        quant, group = layers.split(":")
+        head_quant, head_group = head.split(":") if head else (None, None)
+        scheme = QuantScheme(
+            quant,
+            int(group),
+            args.embedding_quant,
+            head=head_quant,
+            head_group_size=None if head_group is None else int(head_group),
         )
+        check_scheme(scheme, checkpoint.skeleton())
         started = time.perf_counter()
-        hook = load_hook(options, checkpoint.skeleton())
+
+        def hook(m, name, part, scheme=scheme, kept=kept):
+            if kept and name.startswith("layers"):
+                quantize_(
+                    part,
+                    _linear_config("8da8w", 0),
+                    lambda mod, fqn: (
+                        isinstance(mod, torch.nn.Linear) and fqn.split(".")[-1] in kept
+                    ),
+                )
+            quantize_part(m, name, part, scheme)
+
         model = load_model(args.model, on_part=hook).model
         value = perplexity(eager_forward(model, len(tokens) + 1), tokens, 128)
         label = f"{quant} " + ("per channel" if group == "0" else f"group {group}")
+        if head_quant is not None:
+            label += f", head {head_quant} " + (
+                "per channel" if head_group == "0" else f"group {head_group}"
+            )
+        if kept:
+            label += ", 8da8w " + " ".join(sorted(kept))
         row = {"scheme": label, "perplexity": round(value, 4), "ratio": round(value / fp32, 4)}
         row["seconds"] = round(time.perf_counter() - started, 1)
         rows.append(row)

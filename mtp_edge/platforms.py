@@ -71,6 +71,11 @@ PLATFORMS: dict[str, Platform] = {}
 # 8da8w's numbers, 6 rows per pass over the weights on every CPU (ops.LINEAR_I8_ROWS), for CPUs
 # without an int8 dot product, where XNNPACK's int8 GEMM takes 4.
 OWN_INT8 = "8da8w-avx2"
+# android's mixed scheme: 8da4w's 4-bit layers (groups of 32) with each layer's k and v
+# projections and the LM head in 8da8w per channel, the tensors 4-bit rounding hurts most (as
+# llama.cpp's Q4_K_M keeps attn_v in more bits): on Qwen2.5-Coder-0.5B x1.00 perplexity against
+# 8da4w's x1.05, nearly 8da4w's size (quantize/schemes.py; benchmarks/README.md).
+MIXED_4BIT = "8da4w-mix"
 
 
 def register(platform: Platform) -> Platform:
@@ -89,8 +94,9 @@ register(
         exporter="mtp_edge.exporter.executorch",
         session="mtp_edge.runtime.executorch_session",
         # Every scheme XNNPACK lowers correctly (quantize/schemes.py says why not int8/int4), and
-        # 8da8w in our own kernel (its tile takes 6 rows: for CPUs without an int8 dot product).
-        schemes=("8da4w", "8da8w", OWN_INT8, "fp32"),
+        # 8da8w in our own kernel (its tile takes 6 rows: for CPUs without an int8 dot product),
+        # and 4-bit layers with their most sensitive tensors in 8 bits (MIXED_4BIT).
+        schemes=("8da4w", MIXED_4BIT, "8da8w", OWN_INT8, "fp32"),
         # Measured (benchmarks/README.md, "Weight scheme by model size"): the held-out
         # perplexity against float32. On SmolLM2-135M 4-bit weights cost 1.59x perplexity (g32)
         # and 3.4x (per channel) against 1.01x, and cut MTP acceptance so much that speculation

@@ -3,7 +3,10 @@
 Linear layers: `8da4w` / `8da8w` (int8 activations quantized per token at run time, int4 /
 int8 weights), or `fp32`; `8da8w-avx2` is 8da8w's numbers in our own kernel (`Int8Linear`,
 the op `mtp_edge::linear_i8`), whose tile takes 6 rows where XNNPACK's int8 GEMM takes 4 on a
-CPU without an int8 dot product. The embedding table gets weight-only `8w` / `4w`, or `none`.
+CPU without an int8 dot product; `8da4w-mix` is 8da4w with each layer's k and v projections and
+the LM head in 8da8w per channel (the tensors whose 4-bit rounding costs the most perplexity:
+Qwen2.5-Coder-0.5B x1.00 against 8da4w's x1.05; benchmarks/README.md, "4-bit layers, 8-bit k, v
+and head"). The embedding table gets weight-only `8w` / `4w`, or `none`.
 These are the forms ExecuTorch 1.5's XNNPACK partitioner lowers to its integer GEMMs, and
 ExecuTorch's quantized kernels run the embedding lookup (`embedding_byte` / `embedding_4bit`)
 without dequantizing the whole table. Weight-only int8 / int4 linears are refused: the XNNPACK
@@ -24,11 +27,19 @@ from torch import nn
 
 from mtp_edge.errors import UserError
 from mtp_edge.model import Transformer
-from mtp_edge.platforms import OWN_INT8, PLATFORMS
+from mtp_edge.platforms import MIXED_4BIT, OWN_INT8, PLATFORMS
 
-LINEAR_SCHEMES = ("8da4w", "8da8w", OWN_INT8, "fp32")
+LINEAR_SCHEMES = ("8da4w", MIXED_4BIT, "8da8w", OWN_INT8, "fp32")
+# 8da4w-mix's layers in 8da8w per channel (every other linear of a layer is 8da4w).
+MIXED_EIGHT_BIT = ("k_proj", "v_proj")
 EMBEDDING_SCHEMES = ("8w", "4w", "none")
-_WEIGHT_BITS = {"8da4w": torch.int4, "8da8w": torch.int8, "8w": torch.int8, "4w": torch.int4}
+_WEIGHT_BITS = {
+    "8da4w": torch.int4,
+    MIXED_4BIT: torch.int4,
+    "8da8w": torch.int8,
+    "8w": torch.int8,
+    "4w": torch.int4,
+}
 _REFUSED = {
     "int8": "weight-only int8 linears are not lowered correctly by ExecuTorch's XNNPACK backend: "
     "use 8da8w (same int8 weights, activations quantized at run time)",
@@ -41,7 +52,8 @@ def default_group_size(linear: str, platform: str = "android") -> int:
     """What a scheme uses when the user gives no group size: 32 for 4-bit weights and for a
     platform's blockwise schemes (mtp_edge/platforms.py), else 0 = one scale per output
     channel."""
-    return 32 if linear in ("8da4w", "int4") or linear in PLATFORMS[platform].blockwise else 0
+    four_bit = linear in ("8da4w", MIXED_4BIT, "int4")
+    return 32 if four_bit or linear in PLATFORMS[platform].blockwise else 0
 
 
 def check_platform_scheme(platform: str, name: str, group: int) -> None:
@@ -71,6 +83,8 @@ class QuantScheme:
     @property
     def head_scheme(self) -> tuple[str, int]:
         if self.head is None:
+            if self.linear == MIXED_4BIT:
+                return "8da8w", 0
             return self.linear, self.group_size
         group = self.group_size if self.head_group_size is None else self.head_group_size
         return self.head, group
@@ -128,7 +142,7 @@ def _check_linear(flag: str, name: str, group: int, inputs: dict[str, int]) -> N
         raise UserError(
             f"{name} needs --group-size 0 (channelwise): XNNPACK groups only 4-bit weights"
         )
-    if name == "8da4w":
+    if name in ("8da4w", MIXED_4BIT):
         _check_group("--group-size", group, inputs)
 
 
@@ -154,7 +168,6 @@ def quantize_part(model: Transformer, name: str, module: nn.Module, scheme: Quan
     """Quantize one part of `model` (a name from Transformer.parts) in place: the loader
     calls this as each part's weights arrive, so a whole float32 model is never held. A tied
     LM head gets a quantized copy of its own while the embedding is still float."""
-    from torchao.quantization import quantize_
 
     head, head_group = scheme.head_scheme
     if name == "embed_tokens":
@@ -173,8 +186,24 @@ def quantize_part(model: Transformer, name: str, module: nn.Module, scheme: Quan
     elif scheme.linear == OWN_INT8:
         own_int8_linears(module)
     elif scheme.linear != "fp32":
-        config = _linear_config(scheme.linear, scheme.group_size)
-        quantize_(module, config, lambda m, fqn: isinstance(m, nn.Linear) and not is_quantized(m))
+        _quantize_linears(module, scheme)
+
+
+def _quantize_linears(module: nn.Module, scheme: QuantScheme) -> None:
+    """Every linear of `module` not yet quantized, with the scheme's layer config (8da4w-mix:
+    MIXED_EIGHT_BIT's in 8da8w per channel first, the rest in 8da4w)."""
+    from torchao.quantization import quantize_
+
+    def fresh(m: nn.Module, fqn: str) -> bool:
+        return isinstance(m, nn.Linear) and not is_quantized(m)
+
+    if scheme.linear == MIXED_4BIT:
+        quantize_(
+            module,
+            _linear_config("8da8w", 0),
+            lambda m, fqn: fresh(m, fqn) and fqn.rsplit(".", 1)[-1] in MIXED_EIGHT_BIT,
+        )
+    quantize_(module, _linear_config(scheme.linear, scheme.group_size), fresh)
 
 
 QUANTIZE_ROWS = 8192  # rows of a vocabulary-sized table quantized at a time
@@ -259,7 +288,7 @@ def quantize_modules(module: nn.Module, scheme: QuantScheme) -> nn.Module:
     if scheme.linear == OWN_INT8:
         own_int8_linears(module)
     elif scheme.linear != "fp32":
-        quantize_(module, _linear_config(scheme.linear, scheme.group_size), fresh(nn.Linear))
+        _quantize_linears(module, scheme)
     return module
 
 

@@ -26,6 +26,7 @@ SCHEMES = {
     "fp32": ("fp32", 0, "none", False),
     "8da4w-g32": ("8da4w", 32, "8w", False),
     "8da4w-cw-tied": ("8da4w", 0, "4w", True),
+    "8da4w-mix-tied": ("8da4w-mix", 32, "8w", True),  # 8-bit k, v and (tied) head
     "8da8w-cw": ("8da8w", 0, "8w", False),
     "8da8w-avx2-tied": ("8da8w-avx2", 0, "8w", True),  # our int8 kernel, the tied head's too
 }
@@ -120,6 +121,23 @@ def test_each_scheme_runs_what_the_quantized_model_computes(name):
         assert logits.shape == (len(tokens), VOCAB) and logits.dtype == torch.float32
         scale = float(expected.abs().max())
         assert float((logits - expected).abs().max()) < 0.05 * scale, name
+
+
+def test_the_mixed_scheme_keeps_k_v_and_the_head_in_8_bits():
+    """8da4w-mix: every layer's k and v projections and the (here tied) LM head get 8-bit
+    weights with one scale per channel, every other linear 4-bit weights in groups of 32."""
+    from mtp_edge.quantize.schemes import quantize_model
+
+    quantized = quantize_model(model(tied=True, layers=2), QuantScheme("8da4w-mix", 32, "8w"))
+    bits = {
+        name: (module.weight.target_dtype, module.weight.block_size[1])
+        for name, module in quantized.named_modules()
+        if isinstance(module, torch.nn.Linear)
+    }
+    assert len(bits) == 2 * 7 + 1
+    for name, (dtype, block) in bits.items():
+        eight = name == "lm_head" or name.endswith(("k_proj", "v_proj"))
+        assert (dtype, block) == ((torch.int8, 128) if eight else (torch.int4, 32)), name
 
 
 def test_fp32_export_matches_eager_tokens_and_logits():
@@ -261,7 +279,9 @@ def test_our_kernel_computes_the_eager_attention():
         torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["8da4w-g32", "8da4w-cw-tied", "8da8w-cw", "8da8w-avx2-tied"])
+@pytest.mark.parametrize(
+    "name", ["8da4w-g32", "8da4w-cw-tied", "8da4w-mix-tied", "8da8w-cw", "8da8w-avx2-tied"]
+)
 @pytest.mark.parametrize("k", [2, 4, 7])
 def test_quantized_speculative_output_equals_its_plain_output(name, k):
     program = session(name)
@@ -306,11 +326,12 @@ def test_metadata_methods():
 @pytest.mark.parametrize(
     "quant, group, embedding, message",
     [
-        ("int3", 32, "8w", "supported are 8da4w, 8da8w, 8da8w-avx2, fp32"),
+        ("int3", 32, "8w", "supported are 8da4w, 8da4w-mix, 8da8w, 8da8w-avx2, fp32"),
         ("int8", 0, "8w", "use 8da8w"),
         ("int4", 32, "8w", "use 8da4w"),
         ("8da4w", 24, "8w", "does not divide"),
         ("8da4w", -1, "8w", "must be >= 0"),
+        ("8da4w-mix", 24, "8w", "does not divide"),
         ("8da8w", 32, "8w", "--group-size 0"),
         ("8da8w-avx2", 32, "8w", "--group-size 0"),
         ("8da4w", 32, "2w", "embedding quantization"),
