@@ -25,6 +25,9 @@ class Int8Path:
     # Rows of the tile of XNNPACK's per-channel 8-bit GEMM on this path (its gemm config's mr):
     # a call of up to this many rows reads the weights once; one more row starts a second pass.
     xnnpack_rows: int | None
+    # The same for XNNPACK's 4-bit GEMM with weights in groups (qd8_f32_qb4w; None: not known):
+    # 3 rows on AVX2 (benchmarks/README.md, "CPUs without an int8 dot product").
+    blockwise_rows: int | None = None
 
 
 INT8_PATHS = {
@@ -39,6 +42,7 @@ INT8_PATHS = {
             "VPMADDWD on 256-bit vectors after widening the weights to 16 bits, no int8 dot "
             "product",
             4,
+            3,
         ),
         Int8Path("sse4", False, "PMADDWD on 128-bit vectors, no int8 dot product", 4),
         Int8Path("sme", True, "SME outer products; XNNPACK's 8-bit GEMM runs SMMLA (i8mm)", 4),

@@ -63,6 +63,9 @@ class Platform:
     #   rows past the tile take a second pass over the weights, so the runtime keeps k + 1
     #   within it unless k is given (runtime/assemble.py k_for_this_cpu).
     int8_tile_schemes: tuple[str, ...] = ()
+    # - schemes whose 4-bit layers run XNNPACK's 4-bit GEMM: in groups its tile (Int8Path
+    #   blockwise_rows: 3 rows on AVX2) bounds a verification, per channel the 8-bit one's.
+    int4_tile_schemes: tuple[str, ...] = ()
 
 
 PLATFORMS: dict[str, Platform] = {}
@@ -112,6 +115,7 @@ register(
         textllmrunner_peer=True,
         predictable=True,
         int8_tile_schemes=("8da8w",),
+        int4_tile_schemes=("8da4w", MIXED_4BIT),
     )
 )
 register(

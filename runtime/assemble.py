@@ -34,12 +34,14 @@ DEFAULT_NGRAM_SIZES = "1-3"
 def k_for_this_cpu(k: int, manifest) -> int:
     """The bundle's k on this CPU: lowered to fit one pass of the int8 GEMM's tile where the
     CPU has no int8 dot product and the target's scheme runs that GEMM (the platform table's
-    int8_tile_schemes). There k + 1 rows beyond the tile's make a second pass over the weights:
-    on an AVX2 host (4-row tile) k = 3 ran 1.10-1.11x against k = 4's 0.98-1.02x, side by side
-    on the default model (benchmarks/README.md, "CPUs without an int8 dot product"). Where the
-    CPU has a dot product (VNNI: 5 rows; the phones' SDOT/SMMLA) the bundle's k stands. An
-    8da8w-avx2 target (our int8 kernel) keeps k + 1 within that kernel's 6 rows on every CPU.
-    An explicit k (--k) is never changed; the native runtime applies the same rule."""
+    int8_tile_schemes; for 4-bit weights in groups, int4_tile_schemes, the groupwise GEMM's
+    3-row tile on AVX2: xnnpack_tile_rows). There k + 1 rows beyond the tile's make a second
+    pass over the weights: on an AVX2 host (4-row tile) k = 3 ran 1.10-1.11x against k = 4's
+    0.98-1.02x, side by side on the default model (benchmarks/README.md, "CPUs without an int8
+    dot product"). Where the CPU has a dot product (VNNI: 5 rows; the phones' SDOT/SMMLA) the
+    bundle's k stands. An 8da8w-avx2 target (our int8 kernel) keeps k + 1 within that kernel's
+    6 rows on every CPU. An explicit k (--k) is never changed; the native runtime applies the
+    same rule."""
     from mtp_edge.machine import int8_path
     from mtp_edge.ops import LINEAR_I8_ROWS
     from mtp_edge.platforms import OWN_INT8
@@ -54,7 +56,7 @@ def k_for_this_cpu(k: int, manifest) -> int:
         else:
             why = (
                 f"this CPU ({path.name}) has no int8 dot product and verifies up to "
-                f"{path.xnnpack_rows} tokens"
+                f"{xnnpack_tile_rows(manifest, path)} tokens"
             )
         logs.say(
             f"[k] {fitted} tokens drafted per step, not the bundle's {k}: {why} in one pass "
@@ -80,11 +82,31 @@ def k_for_int8_path(k: int, manifest, path) -> int:
     scheme = target_scheme(manifest)
     if scheme == OWN_INT8 and row is not None and row.backend == "executorch":
         return min(k, LINEAR_I8_ROWS - 1)  # our kernel's tile, the same on every CPU
-    if row is None or scheme not in row.int8_tile_schemes or path is None:
+    rows = xnnpack_tile_rows(manifest, path)
+    if rows is None or k + 1 <= rows:
         return k
-    if path.dot_product or path.xnnpack_rows is None or k + 1 <= path.xnnpack_rows:
-        return k
-    return max(1, path.xnnpack_rows - 1)
+    return max(1, rows - 1)
+
+
+def xnnpack_tile_rows(manifest, path) -> int | None:
+    """Rows of the XNNPACK GEMM tile that bounds a verification of the bundle's target on a CPU
+    of int8 path `path` without an int8 dot product (None where none does, or not known): the
+    per-channel 8-bit GEMM's for the platform's int8_tile_schemes and per-channel 4-bit weights,
+    the groupwise 4-bit GEMM's for its int4_tile_schemes in groups (8da4w, 8da4w-mix: 3 rows
+    on AVX2, so k = 2)."""
+    from mtp_edge.platforms import by_backend
+
+    row = by_backend(manifest.backend)
+    if row is None or path is None or path.dot_product:
+        return None
+    target = manifest.models.get("target")
+    quant = (target.quant or {}) if target is not None else {}
+    scheme = quant.get("scheme")
+    if scheme in row.int8_tile_schemes:
+        return path.xnnpack_rows
+    if scheme in row.int4_tile_schemes:
+        return path.blockwise_rows if quant.get("group_size") else path.xnnpack_rows
+    return None
 
 
 @dataclass

@@ -805,6 +805,44 @@ def test_both_runtimes_keep_k_within_our_int8_kernels_tile(
             assert all("8da8w-avx2 layers verify up to 6 tokens" in line for line in said)
 
 
+def test_both_runtimes_fit_k_to_the_4_bit_tile_alike(
+    runner, mlp_mtp_bundle, tmp_path, monkeypatch, capsys
+):
+    """A target whose 4-bit weights come in groups (8da4w, 8da4w-mix) verifies within XNNPACK's
+    groupwise 4-bit tile: 3 rows on AVX2, so k = 4 drafts 2 there, natively and in Python, in
+    the same [k] line; per channel the 8-bit tile's 4 rows (k = 3); with a dot product, and where
+    the groupwise tile is not known, k stands."""
+    from mtp_edge.runtime.assemble import assemble
+
+    def scheme_and_group(scheme, group):
+        def edit(manifest):
+            manifest["models"]["target"]["quant"].update(scheme=scheme, group_size=group)
+            manifest["drafter"]["k"] = 4
+
+        return edit
+
+    cases = (
+        ("8da4w-mix", 32, {"avx2": 2, "sse4": 4, "avx512-vnni": 4}),
+        ("8da4w", 32, {"avx2": 2}),
+        ("8da4w", 0, {"avx2": 3, "avx512-vnni": 4}),
+    )
+    for scheme, group, expected in cases:
+        bundle = edited_copy(
+            mlp_mtp_bundle, tmp_path / f"{scheme}-{group}", scheme_and_group(scheme, group)
+        )
+        for path, k in expected.items():
+            done = run_runner(runner, bundle, {**os.environ, "MTP_EDGE_INT8_PATH": path})
+            assert done.returncode == 0, done.stderr[-800:]
+            assert json.loads(done.stdout)["k"] == k, (scheme, group, path)
+            capsys.readouterr()
+            monkeypatch.setenv("MTP_EDGE_INT8_PATH", path)
+            assert assemble(setup_options(bundle, 256)).config.k == k, (scheme, group, path)
+            said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[k]")]
+            assert said == [line for line in done.stderr.splitlines() if line.startswith("[k]")]
+            assert len(said) == (k != 4), (scheme, group, path, said)
+            assert all(f"verifies up to {k + 1} tokens" in line for line in said), said
+
+
 def edited_copy(bundle, to: Path, edit) -> Path:
     shutil.copytree(bundle, to)
     manifest = json.loads((to / "manifest.json").read_text())

@@ -480,6 +480,9 @@ Manifest Manifest::load(const std::string& dir, bool verify) {
       m.models[name] = {entry["file"].get<std::string>(), entry["sha256"].get<std::string>(),
                         entry["quant"].value("attention", std::string()),
                         entry["quant"].value("scheme", std::string())};
+      const nlohmann::json& quant = entry["quant"];
+      if (quant.contains("group_size") && quant["group_size"].is_number_integer())
+        m.models[name].group_size = quant["group_size"].get<int64_t>();
     }
     check_file_names(m, path);
     m.drafter = read_drafter(data["drafter"], path);
@@ -517,21 +520,22 @@ struct Int8PathRow {
   const char* name;
   bool dot_product;
   int rows;
+  int blockwise_rows;
   std::vector<std::string> needs;  // the /proc/cpuinfo flags that make it this CPU's
 };
 
 const std::vector<Int8PathRow>& int8_paths() {
   static const std::vector<Int8PathRow> rows = {
-      {"avx512-vnni", true, 5, {"avx512_vnni"}},
-      {"avx-vnni", true, 5, {"avx_vnni"}},
-      {"avx512", false, 8, {"avx512f", "avx512bw"}},
-      {"avx2", false, 4, {"avx2"}},
-      {"sse4", false, 4, {"sse4_1"}},
-      {"sme", true, 4, {"sme", "i8mm"}},
-      {"i8mm", true, 4, {"i8mm"}},
-      {"neon-dot", true, 4, {"asimddp"}},
-      {"neon", false, 0, {"asimd"}},
-      {"unknown", false, 0, {}},
+      {"avx512-vnni", true, 5, 0, {"avx512_vnni"}},
+      {"avx-vnni", true, 5, 0, {"avx_vnni"}},
+      {"avx512", false, 8, 0, {"avx512f", "avx512bw"}},
+      {"avx2", false, 4, 3, {"avx2"}},
+      {"sse4", false, 4, 0, {"sse4_1"}},
+      {"sme", true, 4, 0, {"sme", "i8mm"}},
+      {"i8mm", true, 4, 0, {"i8mm"}},
+      {"neon-dot", true, 4, 0, {"asimddp"}},
+      {"neon", false, 0, 0, {"asimd"}},
+      {"unknown", false, 0, 0, {}},
   };
   return rows;
 }
@@ -581,8 +585,8 @@ Int8Path host_int8_path() {
     }
   }
   for (const auto& r : rows)
-    if (name == r.name) return {r.name, r.dot_product, r.rows};
-  return {"unknown", false, 0};
+    if (name == r.name) return {r.name, r.dot_product, r.rows, r.blockwise_rows};
+  return {"unknown", false, 0, 0};
 }
 
 std::string Manifest::target_scheme() const {
@@ -596,10 +600,20 @@ int64_t Manifest::k_for_this_cpu() const {
   if (backend != "executorch" || target == models.end()) return k;
   // 8da8w-avx2 runs our own int8 kernel (int8_linear.cpp), 6 rows a pass on every CPU.
   if (target->second.scheme == "8da8w-avx2") return std::min<int64_t>(k, 5);
-  if (target->second.scheme != "8da8w") return k;
+  const int rows = tile_rows();
+  if (rows == 0 || k + 1 <= rows) return k;
+  return std::max<int64_t>(1, rows - 1);
+}
+
+int Manifest::tile_rows() const {
+  const auto target = models.find("target");
+  if (backend != "executorch" || target == models.end()) return 0;
+  const std::string& scheme = target->second.scheme;
+  const bool grouped = target->second.group_size > 0;
+  if (scheme != "8da8w" && scheme != "8da4w" && scheme != "8da4w-mix") return 0;
   const Int8Path path = host_int8_path();
-  if (path.dot_product || path.rows == 0 || k + 1 <= path.rows) return k;
-  return std::max<int64_t>(1, path.rows - 1);
+  if (path.dot_product) return 0;
+  return scheme != "8da8w" && grouped ? path.blockwise_rows : path.rows;
 }
 
 }  // namespace mtp

@@ -20,6 +20,7 @@ struct ModelFile {
   // forward gives the rows of one-token calls), "executorch" or empty otherwise.
   std::string attention;
   std::string scheme;  // quant.scheme: "8da8w", "8da4w", "fp32"...
+  int64_t group_size = 0;  // quant.group_size: input columns per weight scale (0: per channel)
 };
 
 // How this CPU multiplies int8 (mtp_edge/machine.py INT8_PATHS: the same names and rows):
@@ -30,6 +31,7 @@ struct Int8Path {
   std::string name;
   bool dot_product = false;
   int rows = 0;
+  int blockwise_rows = 0;  // the tile of XNNPACK's 4-bit GEMM in groups (qb4w; 0: not known)
 };
 Int8Path host_int8_path();
 
@@ -80,6 +82,10 @@ struct Manifest {
   // ExecuTorch target on a CPU without an int8 dot product keeps k + 1 within the GEMM's tile,
   // an 8da8w-avx2 one within our int8 kernel's 6 rows on every CPU.
   int64_t k_for_this_cpu() const;
+  // Rows of the XNNPACK GEMM tile that bounds a verification of the target on this CPU, 0 where
+  // none does (runtime/assemble.py xnnpack_tile_rows): the per-channel 8-bit GEMM's for 8da8w
+  // and per-channel 8da4w, the 4-bit groupwise GEMM's for 8da4w and 8da4w-mix in groups.
+  int tile_rows() const;
   std::string target_scheme() const;  // the target's quantization scheme ("" if none)
 
   // Throws UserError (missing, malformed, wrong format version, or hash mismatch when verify).

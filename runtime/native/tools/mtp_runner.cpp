@@ -279,7 +279,7 @@ int run(int argc, char** argv) {
     } else {
       const mtp::Int8Path path = mtp::host_int8_path();
       std::cerr << "this CPU (" << path.name << ") has no int8 dot product and verifies up to "
-                << path.rows << " tokens in one pass over the weights";
+                << engine.manifest().tile_rows() << " tokens in one pass over the weights";
     }
     std::cerr << " (--k " << given << " to draft " << given << ")" << std::endl;
   }
