@@ -646,6 +646,7 @@ def test_int8_path_from_cpuinfo(text, name, dot, rows):
 
     path = int8_path(text)
     assert (path.name, path.dot_product, path.xnnpack_rows) == (name, dot, rows)
+    assert path.blockwise_rows == (3 if name == "avx2" else None)
 
 
 @pytest.mark.parametrize(
@@ -657,7 +658,9 @@ def test_int8_path_from_cpuinfo(text, name, dot, rows):
         ("avx512-vnni", "8da8w", None, 4),  # a dot product: the bundle's k
         ("i8mm", "8da8w", None, 4),
         ("neon", "8da8w", None, 4),  # tile not known: the bundle's k
-        ("avx2", "8da4w", None, 4),  # a scheme the rule does not cover
+        ("avx2", "8da4w", None, 2),  # 4-bit in groups: the groupwise GEMM's 3-row tile
+        ("avx512", "8da4w", None, 4),  # its tile there not known: the bundle's k
+        ("avx512-vnni", "8da4w", None, 4),
         ("avx2", "8da8w", 4, 4),  # a k given is never changed
     ],
 )
