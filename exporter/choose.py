@@ -9,7 +9,8 @@ can win; with one (VNNI, SDOT, i8mm) 8da8w verifies at ~1.1-1.25 decodes
 1. each candidate scheme (every scheme of the platform's row, at its default group size) is
    exported as a complete bundle (exporter/pipeline.py: its own perplexity against fp32 and the
    verify-vs-step check), into a scratch directory beside the output;
-2. every (scheme, k) pair is timed, plain and speculative greedy decoding, over a short
+2. every (scheme, k) pair within the perplexity bound is timed (one out of it is never chosen,
+   so its time is not spent), plain and speculative greedy decoding, over a short
    built-in suite, each pair in a worker process of its own and the prompts handed to them in
    turn (mtp-bench --compare's machinery, devices/bench_setups.py), every pass repeated so that the
    run-to-run spread is measured, not assumed; k is the manifest's runtime setting, so its
@@ -84,22 +85,26 @@ EXPORT_S_FIXED, EXPORT_S_PER_M = 60.0, 2.0
 DECODE_S_PER_M_TOKEN, WORKER_START_S = 1.2e-4, 15.0
 
 
-def pick(rows: list[dict], bound: float = QUALITY_BOUND) -> dict:
+def pick(rows: list[dict], bound: float | None = None) -> dict:
     """The choice among measured candidates (a pure function of the table).
 
     Each row: "label", "perplexity_ratio", "size_mb", "lossless" and "spec_tok_s_runs" (the
     speculative tok/s of each pass). Returns {"chosen": index, "spread": tok/s, "why": text,
     "excluded": {index: reason}}. The spread is the largest max-min of any eligible candidate's
-    passes; "chosen" is None when no candidate is eligible.
+    passes; "chosen" is None when no candidate is eligible. `bound`: QUALITY_BOUND unless given.
     """
+    bound = QUALITY_BOUND if bound is None else bound
     excluded: dict[int, str] = {}
     for i, row in enumerate(rows):
-        if not row.get("spec_tok_s_runs"):
+        ratio = row["perplexity_ratio"]
+        if ratio is not None and not ratio <= bound:  # the search does not time these
+            excluded[i] = f"perplexity x{ratio:.3f} > x{bound}"
+        elif not row.get("spec_tok_s_runs"):
             excluded[i] = "not timed"
         elif not row["lossless"]:
             excluded[i] = "its speculative output differed from plain decoding"
-        elif not row["perplexity_ratio"] <= bound:
-            excluded[i] = f"perplexity x{row['perplexity_ratio']:.3f} > x{bound}"
+        elif not ratio <= bound:
+            excluded[i] = f"perplexity x{ratio:.3f} > x{bound}"
     eligible = [i for i in range(len(rows)) if i not in excluded]
     if not eligible:
         return {
@@ -136,9 +141,24 @@ def pick(rows: list[dict], bound: float = QUALITY_BOUND) -> dict:
     return {"chosen": chosen, "spread": round(spread, 3), "why": why, "excluded": excluded}
 
 
-def candidate_row(scheme: str, k: int, manifest: Manifest, size_mb: float, summary: dict) -> dict:
-    """What the manifest records of one (scheme, k) candidate: its quality and its timing."""
+def candidate_row(
+    scheme: str, k: int, manifest: Manifest, size_mb: float, summary: dict | None
+) -> dict:
+    """What the manifest records of one (scheme, k) candidate: its quality and its timing
+    (None: not timed, its perplexity out of the bound)."""
     quant = manifest.models["target"].quant
+    if summary is None:
+        return {
+            "label": f"{scheme} k={k}",
+            "scheme": scheme,
+            "group_size": quant.get("group_size"),
+            "k": k,
+            "perplexity_ratio": manifest.quality.get("perplexity_ratio"),
+            "size_mb": round(size_mb, 1),
+            **dict.fromkeys(_TIMING, None),
+            "spec_tok_s_runs": [],
+            "plain_tok_s_runs": [],
+        }
     spread = summary.get("spread", {})
     spec_runs = spread.get("spec_tokens_per_s", {}).get("runs", [summary["spec_tokens_per_s"]])
     plain_runs = spread.get("ar_tokens_per_s", {}).get("runs", [summary["ar_tokens_per_s"]])
@@ -163,6 +183,23 @@ def candidate_row(scheme: str, k: int, manifest: Manifest, size_mb: float, summa
     }
 
 
+_TIMING = (
+    "plain_tok_s",
+    "spec_tok_s",
+    "spec_tok_s_min",
+    "spec_tok_s_spread",
+    "speedup",
+    "tau",
+    "verify_over_decode",
+    "draft_over_decode",
+    "lossless",
+)
+
+
+def _cell(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
 def table(rows: list[dict], choice: dict) -> list[str]:
     """The candidates as a small text table, the chosen one marked."""
     head = (
@@ -176,11 +213,18 @@ def table(rows: list[dict], choice: dict) -> list[str]:
         if i in choice["excluded"]:
             mark = f" ({choice['excluded'][i]})"
         lines.append(
-            f"{r['label']:<14} {ppl:>6} {r['size_mb']:>6.0f} {r['plain_tok_s']:>7.1f} "
-            f"{r['spec_tok_s']:>7.1f} {r['spec_tok_s_min']:>8.1f} {r['tau']:>5.2f} "
-            f"{r['verify_over_decode']:>7.2f} {r['draft_over_decode']:>6.3f}{mark}"
+            f"{r['label']:<14} {ppl:>6} {r['size_mb']:>6.0f} "
+            f"{_cell(r.get('plain_tok_s'), '>7.1f')} "
+            f"{_cell(r.get('spec_tok_s'), '>7.1f')} {_cell(r.get('spec_tok_s_min'), '>8.1f')} "
+            f"{_cell(r.get('tau'), '>5.2f')} {_cell(r.get('verify_over_decode'), '>7.2f')} "
+            f"{_cell(r.get('draft_over_decode'), '>6.3f')}{mark}"
         )
     return lines
+
+
+def _within_bound(manifest: Manifest) -> bool:
+    ratio = manifest.quality.get("perplexity_ratio")
+    return ratio is None or ratio <= QUALITY_BOUND
 
 
 def _clock(seconds: float) -> str:
@@ -266,14 +310,28 @@ def export_auto(
             left = (len(schemes) - n) * export_s + timing_s
             progress(f"[auto] {scheme} exported in {_clock(took)}; ~{_clock(left)} left")
         pairs = [(scheme, d, m, k) for scheme, d, m in exported for k in ks]
-        progress(
-            f"[auto] timing {len(pairs)} setups, plain and speculative "
-            f"(~{_clock(timing_s)}, estimated; the bar below has the time left)"
-        )
-        summaries, prompts = timer([(d, k) for _, d, _, k in pairs], plan)
+        # A candidate out of the perplexity bound is never chosen: not timed either.
+        timed = [p for p in pairs if _within_bound(p[2])]
+        dropped = [scheme for scheme, _, m in exported if not _within_bound(m)]
+        if dropped:
+            progress(
+                f"[auto] not timed, perplexity above x{QUALITY_BOUND} of fp32: "
+                + ", ".join(dropped)
+            )
+        summaries, prompts = [], 0
+        if timed:
+            timing_s *= len(timed) / len(pairs)
+            progress(
+                f"[auto] timing {len(timed)} setups, plain and speculative "
+                f"(~{_clock(timing_s)}, estimated; the bar below has the time left)"
+            )
+            summaries, prompts = timer([(d, k) for _, d, _, k in timed], plan)
+        timings = iter(summaries)
         rows = [
-            candidate_row(scheme, k, m, bundle_size_mb(d, m), summary)
-            for (scheme, d, m, k), summary in zip(pairs, summaries, strict=True)
+            candidate_row(
+                scheme, k, m, bundle_size_mb(d, m), next(timings) if _within_bound(m) else None
+            )
+            for scheme, d, m, k in pairs
         ]
         choice = pick(rows)
         for line in table(rows, choice):

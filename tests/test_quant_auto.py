@@ -76,6 +76,28 @@ def test_out_of_bound_or_lossy_candidates_are_never_chosen():
     assert pick([rows[0]])["chosen"] is None
 
 
+def test_a_candidate_out_of_the_bound_is_not_timed_and_says_why():
+    """The search does not time a candidate whose perplexity is out of the bound: its row has
+    no timing, the rule names the perplexity as the reason, and the table prints dashes."""
+    from types import SimpleNamespace
+
+    from mtp_edge.exporter.choose import candidate_row, table
+
+    manifest = SimpleNamespace(
+        models={"target": SimpleNamespace(quant={"scheme": "8da4w-mix", "group_size": 32})},
+        quality={"perplexity_ratio": 1.29},
+    )
+    untimed = candidate_row("8da4w-mix", 3, manifest, 120.0, None)
+    assert untimed["spec_tok_s_runs"] == [] and untimed["tau"] is None
+    rows = [untimed, row("8da8w k=3", [80, 81, 82], 1.012, 160)]
+    choice = pick(rows)
+    assert choice["chosen"] == 1
+    assert choice["excluded"] == {0: f"perplexity x1.290 > x{QUALITY_BOUND}"}
+    lines = table(rows, choice)
+    assert lines[1].split()[:4] == ["8da4w-mix", "k=3", "x1.290", "120"]
+    assert "-" in lines[1].split() and lines[2].endswith("<- chosen")
+
+
 def test_never_below_another_candidate_by_more_than_the_spread():
     generator = random.Random(7)
     for _ in range(500):
@@ -228,3 +250,36 @@ def test_a_search_of_two_schemes_records_both_and_keeps_the_rule_s_choice(
         line.startswith("[auto] 2 schemes (8da8w, fp32)") and "in all" in line for line in said
     )
     assert any("<- chosen" in line for line in said)
+
+
+def test_a_search_whose_candidates_are_all_out_of_the_bound_times_nothing(
+    tiny_dir, tmp_path, monkeypatch
+):
+    """The candidate exported, not within a bound below any perplexity: none of its k is
+    timed, the search says so and ends in one error, and nothing is left behind."""
+    import mtp_edge.api
+    from mtp_edge.api import export
+
+    def no_timer(progress):
+        def timer(setups, plan):
+            raise AssertionError(f"timed {setups}")
+
+        return timer
+
+    monkeypatch.setattr(mtp_edge.api, "auto_timer", no_timer)
+    monkeypatch.setattr(choose, "QUALITY_BOUND", 0.5)
+    out = tmp_path / "auto"
+    said: list[str] = []
+    options = ExportOptions(
+        model=str(tiny_dir),
+        quant="auto",
+        auto_schemes=("8da8w",),  # one export, k = 2..5 left to the search
+        drafter="ngram",
+        max_seq_len=256,
+        quality_tokens=64,
+    )
+    with pytest.raises(UserError, match="no candidate was within the perplexity bound"):
+        export(options, out, said.append)
+    assert "[auto] not timed, perplexity above x0.5 of fp32: 8da8w" in said
+    assert sum("(perplexity x" in line and "> x0.5)" in line for line in said) == len(AUTO_KS)
+    assert not out.exists() and list(tmp_path.iterdir()) == []
