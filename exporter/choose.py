@@ -147,14 +147,17 @@ def candidate_row(
     """What the manifest records of one (scheme, k) candidate: its quality and its timing
     (None: not timed, its perplexity out of the bound)."""
     quant = manifest.models["target"].quant
+    row = {
+        "label": f"{scheme} k={k}",
+        "scheme": scheme,
+        "group_size": quant.get("group_size"),
+        "k": k,
+        "perplexity_ratio": manifest.quality.get("perplexity_ratio"),
+        "size_mb": round(size_mb, 1),
+    }
     if summary is None:
         return {
-            "label": f"{scheme} k={k}",
-            "scheme": scheme,
-            "group_size": quant.get("group_size"),
-            "k": k,
-            "perplexity_ratio": manifest.quality.get("perplexity_ratio"),
-            "size_mb": round(size_mb, 1),
+            **row,
             **dict.fromkeys(_TIMING, None),
             "spec_tok_s_runs": [],
             "plain_tok_s_runs": [],
@@ -163,12 +166,7 @@ def candidate_row(
     spec_runs = spread.get("spec_tokens_per_s", {}).get("runs", [summary["spec_tokens_per_s"]])
     plain_runs = spread.get("ar_tokens_per_s", {}).get("runs", [summary["ar_tokens_per_s"]])
     return {
-        "label": f"{scheme} k={k}",
-        "scheme": scheme,
-        "group_size": quant.get("group_size"),
-        "k": k,
-        "perplexity_ratio": manifest.quality.get("perplexity_ratio"),
-        "size_mb": round(size_mb, 1),
+        **row,
         "plain_tok_s": summary["ar_tokens_per_s"],
         "plain_tok_s_runs": plain_runs,
         "spec_tok_s": summary["spec_tokens_per_s"],
