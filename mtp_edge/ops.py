@@ -115,6 +115,98 @@ def linear_i8(x, weight, weight_scale, weight_sum, bias=None, channels: int = 81
     return out.reshape(*x.shape[:-1], n)
 
 
+# 4-bit linear layers (mtp_edge::linear_i4): weights in [-8, 7] with a float16 scale per group
+# of GROUP4 input columns of an output channel, activations as linear_i8's.
+GROUP4 = 32  # input columns per scale (int8_linear.cpp kGroup4)
+
+
+def quantize_weight4(weight: torch.Tensor, rows: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float weight [N, K] (K a multiple of GROUP4) as int8 values in [-8, 7] and float16
+    scales [N, K / GROUP4]: each group's largest magnitude maps to 7.5 (torchao's symmetric
+    4-bit rule), the scale rounded to float16 before the values are rounded with it. `rows`
+    channels at a time."""
+    values, scales = [], []
+    tiny = torch.finfo(torch.float16).tiny
+    for start in range(0, weight.shape[0], rows):
+        block = weight[start : start + rows].detach().float()
+        groups = block.view(block.shape[0], -1, GROUP4)
+        scale = (groups.abs().amax(-1) / 7.5).clamp(min=tiny).half()
+        q = torch.round(groups / scale.float()[..., None]).clamp(-8, 7).to(torch.int8)
+        values.append(q.view(block.shape))
+        scales.append(scale)
+    return torch.cat(values), torch.cat(scales)
+
+
+def pack_weight4(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 values in [-8, 7] [N, K] and float16 scales [N, K / GROUP4] in the kernel's layout
+    (int8_linear.cpp): blocks of 16 channels (N padded with zero channels), in each block per
+    group per 4 columns 32 bytes, byte 4 l + i holding column 4 j + i of channel l (low nibble)
+    and of channel 8 + l (high nibble), as value + 8; the scales per block per group as 16
+    float16. Returns (uint8 weights, float16 scales), both one dimension."""
+    n, k = q.shape
+    rows, groups = -(-n // BLOCK) * BLOCK, k // GROUP4
+    u = torch.full((rows, k), 8, dtype=torch.uint8)
+    u[:n] = (q.to(torch.int16) + 8).to(torch.uint8)
+    # [block, half, l, group, quad, i] -> [block, group, quad, l, i, half]
+    u = u.view(rows // BLOCK, 2, 8, groups, GROUP4 // 4, 4).permute(0, 3, 4, 2, 5, 1)
+    packed = u[..., 0] | (u[..., 1] << 4)
+    s = torch.zeros(rows, groups, dtype=torch.float16)
+    s[:n] = scale
+    s = s.view(rows // BLOCK, BLOCK, groups).transpose(1, 2)
+    return packed.contiguous().view(-1), s.contiguous().view(-1)
+
+
+def unpack_weight4(packed: torch.Tensor, scales: torch.Tensor, n: int, k: int):
+    """pack_weight4's inverse: (values int8 [n, k] in [-8, 7], float16 scales [n, k / GROUP4])."""
+    rows, groups = -(-n // BLOCK) * BLOCK, k // GROUP4
+    both = packed.view(rows // BLOCK, groups, GROUP4 // 4, 8, 4, 1)
+    u = torch.cat([both & 15, both >> 4], -1)  # [block, group, quad, l, i, half]
+    q = u.permute(0, 5, 3, 1, 2, 4).reshape(rows, k)[:n].to(torch.int8) - 8
+    s = scales.view(rows // BLOCK, groups, BLOCK).transpose(1, 2).reshape(rows, groups)[:n]
+    return q, s
+
+
+def weight4_sum(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The zero point's term of each channel, float32 [N]: the sum over groups, in order, of
+    the group's scale times the sum of its values, each product and each sum rounded to float32
+    (the kernel subtracts a row's zero point times this)."""
+    w = q.view(q.shape[0], -1, GROUP4).sum(-1, dtype=torch.int32).float()
+    s = scale.float()
+    total = torch.zeros(q.shape[0])
+    for g in range(w.shape[1]):
+        total = total + w[:, g] * s[:, g]
+    return total
+
+
+def linear_i4(x, weight, weight_scale, weight_sum, bias=None, cells: int = 1 << 25):
+    """Eager reference of mtp_edge::linear_i4: x [..., K] float32 -> [..., N], the kernel's
+    bits. Per row and channel: a group's sum S of value x activation is exact (float64 here),
+    acc += float(S) x the group's scale in group order (two float32 roundings a group), then
+    out = (acc - zero x weight_sum) x row scale + bias, one rounding a step. `cells` bounds
+    rows x channels x groups of float64 held at once."""
+    k, n = x.shape[-1], weight_sum.numel()
+    groups = k // GROUP4
+    q, scale, zero = quantize_rows(x.reshape(-1, k).float())
+    rows = q.shape[0]
+    qg = q.double().view(rows, groups, GROUP4).transpose(0, 1)  # [G, R, 32]
+    values, scales = unpack_weight4(weight, weight_scale, n, k)
+    step = max(1, cells // max(1, rows * groups))
+    pieces = []
+    for c0 in range(0, n, step):
+        c1 = min(n, c0 + step)
+        w = values[c0:c1].double().view(c1 - c0, groups, GROUP4).permute(1, 2, 0)  # [G, 32, n]
+        sums = torch.bmm(qg, w).float()  # exact: |S| <= 32 x 8 x 128
+        s = scales[c0:c1].float()
+        acc = torch.zeros(rows, c1 - c0)
+        for g in range(groups):
+            acc = acc + sums[g] * s[:, g]
+        pieces.append((acc - zero * weight_sum[c0:c1]) * scale)
+    out = torch.cat(pieces, 1)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], n)
+
+
 def define() -> None:
     """Register torch.ops.mtp_edge.sdpa and .linear_i8 (and their .out) with torch; idempotent."""
     global _library
@@ -151,6 +243,27 @@ def define() -> None:
     def linear_meta(x, weight, weight_scale, weight_sum, bias):
         return x.new_empty((*x.shape[:-1], weight_scale.shape[0]))
 
+    lib.define(
+        "linear_i4(Tensor input, Tensor weight, Tensor weight_scale, Tensor weight_sum, "
+        "Tensor? bias) -> Tensor"
+    )
+    lib.define(
+        "linear_i4.out(Tensor input, Tensor weight, Tensor weight_scale, Tensor weight_sum, "
+        "Tensor? bias, *, Tensor(a!) out) -> Tensor(a!)"
+    )
+
+    def linear4_out(x, weight, weight_scale, weight_sum, bias, *, out):
+        result = linear_i4(x, weight, weight_scale, weight_sum, bias)
+        out.resize_(result.shape).copy_(result)
+        return out
+
+    def linear4_meta(x, weight, weight_scale, weight_sum, bias):
+        return x.new_empty((*x.shape[:-1], weight_sum.shape[0]))
+
+    lib.impl("linear_i4", linear_i4, "CPU")
+    lib.impl("linear_i4.out", linear4_out, "CPU")
+    lib.impl("linear_i4", linear4_meta, "Meta")
+    lib.impl("linear_i4.out", lambda x, w, s, t, b, *, out: out, "Meta")
     lib.impl("linear_i8", linear_i8, "CPU")
     lib.impl("linear_i8.out", linear_out, "CPU")
     lib.impl("linear_i8", linear_meta, "Meta")

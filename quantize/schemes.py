@@ -257,6 +257,36 @@ class Int8Linear(nn.Module):
         )
 
 
+class Int4Linear(nn.Module):
+    """A 4-bit linear layer of the 8da4w-mix-avx2 scheme: values in [-8, 7] with a float16
+    scale per group of 32 input columns, packed for our kernel, called as mtp_edge::linear_i4
+    (mtp_edge/ops.py)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        from mtp_edge import ops
+
+        ops.define()
+        if linear.in_features % ops.GROUP4:
+            raise ValueError(
+                f"a 4-bit layer's input width must be a multiple of {ops.GROUP4}, "
+                f"got {linear.in_features}"
+            )
+        q, scale = ops.quantize_weight4(linear.weight)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight, weight_scale = ops.pack_weight4(q, scale)
+        self.register_buffer("weight", weight)
+        self.register_buffer("weight_scale", weight_scale)
+        self.register_buffer("weight_sum", ops.weight4_sum(q, scale))
+        bias = None if linear.bias is None else linear.bias.detach().float().clone()
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mtp_edge.linear_i4(
+            x, self.weight, self.weight_scale, self.weight_sum, self.bias
+        )
+
+
 def own_int8_linears(module: nn.Module) -> nn.Module:
     """Replace every float nn.Linear inside `module` with an Int8Linear, in place."""
     for name, child in module.named_children():

@@ -240,6 +240,241 @@ __attribute__((target("avx2"))) void tile_avx2(const int8_t* w, const int32_t* q
 }
 #endif
 
+// ---- mtp_edge::linear_i4: 4-bit weights in groups of kGroup4 input columns ----
+//
+// mtp_edge::linear_i4.out(Tensor input, Tensor weight, Tensor weight_scale, Tensor weight_sum,
+//                         Tensor? bias, *, Tensor(a!) out) -> Tensor(a!)
+// Weights in [-8, 7] with a float16 scale per group of 32 input columns of a channel, int8
+// activations as linear_i8's. Why our own: XNNPACK's groupwise 4-bit GEMM on AVX2 takes 3 rows
+// at a time, so a 5-row verification reads the weights twice and computes 2.1-2.2 decodes'
+// time (benchmarks/README.md); this tile takes 6 rows. Layout (ops.py pack_weight4): blocks of
+// 16 channels, per group per 4 columns 32 bytes, byte 4 l + i = column 4 j + i of channel l in
+// the low nibble and of channel 8 + l in the high one, as value + 8; scales per block per group
+// 16 float16; weight_sum float [N] (the zero point's term, ops.py weight4_sum).
+//
+// Per row and channel: S = a group's sum of value x activation (exact: AVX2 multiplies the
+// stored value + 8 with vpmaddubsw and subtracts 8 x the group's activation sum), acc +=
+// float(S) x scale group by group, out = (acc - zero x weight_sum) x row scale + bias: the same
+// float32 operations in the same order on every CPU and tile, so a row's bits never depend on
+// the rows beside it.
+
+constexpr int kGroup4 = 32;
+
+float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000) << 16;
+  uint32_t exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff, bits;
+  if (exponent == 0x1f) {
+    bits = sign | 0x7f800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal: normalize
+    exponent = 113;
+    while ((mantissa & 0x400) == 0) {
+      mantissa <<= 1;
+      --exponent;
+    }
+    bits = sign | (exponent << 23) | ((mantissa & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Row activations as int8 (K a multiple of kGroup4) with each group's sum.
+void quantize_row8(const float* x, int64_t K, int8_t* q, int32_t* group_sum, float* scale,
+                   int32_t* zero) {
+  float lo = 0.f, hi = 0.f;
+  for (int64_t k = 0; k < K; ++k) {
+    lo = std::min(lo, x[k]);
+    hi = std::max(hi, x[k]);
+  }
+  const float s = row_scale(lo, hi, zero);
+  *scale = s;
+  for (int64_t g = 0; g < K / kGroup4; ++g) {
+    int32_t sum = 0;
+    for (int64_t k = g * kGroup4; k < (g + 1) * kGroup4; ++k) {
+      const float v = std::nearbyint(x[k] / s) + float(*zero);
+      q[k] = int8_t(std::min(127.f, std::max(-128.f, v)));
+      sum += q[k];
+    }
+    group_sum[g] = sum;
+  }
+}
+
+struct Tile4 {
+  const uint8_t* w;        // the block's first group
+  const uint16_t* scales;  // the block's first group's 16 scales
+  const int8_t* q;         // the tile's first row
+  const int32_t* asum;     // its group sums
+  int64_t K, groups;       // q's row stride is K, asum's groups
+  Finish f;                // ws = nullptr; wsum unused: zterm below
+  const float* zterm;      // weight_sum at the block's first channel
+};
+
+void finish4(const float* acc, int rows, const Tile4& t) {
+  for (int r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < t.f.cols; ++c) {
+      float v = acc[r * kCols + c] - float(t.f.zp[r]) * t.zterm[c];
+      v = v * t.f.xs[r];
+      if (t.f.bias != nullptr) v += t.f.bias[c];
+      t.f.y[r * t.f.N + c] = v;
+    }
+}
+
+template <int R>
+void tile4_plain(const Tile4& t) {
+  float acc[R * kCols] = {};
+  for (int64_t g = 0; g < t.groups; ++g) {
+    const uint8_t* wg = t.w + g * kGroup4 * kCols / 2;
+    for (int r = 0; r < R; ++r) {
+      const int8_t* q = t.q + r * t.K + g * kGroup4;
+      for (int c = 0; c < kCols; ++c) {
+        int32_t sum = 0;
+        for (int k = 0; k < kGroup4; ++k) {
+          const uint8_t byte = wg[(k / 4) * 32 + (c % 8) * 4 + k % 4];
+          const int32_t value = int32_t(c < 8 ? byte & 15 : byte >> 4) - 8;
+          sum += value * q[k];
+        }
+        acc[r * kCols + c] += float(sum) * half_to_float(t.scales[g * kCols + c]);
+      }
+    }
+  }
+  finish4(acc, R, t);
+}
+
+#ifdef MTP_INT8_AVX2
+__attribute__((target("avx2"))) void quantize_row8_avx2(const float* x, int64_t K, int8_t* q,
+                                                        int32_t* group_sum, float* scale,
+                                                        int32_t* zero) {
+  __m256 lo8 = _mm256_setzero_ps(), hi8 = lo8;
+  for (int64_t k = 0; k < K; k += 8) {
+    const __m256 v = _mm256_loadu_ps(x + k);
+    lo8 = _mm256_min_ps(lo8, v);
+    hi8 = _mm256_max_ps(hi8, v);
+  }
+  alignas(32) float los[8], his[8];
+  _mm256_store_ps(los, lo8);
+  _mm256_store_ps(his, hi8);
+  float lo = 0.f, hi = 0.f;
+  for (int i = 0; i < 8; ++i) {
+    lo = std::min(lo, los[i]);
+    hi = std::max(hi, his[i]);
+  }
+  const float s = row_scale(lo, hi, zero);
+  *scale = s;
+  const __m256 sv = _mm256_set1_ps(s), zv = _mm256_set1_ps(float(*zero));
+  const __m256 low = _mm256_set1_ps(-128.f), high = _mm256_set1_ps(127.f);
+  auto eight = [&](int64_t at) {
+    const __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + at), sv),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm256_cvttps_epi32(_mm256_min_ps(high, _mm256_max_ps(low, _mm256_add_ps(v, zv))));
+  };
+  for (int64_t g = 0; g < K / kGroup4; ++g) {
+    const int64_t k = g * kGroup4;
+    const __m256i a = eight(k), b = eight(k + 8), c = eight(k + 16), d = eight(k + 24);
+    __m256i sum = _mm256_add_epi32(_mm256_add_epi32(a, b), _mm256_add_epi32(c, d));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    group_sum[g] = _mm_cvtsi128_si32(s4);
+    // int32 -> int16 -> int8 with saturation (values are in range): lanes 0 2 1 3 twice over.
+    const __m256i ab = _mm256_packs_epi32(a, b), cd = _mm256_packs_epi32(c, d);
+    const __m256i bytes = _mm256_packs_epi16(ab, cd);  // a0-3 b0-3 c0-3 d0-3 | a4-7 b4-7 ...
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k),
+                        _mm256_permutevar8x32_epi32(bytes, order));
+  }
+}
+
+// R rows x 16 channels. Per group each row's products go into two int16 registers (8 steps of
+// vpmaddubsw: |sum| <= 8 x 2 x 15 x 128 = 30720, no saturation), then become int32 (vpmaddwd by
+// ones), lose 8 x the group's activation sum, and join the float sums. The float sums live in
+// an array (the int16 ones take the registers).
+template <int R>
+__attribute__((target("avx2,f16c"))) void tile4_avx2(const Tile4& t) {
+  alignas(32) float acc[R * kCols] = {};
+  const __m256i nibble = _mm256_set1_epi8(15);
+  for (int64_t g = 0; g < t.groups; ++g) {
+    const uint8_t* wg = t.w + g * kGroup4 * kCols / 2;
+    _mm_prefetch(reinterpret_cast<const char*>(wg + kPrefetchAhead), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wg + kPrefetchAhead + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wg + kPrefetchAhead + 128), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wg + kPrefetchAhead + 192), _MM_HINT_T0);
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
+    __m256i b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0;
+    const int8_t* qg = t.q + g * kGroup4;
+#define MTP_ROW4(r, A, B)                                                                   \
+  if constexpr (R > r) {                                                                    \
+    int32_t word;                                                                           \
+    std::memcpy(&word, qg + r * t.K + 4 * j, 4);                                            \
+    const __m256i x = _mm256_set1_epi32(word);                                              \
+    A = _mm256_add_epi16(A, _mm256_maddubs_epi16(lo, x));                                   \
+    B = _mm256_add_epi16(B, _mm256_maddubs_epi16(hi, x));                                   \
+  }
+    for (int j = 0; j < kGroup4 / 4; ++j) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32 * j));
+      const __m256i lo = _mm256_and_si256(v, nibble);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+      MTP_ROW4(0, a0, b0) MTP_ROW4(1, a1, b1) MTP_ROW4(2, a2, b2)
+      MTP_ROW4(3, a3, b3) MTP_ROW4(4, a4, b4) MTP_ROW4(5, a5, b5)
+    }
+#undef MTP_ROW4
+    const __m128i* sp = reinterpret_cast<const __m128i*>(t.scales + g * kCols);
+    const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128(sp));
+    const __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128(sp + 1));
+    const __m256i ones = _mm256_set1_epi16(1);
+#define MTP_GROUP4(r, A, B)                                                                  \
+  if constexpr (R > r) {                                                                     \
+    const __m256i eight = _mm256_set1_epi32(8 * t.asum[r * t.groups + g]);                   \
+    const __m256 lo_sum =                                                                    \
+        _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_madd_epi16(A, ones), eight));              \
+    const __m256 hi_sum =                                                                    \
+        _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_madd_epi16(B, ones), eight));              \
+    float* row = acc + r * kCols;                                                            \
+    _mm256_store_ps(row, _mm256_add_ps(_mm256_load_ps(row), _mm256_mul_ps(lo_sum, s0)));     \
+    _mm256_store_ps(row + 8, _mm256_add_ps(_mm256_load_ps(row + 8), _mm256_mul_ps(hi_sum, s1))); \
+  }
+    MTP_GROUP4(0, a0, b0) MTP_GROUP4(1, a1, b1) MTP_GROUP4(2, a2, b2)
+    MTP_GROUP4(3, a3, b3) MTP_GROUP4(4, a4, b4) MTP_GROUP4(5, a5, b5)
+#undef MTP_GROUP4
+  }
+  if (t.f.cols < kCols) {
+    finish4(acc, R, t);
+    return;
+  }
+  for (int half = 0; half < 2; ++half) {
+    const int c = 8 * half;
+    const __m256 zterm = _mm256_loadu_ps(t.zterm + c);
+    const __m256 bias = t.f.bias ? _mm256_loadu_ps(t.f.bias + c) : _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      const __m256 z = _mm256_set1_ps(float(t.f.zp[r]));
+      __m256 v = _mm256_sub_ps(_mm256_load_ps(acc + r * kCols + c), _mm256_mul_ps(z, zterm));
+      v = _mm256_mul_ps(v, _mm256_set1_ps(t.f.xs[r]));
+      if (t.f.bias != nullptr) v = _mm256_add_ps(v, bias);
+      _mm256_storeu_ps(t.f.y + r * t.f.N + c, v);
+    }
+  }
+}
+#endif
+
+using Tile4Fn = void (*)(const Tile4&);
+
+bool use_avx2();
+
+Tile4Fn tile4(int rows) {
+#ifdef MTP_INT8_AVX2
+  static const Tile4Fn avx2[] = {nullptr,       tile4_avx2<1>, tile4_avx2<2>, tile4_avx2<3>,
+                                 tile4_avx2<4>, tile4_avx2<5>, tile4_avx2<6>};
+  static const bool f16c = bool(__builtin_cpu_supports("f16c"));
+  if (use_avx2() && f16c) return avx2[rows];
+#endif
+  static const Tile4Fn plain[] = {nullptr,        tile4_plain<1>, tile4_plain<2>, tile4_plain<3>,
+                                  tile4_plain<4>, tile4_plain<5>, tile4_plain<6>};
+  return plain[rows];
+}
+
 using TileFn = void (*)(const int8_t*, const int32_t*, int64_t, int64_t, const Finish&);
 
 // 1: AVX2, 0: plain; MTP_EDGE_INT8_LINEAR=plain takes the plain version on any CPU (the tests
@@ -361,14 +596,109 @@ void linear_i8(KernelRuntimeContext& ctx, Span<EValue*> stack) {
   executorch::extension::threadpool::get_threadpool()->run(task, size_t(tasks));
 }
 
+void linear_i4(KernelRuntimeContext& ctx, Span<EValue*> stack) {
+  executorch::runtime::internal::EventTracerProfileOpScope scope(ctx.internal_event_tracer(),
+                                                                 "mtp_edge::linear_i4.out");
+  const Tensor& input = stack[0]->toTensor();
+  const Tensor& weight = stack[1]->toTensor();
+  const Tensor& wscale = stack[2]->toTensor();
+  const Tensor& wsum = stack[3]->toTensor();
+  const bool has_bias = !stack[4]->isNone();
+  Tensor& out = stack[5]->toTensor();
+  const char* name = "mtp_edge::linear_i4";
+  auto ok = [&](bool good, const char* what) {
+    if (!good) {
+      ET_LOG(Error, "%s: %s", name, what);
+      ctx.fail(Error::InvalidArgument);
+    }
+    return good;
+  };
+  if (!ok(input.dim() >= 1 && input.scalar_type() == ScalarType::Float, "float input expected") ||
+      !ok(weight.scalar_type() == ScalarType::Byte && wscale.scalar_type() == ScalarType::Half &&
+              wsum.dim() == 1 && wsum.scalar_type() == ScalarType::Float,
+          "uint8 weight, float16 scales and float sums expected"))
+    return;
+  const int64_t K = input.size(input.dim() - 1), N = wsum.numel();
+  const int64_t blocks = (N + kCols - 1) / kCols, groups = K / kGroup4;
+  if (!ok(K % kGroup4 == 0, "input width must be a multiple of 32") ||
+      !ok(weight.numel() == blocks * kCols * K / 2 && wscale.numel() == blocks * kCols * groups,
+          "weight size does not match the input width and the channels") ||
+      !ok(!has_bias || (stack[4]->toTensor().numel() == N &&
+                        stack[4]->toTensor().scalar_type() == ScalarType::Float),
+          "bias must be float [N]") ||
+      !ok(input.dim() <= 16, "too many dimensions"))
+    return;
+  SizesType sizes[16];
+  for (int64_t d = 0; d + 1 < input.dim(); ++d) sizes[d] = input.size(d);
+  sizes[input.dim() - 1] = SizesType(N);
+  if (!ok(executorch::runtime::resize_tensor(out, {sizes, size_t(input.dim())}) == Error::Ok,
+          "cannot resize the output"))
+    return;
+  const int64_t T = K > 0 ? input.numel() / K : 0;
+  if (T == 0) return;
+
+  const float* x = input.const_data_ptr<float>();
+  thread_local std::vector<int8_t> quantized;
+  thread_local std::vector<int32_t> sums;
+  thread_local std::vector<float> scales;
+  thread_local std::vector<int32_t> zeros;
+  quantized.resize(size_t(T * K));
+  sums.resize(size_t(T * groups));
+  scales.resize(size_t(T));
+  zeros.resize(size_t(T));
+#ifdef MTP_INT8_AVX2
+  const auto quantize = use_avx2() ? quantize_row8_avx2 : quantize_row8;
+#else
+  const auto quantize = quantize_row8;
+#endif
+  for (int64_t t = 0; t < T; ++t)
+    quantize(x + t * K, K, quantized.data() + t * K, sums.data() + t * groups, &scales[t],
+             &zeros[t]);
+
+  const uint8_t* w = weight.const_data_ptr<uint8_t>();
+  const uint16_t* ws = reinterpret_cast<const uint16_t*>(wscale.const_data_ptr<void>());
+  const float* zterm = wsum.const_data_ptr<float>();
+  const float* bias = has_bias ? stack[4]->toTensor().const_data_ptr<float>() : nullptr;
+  float* y = out.mutable_data_ptr<float>();
+  // Pointers, not the thread_local vectors, go to the tasks: a pool thread has its own (empty).
+  const int8_t* q = quantized.data();
+  const int32_t* asum = sums.data();
+  const float* xs = scales.data();
+  const int32_t* zp = zeros.data();
+  constexpr int64_t kBlocksPerTask = 4;
+  const int64_t tasks = (blocks + kBlocksPerTask - 1) / kBlocksPerTask;
+  auto task = [&](size_t index) {
+    const int64_t first = int64_t(index) * kBlocksPerTask;
+    const int64_t last = std::min(blocks, first + kBlocksPerTask);
+    for (int64_t b = first; b < last; ++b) {
+      const int64_t c0 = b * kCols;
+      for (int64_t t0 = 0; t0 < T; t0 += kRowsMax) {
+        const int rows = int(std::min<int64_t>(kRowsMax, T - t0));
+        const Finish f{y + t0 * N + c0, N, std::min<int64_t>(kCols, N - c0), xs + t0, zp + t0,
+                       nullptr, nullptr, bias != nullptr ? bias + c0 : nullptr};
+        const Tile4 tile{w + b * kCols * K / 2, ws + b * groups * kCols, q + t0 * K,
+                         asum + t0 * groups, K, groups, f, zterm + c0};
+        tile4(rows)(tile);
+      }
+    }
+  };
+  if (tasks == 1) {
+    task(0);
+    return;
+  }
+  executorch::extension::threadpool::get_threadpool()->run(task, size_t(tasks));
+}
+
 }  // namespace
 
 void register_int8_linear() {
-  static const executorch::runtime::Kernel kernel("mtp_edge::linear_i8.out", linear_i8);
+  static const executorch::runtime::Kernel kernels[] = {
+      executorch::runtime::Kernel("mtp_edge::linear_i8.out", linear_i8),
+      executorch::runtime::Kernel("mtp_edge::linear_i4.out", linear_i4)};
   const auto registered = executorch::runtime::get_registered_kernels();
   for (const auto& other : registered)
-    if (std::strcmp(other.name_, kernel.name_) == 0) return;
-  (void)executorch::runtime::register_kernel(kernel);
+    if (std::strcmp(other.name_, kernels[0].name_) == 0) return;
+  (void)executorch::runtime::register_kernels({kernels, 2});
 }
 
 }  // namespace mtp

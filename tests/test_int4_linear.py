@@ -1,0 +1,132 @@
+"""Our 4-bit linear op (mtp_edge::linear_i4, the 4-bit layers of 8da4w-mix-avx2; C++ as every
+runtime runs it) on its own: bitwise equal to the eager reference over shapes that cross its tile
+of 6 rows and its blocks of 16 channels (channels not a multiple of 16, with and without a
+bias); each row of a wide call bitwise equal to a one-row call; the AVX2 version and the plain
+C++ one giving the same bits; the packing round trip; and the reference computing the
+dequantized layer on the quantized activations."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from tiny import run_in_process
+from torch import nn
+
+from mtp_edge import ops
+from mtp_edge.quantize.schemes import Int4Linear
+from mtp_edge.runtime import executorch_ops
+
+# (input width, channels, bias): whole and partial blocks of 16 channels, one group and many.
+SHAPES = [(64, 32, False), (96, 37, True), (32, 16, True), (576, 200, False)]
+ROWS = 13  # two full tiles of 6 rows and one row
+
+
+def layer_program(width: int, channels: int, bias: bool):
+    """(method, layer): one Int4Linear as an ExecuTorch program taking 1..ROWS rows."""
+    from executorch.exir import to_edge
+    from executorch.runtime import Runtime
+
+    torch.manual_seed(width * 100 + channels)
+    layer = Int4Linear(nn.Linear(width, channels, bias=bias))
+    rows = torch.export.Dim("rows", min=1, max=ROWS)
+    exported = torch.export.export(layer, (torch.randn(1, 4, width),), dynamic_shapes=({1: rows},))
+    executorch_ops.load_kernels()
+    program = Runtime.get().load_program(to_edge(exported).to_executorch().buffer)
+    return program, program.load_method("forward"), layer
+
+
+def check_shape(width: int, channels: int, bias: bool, outputs: dict | None = None) -> None:
+    _program, method, layer = layer_program(width, channels, bias)
+    generator = torch.Generator().manual_seed(width)
+    # Rows of different ranges and offsets: zero points away from the middle, a row of zeros.
+    x = torch.randn(1, ROWS, width, generator=generator) * torch.linspace(0.1, 8, ROWS)[:, None]
+    x[0, 2] += 3.0
+    x[0, 5] = 0.0
+    ones = [method.execute([x[:, i : i + 1].contiguous()])[0].clone() for i in range(ROWS)]
+    for t in range(1, ROWS + 1):
+        got = method.execute([x[:, :t].contiguous()])[0]
+        with torch.no_grad():
+            want = layer(x[:, :t])
+        assert torch.equal(got, want), (width, channels, t, float((got - want).abs().max()))
+        for i in range(t):
+            assert torch.equal(got[:, i : i + 1], ones[i]), (width, channels, t, i)
+    if outputs is not None:
+        outputs[f"{width}-{channels}-{bias}"] = got.clone()
+
+
+def test_packing_round_trips_and_pads_with_zero_channels():
+    torch.manual_seed(1)
+    q = torch.randint(-8, 8, (37, 96), dtype=torch.int8)
+    scale = torch.rand(37, 3).half() + 0.01
+    packed, scales = ops.pack_weight4(q, scale)
+    assert packed.dtype == torch.uint8 and packed.numel() == 48 * 96 // 2
+    back, back_scale = ops.unpack_weight4(packed, scales, 37, 96)
+    assert torch.equal(back, q) and torch.equal(back_scale, scale)
+    padded, _ = ops.unpack_weight4(packed, scales, 48, 96)
+    assert not padded[37:].any()  # zero channels, stored as 8
+
+
+def test_quantization_keeps_each_groups_largest_value():
+    torch.manual_seed(2)
+    w = torch.randn(20, 64)
+    q, scale = ops.quantize_weight4(w, rows=7)  # blocks of rows give the whole's result
+    whole_q, whole_scale = ops.quantize_weight4(w)
+    assert torch.equal(q, whole_q) and torch.equal(scale, whole_scale)
+    assert q.min() >= -8 and q.max() <= 7
+    back = (q.float().view(20, 2, 32) * scale.float()[..., None]).view(20, 64)
+    assert (back - w).abs().max() <= scale.float().max() / 2 + 1e-6
+
+
+def test_the_reference_computes_the_dequantized_layer_on_quantized_activations():
+    torch.manual_seed(3)
+    layer = nn.Linear(96, 40)
+    x = torch.randn(7, 96) * 2 + 0.5
+    q, scale = ops.quantize_weight4(layer.weight)
+    packed, scales = ops.pack_weight4(q, scale)
+    got = ops.linear_i4(x, packed, scales, ops.weight4_sum(q, scale), layer.bias.detach())
+    xq, xs, zero = ops.quantize_rows(x)
+    w = (q.float().view(40, 3, 32) * scale.float()[..., None]).view(40, 96)
+    want = ((xq - zero) * xs) @ w.T + layer.bias.detach()
+    assert (got - want).abs().max() < 1e-4 * want.abs().max()
+    # and within 4-bit error of the float layer
+    with torch.no_grad():
+        assert (got - layer(x)).abs().max() < 0.1 * layer(x).abs().max()
+
+
+@pytest.mark.parametrize("width,channels,bias", SHAPES)
+def test_kernel_equals_the_reference_and_its_rows_are_exact(width, channels, bias):
+    check_shape(width, channels, bias)
+
+
+def test_avx2_and_plain_versions_give_the_same_bits(tmp_path):
+    """The plain C++ version (other CPUs') named by MTP_EDGE_INT8_LINEAR in a fresh process (the
+    choice is made once per process), against this CPU's own: both properties, equal outputs."""
+    from safetensors.torch import load_file
+
+    if "avx2" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("this CPU runs the plain version only")
+    script = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from safetensors.torch import save_file
+import test_int4_linear as t
+outputs = {{}}
+for shape in t.SHAPES:
+    t.check_shape(*shape, outputs=outputs)
+save_file(outputs, sys.argv[1])
+print("ok")
+"""
+    results = {}
+    for version in ("avx2", "plain"):
+        path = tmp_path / f"{version}.safetensors"
+        run_in_process(script, str(path), MTP_EDGE_INT8_LINEAR=version)
+        results[version] = load_file(path)
+    for key, value in results["avx2"].items():
+        assert torch.equal(value, results["plain"][key]), key
+
+
+def test_a_width_that_is_not_a_multiple_of_the_group_is_refused():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        Int4Linear(nn.Linear(40, 16))
