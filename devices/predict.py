@@ -36,7 +36,7 @@ from mtp_edge.devices.cost import BundleCost, bundle_cost
 from mtp_edge.errors import UserError
 from mtp_edge.machine import INT8_PATHS, int8_path
 from mtp_edge.manifest import Manifest
-from mtp_edge.platforms import OWN_INT8
+from mtp_edge.platforms import OWN_KERNEL_SCHEMES
 from mtp_edge.runtime.assemble import k_for_int8_path, target_scheme
 
 # CPU read streams on phone SoCs reach about this fraction of the LPDDR peak (assumption; the
@@ -583,12 +583,14 @@ def predict_bundle(bundle, device_names, from_bench, command: str, progress) -> 
     bench_report = None if from_bench is None else load_bench(from_bench)
     cost = bundle_cost(bundle)
     manifest = Manifest.load(bundle, verify=False)
-    if target_scheme(manifest) == OWN_INT8 and any(not d.measured for d in chosen):
+    scheme = target_scheme(manifest)
+    if scheme in OWN_KERNEL_SCHEMES and any(not d.measured for d in chosen):
         # The catalog's int8 rates are of the CPUs' dot-product instructions, which XNNPACK's
-        # kernels use; this scheme's kernel has an AVX2 version (VPMADDWD) and a plain C++ loop
+        # kernels use; these schemes' kernels have AVX2 versions (VPMADDWD, VPMADDUBSW) and plain
+        # C++ loops
         # for every other CPU, neither of which those rates describe.
         why = (
-            f"{bundle} runs its layers in mtp-edge's own int8 kernel ({OWN_INT8}), whose speed "
+            f"{bundle} runs its layers in mtp-edge's own kernels ({scheme}), whose speed "
             "the catalog's int8 figures do not describe"
         )
         if "all" not in device_names:

@@ -171,7 +171,8 @@ def resolve_options(
 
 def auto_candidates(options: ExportOptions) -> tuple[list[str], list[int]]:
     """--quant auto's candidate schemes (each at its default group size) and k values, checked:
-    every scheme of the platform (or `auto_schemes`; 8da8w-avx2 only where this CPU's int8 path
+    every scheme of the platform (or `auto_schemes`; 8da8w-avx2 and 8da4w-mix-avx2 only where
+    this CPU's int8 path
     is AVX2's: its kernel is for CPUs without an int8 dot product), and AUTO_KS unless --k is
     given (or there is no drafter: k means nothing then). k is a runtime setting of the bundle
     (the manifest's DrafterSpec.k) wherever the target's forward verifies at any width, so its
@@ -179,7 +180,7 @@ def auto_candidates(options: ExportOptions) -> tuple[list[str], list[int]]:
     program (the row's `verify_width_in_program`, or android's --attention-kernel executorch),
     k stays DEFAULT_K unless given."""
     from mtp_edge.machine import int8_path
-    from mtp_edge.platforms import OWN_INT8
+    from mtp_edge.platforms import OWN_KERNEL_SCHEMES
     from mtp_edge.quantize.schemes import check_platform_scheme, default_group_size
 
     row = platform(options.platform)
@@ -189,8 +190,8 @@ def auto_candidates(options: ExportOptions) -> tuple[list[str], list[int]]:
             "its default group size: drop --group-size, or choose the scheme with --quant"
         )
     schemes = list(options.auto_schemes or row.schemes)
-    if not options.auto_schemes and OWN_INT8 in schemes and int8_path().name != "avx2":
-        schemes.remove(OWN_INT8)
+    if not options.auto_schemes and int8_path().name != "avx2":
+        schemes = [s for s in schemes if s not in OWN_KERNEL_SCHEMES]
     if not schemes:
         raise UserError("auto_schemes is empty: name at least one scheme, or leave it None")
     for scheme in schemes:

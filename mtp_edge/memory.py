@@ -138,6 +138,7 @@ def _reset_peak_rss() -> bool:
 WEIGHT_BITS = {
     "8da4w": 4,
     "8da4w-mix": 5,
+    "8da4w-mix-avx2": 5,
     "int4": 4,
     "8da8w": 8,
     "8da8w-avx2": 8,

@@ -79,6 +79,12 @@ OWN_INT8 = "8da8w-avx2"
 # llama.cpp's Q4_K_M keeps attn_v in more bits): on Qwen2.5-Coder-0.5B x1.00 perplexity against
 # 8da4w's x1.05, nearly 8da4w's size (quantize/schemes.py; benchmarks/README.md).
 MIXED_4BIT = "8da4w-mix"
+# 8da4w-mix in our kernels: its 4-bit layers in mtp_edge::linear_i4 (groups of 32, float16
+# scales), k, v and the head in mtp_edge::linear_i8; 6 rows per pass over the weights on every
+# CPU, where XNNPACK's groupwise 4-bit GEMM takes 3 on AVX2.
+OWN_MIXED_4BIT = "8da4w-mix-avx2"
+# Schemes whose every linear layer runs a kernel of ours (6 rows per pass, ops.LINEAR_I8_ROWS).
+OWN_KERNEL_SCHEMES = (OWN_INT8, OWN_MIXED_4BIT)
 
 
 def register(platform: Platform) -> Platform:
@@ -98,8 +104,9 @@ register(
         session="mtp_edge.runtime.executorch_session",
         # Every scheme XNNPACK lowers correctly (quantize/schemes.py says why not int8/int4), and
         # 8da8w in our own kernel (its tile takes 6 rows: for CPUs without an int8 dot product),
-        # and 4-bit layers with their most sensitive tensors in 8 bits (MIXED_4BIT).
-        schemes=("8da4w", MIXED_4BIT, "8da8w", OWN_INT8, "fp32"),
+        # and 4-bit layers with their most sensitive tensors in 8 bits (MIXED_4BIT), also in
+        # our kernels (OWN_MIXED_4BIT).
+        schemes=("8da4w", MIXED_4BIT, "8da8w", OWN_INT8, OWN_MIXED_4BIT, "fp32"),
         # Measured (benchmarks/README.md, "Weight scheme by model size"): the held-out
         # perplexity against float32. On SmolLM2-135M 4-bit weights cost 1.59x perplexity (g32)
         # and 3.4x (per channel) against 1.01x, and cut MTP acceptance so much that speculation

@@ -6,7 +6,10 @@ the op `mtp_edge::linear_i8`), whose tile takes 6 rows where XNNPACK's int8 GEMM
 CPU without an int8 dot product; `8da4w-mix` is 8da4w with each layer's k and v projections and
 the LM head in 8da8w per channel (the tensors whose 4-bit rounding costs the most perplexity:
 Qwen2.5-Coder-0.5B x1.00 against 8da4w's x1.05; benchmarks/README.md, "4-bit layers, 8-bit k, v
-and head"). The embedding table gets weight-only `8w` / `4w`, or `none`.
+and head"); `8da4w-mix-avx2` is 8da4w-mix in our own kernels (`Int4Linear`, mtp_edge::linear_i4,
+for its 4-bit layers in groups of 32; `Int8Linear` for k, v and the head), 6 rows per pass where
+XNNPACK's groupwise 4-bit GEMM takes 3 on AVX2. The embedding table gets weight-only `8w` /
+`4w`, or `none`.
 These are the forms ExecuTorch 1.5's XNNPACK partitioner lowers to its integer GEMMs, and
 ExecuTorch's quantized kernels run the embedding lookup (`embedding_byte` / `embedding_4bit`)
 without dequantizing the whole table. Weight-only int8 / int4 linears are refused: the XNNPACK
@@ -27,10 +30,11 @@ from torch import nn
 
 from mtp_edge.errors import UserError
 from mtp_edge.model import Transformer
-from mtp_edge.platforms import MIXED_4BIT, OWN_INT8, PLATFORMS
+from mtp_edge.platforms import MIXED_4BIT, OWN_INT8, OWN_MIXED_4BIT, PLATFORMS
 
-LINEAR_SCHEMES = ("8da4w", MIXED_4BIT, "8da8w", OWN_INT8, "fp32")
-# 8da4w-mix's layers in 8da8w per channel (every other linear of a layer is 8da4w).
+LINEAR_SCHEMES = ("8da4w", MIXED_4BIT, "8da8w", OWN_INT8, OWN_MIXED_4BIT, "fp32")
+# 8da4w-mix's layers in 8da8w per channel (every other linear of a layer is 8da4w); the same in
+# 8da4w-mix-avx2, in our kernels.
 MIXED_EIGHT_BIT = ("k_proj", "v_proj")
 EMBEDDING_SCHEMES = ("8w", "4w", "none")
 _WEIGHT_BITS = {
@@ -52,7 +56,7 @@ def default_group_size(linear: str, platform: str = "android") -> int:
     """What a scheme uses when the user gives no group size: 32 for 4-bit weights and for a
     platform's blockwise schemes (mtp_edge/platforms.py), else 0 = one scale per output
     channel."""
-    four_bit = linear in ("8da4w", MIXED_4BIT, "int4")
+    four_bit = linear in ("8da4w", MIXED_4BIT, OWN_MIXED_4BIT, "int4")
     return 32 if four_bit or linear in PLATFORMS[platform].blockwise else 0
 
 
@@ -85,6 +89,8 @@ class QuantScheme:
         if self.head is None:
             if self.linear == MIXED_4BIT:
                 return "8da8w", 0
+            if self.linear == OWN_MIXED_4BIT:
+                return OWN_INT8, 0
             return self.linear, self.group_size
         group = self.group_size if self.head_group_size is None else self.head_group_size
         return self.head, group
@@ -144,6 +150,15 @@ def _check_linear(flag: str, name: str, group: int, inputs: dict[str, int]) -> N
         )
     if name in ("8da4w", MIXED_4BIT):
         _check_group("--group-size", group, inputs)
+    if name == OWN_MIXED_4BIT:
+        from mtp_edge.ops import GROUP4
+
+        if group != GROUP4:
+            raise UserError(
+                f"{name} takes --group-size {GROUP4} (its 4-bit kernel's group), got {group}: "
+                f"drop --group-size, or use 8da4w-mix for other group sizes"
+            )
+        _check_group("--group-size", group, inputs)
 
 
 def _check_group(flag: str, group: int, inputs: dict[str, int]) -> None:
@@ -185,6 +200,8 @@ def quantize_part(model: Transformer, name: str, module: nn.Module, scheme: Quan
             _quantize_by_rows(module, _linear_config(head, head_group))
     elif scheme.linear == OWN_INT8:
         own_int8_linears(module)
+    elif scheme.linear == OWN_MIXED_4BIT:
+        own_mixed_linears(module)
     elif scheme.linear != "fp32":
         _quantize_linears(module, scheme)
 
@@ -297,9 +314,21 @@ def own_int8_linears(module: nn.Module) -> nn.Module:
     return module
 
 
+def own_mixed_linears(module: nn.Module) -> nn.Module:
+    """8da4w-mix-avx2's layers for every float nn.Linear inside `module`, in place: an
+    Int8Linear for those named in MIXED_EIGHT_BIT, an Int4Linear for the rest."""
+    for name, child in module.named_children():
+        if isinstance(child, nn.Linear) and not is_quantized(child):
+            kind = Int8Linear if name in MIXED_EIGHT_BIT else Int4Linear
+            setattr(module, name, kind(child))
+        else:
+            own_mixed_linears(child)
+    return module
+
+
 def is_quantized(module: nn.Module) -> bool:
     """Whether torchao already replaced this layer's weight (quantizing twice is an error)."""
-    if isinstance(module, Int8Linear):
+    if isinstance(module, (Int8Linear, Int4Linear)):
         return True
     weight = getattr(module, "weight", None)
     return weight is not None and type(weight) not in (torch.Tensor, nn.Parameter)
@@ -317,6 +346,8 @@ def quantize_modules(module: nn.Module, scheme: QuantScheme) -> nn.Module:
         quantize_(module, _embedding_config(scheme), fresh(nn.Embedding))
     if scheme.linear == OWN_INT8:
         own_int8_linears(module)
+    elif scheme.linear == OWN_MIXED_4BIT:
+        own_mixed_linears(module)
     elif scheme.linear != "fp32":
         _quantize_linears(module, scheme)
     return module

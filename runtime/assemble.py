@@ -39,20 +39,20 @@ def k_for_this_cpu(k: int, manifest) -> int:
     pass over the weights: on an AVX2 host (4-row tile) k = 3 ran 1.10-1.11x against k = 4's
     0.98-1.02x, side by side on the default model (benchmarks/README.md, "CPUs without an int8
     dot product"). Where the CPU has a dot product (VNNI: 5 rows; the phones' SDOT/SMMLA) the
-    bundle's k stands. An 8da8w-avx2 target (our int8 kernel) keeps k + 1 within that kernel's
-    6 rows on every CPU. An explicit k (--k) is never changed; the native runtime applies the
+    bundle's k stands. An 8da8w-avx2 or 8da4w-mix-avx2 target (our kernels) keeps k + 1 within
+    their 6 rows on every CPU. An explicit k (--k) is never changed; the native runtime applies the
     same rule."""
     from mtp_edge.machine import int8_path
     from mtp_edge.ops import LINEAR_I8_ROWS
-    from mtp_edge.platforms import OWN_INT8
+    from mtp_edge.platforms import OWN_KERNEL_SCHEMES
 
     path = int8_path()
     fitted = k_for_int8_path(k, manifest, path)
     if fitted != k:
         from mtp_edge import logs
 
-        if target_scheme(manifest) == OWN_INT8:
-            why = f"its {OWN_INT8} layers verify up to {LINEAR_I8_ROWS} tokens"
+        if target_scheme(manifest) in OWN_KERNEL_SCHEMES:
+            why = f"its {target_scheme(manifest)} layers verify up to {LINEAR_I8_ROWS} tokens"
         else:
             why = (
                 f"this CPU ({path.name}) has no int8 dot product and verifies up to "
@@ -76,11 +76,11 @@ def k_for_int8_path(k: int, manifest, path) -> int:
     where unknown) is `path`: what the runtime drafts per step there (mtp-predict for a catalog
     device)."""
     from mtp_edge.ops import LINEAR_I8_ROWS
-    from mtp_edge.platforms import OWN_INT8, by_backend
+    from mtp_edge.platforms import OWN_KERNEL_SCHEMES, by_backend
 
     row = by_backend(manifest.backend)
     scheme = target_scheme(manifest)
-    if scheme == OWN_INT8 and row is not None and row.backend == "executorch":
+    if scheme in OWN_KERNEL_SCHEMES and row is not None and row.backend == "executorch":
         return min(k, LINEAR_I8_ROWS - 1)  # our kernel's tile, the same on every CPU
     rows = xnnpack_tile_rows(manifest, path)
     if rows is None or k + 1 <= rows:

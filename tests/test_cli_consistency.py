@@ -207,7 +207,10 @@ def test_choices_match_the_schemes():
 
 @pytest.mark.parametrize(
     "target, quant, valid",
-    [("android", "int4", "8da4w, 8da4w-mix, 8da8w, 8da8w-avx2, fp32"), ("onnx", "8da8w", None)],
+    [
+        ("android", "int4", "8da4w, 8da4w-mix, 8da8w, 8da8w-avx2, 8da4w-mix-avx2, fp32"),
+        ("onnx", "8da8w", None),
+    ],
 )
 def test_a_scheme_of_another_target_names_the_valid_ones(tiny_dir, tmp_path, target, quant, valid):
     from mtp_edge.platforms import PLATFORMS

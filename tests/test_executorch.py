@@ -29,6 +29,7 @@ SCHEMES = {
     "8da4w-mix-tied": ("8da4w-mix", 32, "8w", True),  # 8-bit k, v and (tied) head
     "8da8w-cw": ("8da8w", 0, "8w", False),
     "8da8w-avx2-tied": ("8da8w-avx2", 0, "8w", True),  # our int8 kernel, the tied head's too
+    "8da4w-mix-avx2-tied": ("8da4w-mix-avx2", 32, "8w", True),  # our 4-bit and int8 kernels
 }
 VERIFY_WIDTH = 5  # the verify method (ExecuTorch kernel programs) checks k + 1 = 5 tokens
 PROMPT = [5, 9, 13, 7, 5, 9, 13, 21, 30, 5, 9, 13, 7, 5, 9, 13, 21, 30, 5, 9]  # repeats: ngram hits
@@ -138,6 +139,23 @@ def test_the_mixed_scheme_keeps_k_v_and_the_head_in_8_bits():
     for name, (dtype, block) in bits.items():
         eight = name == "lm_head" or name.endswith(("k_proj", "v_proj"))
         assert (dtype, block) == ((torch.int8, 128) if eight else (torch.int4, 32)), name
+
+
+def test_the_mixed_scheme_in_our_kernels_keeps_k_v_and_the_head_in_8_bits():
+    """8da4w-mix-avx2: the same split as 8da4w-mix, in our kernels: Int8Linear for k, v and the
+    tied head, Int4Linear (groups of 32) for every other linear."""
+    from mtp_edge.quantize.schemes import Int4Linear, Int8Linear, quantize_model
+
+    quantized = quantize_model(model(tied=True, layers=2), QuantScheme("8da4w-mix-avx2", 32, "8w"))
+    kinds = {
+        name: type(module)
+        for name, module in quantized.named_modules()
+        if isinstance(module, (torch.nn.Linear, Int4Linear, Int8Linear))
+    }
+    assert len(kinds) == 2 * 7 + 1
+    for name, kind in kinds.items():
+        eight = name == "lm_head" or name.endswith(("k_proj", "v_proj"))
+        assert kind is (Int8Linear if eight else Int4Linear), name
 
 
 def test_fp32_export_matches_eager_tokens_and_logits():
@@ -280,7 +298,15 @@ def test_our_kernel_computes_the_eager_attention():
 
 
 @pytest.mark.parametrize(
-    "name", ["8da4w-g32", "8da4w-cw-tied", "8da4w-mix-tied", "8da8w-cw", "8da8w-avx2-tied"]
+    "name",
+    [
+        "8da4w-g32",
+        "8da4w-cw-tied",
+        "8da4w-mix-tied",
+        "8da8w-cw",
+        "8da8w-avx2-tied",
+        "8da4w-mix-avx2-tied",
+    ],
 )
 @pytest.mark.parametrize("k", [2, 4, 7])
 def test_quantized_speculative_output_equals_its_plain_output(name, k):
@@ -326,7 +352,12 @@ def test_metadata_methods():
 @pytest.mark.parametrize(
     "quant, group, embedding, message",
     [
-        ("int3", 32, "8w", "supported are 8da4w, 8da4w-mix, 8da8w, 8da8w-avx2, fp32"),
+        (
+            "int3",
+            32,
+            "8w",
+            "supported are 8da4w, 8da4w-mix, 8da8w, 8da8w-avx2, 8da4w-mix-avx2, fp32",
+        ),
         ("int8", 0, "8w", "use 8da8w"),
         ("int4", 32, "8w", "use 8da4w"),
         ("8da4w", 24, "8w", "does not divide"),
@@ -334,6 +365,7 @@ def test_metadata_methods():
         ("8da4w-mix", 24, "8w", "does not divide"),
         ("8da8w", 32, "8w", "--group-size 0"),
         ("8da8w-avx2", 32, "8w", "--group-size 0"),
+        ("8da4w-mix-avx2", 64, "8w", "takes --group-size 32"),
         ("8da4w", 32, "2w", "embedding quantization"),
     ],
 )

@@ -184,7 +184,7 @@ def drafter_options(f):
             type=InRange("k"),
             help="Most tokens drafted per step, 1..15 (default: 4, or the bundle's; an 8da8w "
             "bundle's at most 3 on a CPU without an int8 dot product, e.g. AVX2; an "
-            "8da8w-avx2 bundle's at most 5).",
+            "8da8w-avx2 or 8da4w-mix-avx2 bundle's at most 5).",
         ),
         click.option(
             "--heads", default=None, help="MTP heads file for --drafter mtp (default: shipped)."

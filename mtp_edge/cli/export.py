@@ -71,7 +71,8 @@ def _schemes_help() -> str:
     type=TableChoice(lambda: (*every_scheme(), "auto")),
     default=None,
     help=_schemes_help() + "; 8da8w-avx2: 8da8w in mtp-edge's own int8 kernel, for CPUs "
-    "without an int8 dot product (AVX2 laptops); auto: each scheme exported and timed here, "
+    "without an int8 dot product (AVX2 laptops); 8da4w-mix-avx2: 8da4w-mix in mtp-edge's own "
+    "4-bit and int8 kernels, likewise; auto: each scheme exported and timed here, "
     "the fastest speculative one within +3% perplexity kept (and k, unless --k is given).",
 )
 @click.option(

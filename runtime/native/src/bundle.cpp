@@ -598,11 +598,17 @@ int64_t Manifest::k_for_this_cpu() const {
   const int64_t k = drafter.k;
   const auto target = models.find("target");
   if (backend != "executorch" || target == models.end()) return k;
-  // 8da8w-avx2 runs our own int8 kernel (int8_linear.cpp), 6 rows a pass on every CPU.
-  if (target->second.scheme == "8da8w-avx2") return std::min<int64_t>(k, 5);
+  // 8da8w-avx2 and 8da4w-mix-avx2 run our own kernels (int8_linear.cpp), 6 rows a pass on
+  // every CPU.
+  if (own_kernels()) return std::min<int64_t>(k, 5);
   const int rows = tile_rows();
   if (rows == 0 || k + 1 <= rows) return k;
   return std::max<int64_t>(1, rows - 1);
+}
+
+bool Manifest::own_kernels() const {
+  const std::string scheme = target_scheme();
+  return scheme == "8da8w-avx2" || scheme == "8da4w-mix-avx2";
 }
 
 int Manifest::tile_rows() const {

@@ -80,8 +80,10 @@ struct Manifest {
   int default_k() const { return static_cast<int>(drafter.k); }
   // The bundle's k on this CPU (runtime/assemble.py k_for_this_cpu, the same rule): an 8da8w
   // ExecuTorch target on a CPU without an int8 dot product keeps k + 1 within the GEMM's tile,
-  // an 8da8w-avx2 one within our int8 kernel's 6 rows on every CPU.
+  // an 8da8w-avx2 or 8da4w-mix-avx2 one within our kernels' 6 rows on every CPU.
   int64_t k_for_this_cpu() const;
+  // Whether every linear of the target runs a kernel of ours (8da8w-avx2, 8da4w-mix-avx2).
+  bool own_kernels() const;
   // Rows of the XNNPACK GEMM tile that bounds a verification of the target on this CPU, 0 where
   // none does (runtime/assemble.py xnnpack_tile_rows): the per-channel 8-bit GEMM's for 8da8w
   // and per-channel 8da4w, the 4-bit groupwise GEMM's for 8da4w and 8da4w-mix in groups.

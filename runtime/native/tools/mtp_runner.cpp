@@ -274,8 +274,9 @@ int run(int argc, char** argv) {
     const std::string given = std::to_string(engine.manifest().default_k());
     std::cerr << "[k] " << options.config.k << " tokens drafted per step, not the bundle's "
               << given << ": ";
-    if (engine.manifest().target_scheme() == "8da8w-avx2") {
-      std::cerr << "its 8da8w-avx2 layers verify up to 6 tokens in one pass over the weights";
+    if (engine.manifest().own_kernels()) {
+      std::cerr << "its " << engine.manifest().target_scheme()
+                << " layers verify up to 6 tokens in one pass over the weights";
     } else {
       const mtp::Int8Path path = mtp::host_int8_path();
       std::cerr << "this CPU (" << path.name << ") has no int8 dot product and verifies up to "
