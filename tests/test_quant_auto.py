@@ -137,11 +137,11 @@ def test_auto_candidates_and_refusals(monkeypatch):
     auto = ExportOptions(quant="auto")
     assert resolve_options(auto, lambda _: None) == auto  # left to the search
     every = list(PLATFORMS["android"].schemes)
-    # Our AVX2 int8 kernel's scheme is a candidate where the CPU's int8 path is AVX2's only.
+    # Our kernels' schemes are candidates where the CPU's int8 path is AVX2's only.
     monkeypatch.setenv("MTP_EDGE_INT8_PATH", "avx2")
     assert auto_candidates(auto) == (every, list(AUTO_KS))
     monkeypatch.setenv("MTP_EDGE_INT8_PATH", "avx512-vnni")
-    without = [s for s in every if s != "8da8w-avx2"]
+    without = [s for s in every if s not in ("8da8w-avx2", "8da4w-mix-avx2")]
     assert auto_candidates(auto) == (without, list(AUTO_KS))
     assert auto_candidates(replace(auto, k=3)) == (without, [3])
     # k is baked into the verify method with ExecuTorch's attention op, and without a drafter
