@@ -1,6 +1,7 @@
-"""A model's linear layers alone, as ExecuTorch programs: XNNPACK's int8 GEMM (8da8w) against
-our int8 kernel (8da8w-avx2, mtp_edge::linear_i8), forward(T) for T = 1..8, side by side in one
-process.
+"""A model's linear layers alone, as ExecuTorch programs: XNNPACK's GEMMs against our kernels,
+forward(T) for T = 1..8, side by side in one process: by default 8da8w against 8da8w-avx2
+(mtp_edge::linear_i8); `--schemes 8da4w-mix,8da4w-mix-avx2` the 4-bit split (mtp_edge::linear_i4
+for its 4-bit layers).
 
 The program chains, per layer, the seven linears of a llama block (q, k, v, o, gate, up, down;
 k and v folded into the residual as sums, gate x up into down), then the LM head: the weights
@@ -11,6 +12,9 @@ fastest round's ms per call and its ratio to one row.
 
     MTP_EDGE_CPU_CLASS=avx2 python benchmarks/int8_linears.py --threads 2 \\
         --out benchmarks/results/verification/avx2_class_int8_linears_default
+    MTP_EDGE_CPU_CLASS=avx2 python benchmarks/int8_linears.py --threads 2 --layers 24 \\
+        --hidden 896 --intermediate 4864 --kv 128 --vocab 151936 \\
+        --schemes 8da4w-mix,8da4w-mix-avx2 --out RUN      # Qwen2.5-0.5B's shapes
 
 Shapes default to SmolLM2-135M's (30 layers, 576 -> 1536, 3 KV heads of 64, 49,152 tokens).
 """
@@ -37,13 +41,14 @@ def stack(layers: int, hidden: int, intermediate: int, kv: int, vocab: int):
         def __init__(self):
             super().__init__()
             self.q, self.o = nn.Linear(hidden, hidden, False), nn.Linear(hidden, hidden, False)
-            self.k, self.v = nn.Linear(hidden, kv, False), nn.Linear(hidden, kv, False)
+            # k_proj / v_proj: the names the 4-bit mixed schemes keep in 8 bits.
+            self.k_proj, self.v_proj = nn.Linear(hidden, kv, False), nn.Linear(hidden, kv, False)
             self.gate = nn.Linear(hidden, intermediate, False)
             self.up = nn.Linear(hidden, intermediate, False)
             self.down = nn.Linear(intermediate, hidden, False)
 
         def forward(self, x):
-            kv_sums = self.k(x).sum(-1, keepdim=True) + self.v(x).sum(-1, keepdim=True)
+            kv_sums = self.k_proj(x).sum(-1, keepdim=True) + self.v_proj(x).sum(-1, keepdim=True)
             a = self.o(self.q(x)) + kv_sums
             return self.down(self.gate(a) * self.up(a))
 
@@ -66,10 +71,15 @@ def program(scheme: str, args, directory: Path) -> Path:
     import torch
 
     from mtp_edge.exporter.executorch import lower, write_program
-    from mtp_edge.quantize.schemes import QuantScheme, quantize_modules
+    from mtp_edge.quantize.schemes import QuantScheme, default_group_size, quantize_modules
 
     model = stack(args.layers, args.hidden, args.intermediate, args.kv, args.vocab)
-    quantize_modules(model, QuantScheme(scheme, 0, "none"))
+    chosen = QuantScheme(scheme, default_group_size(scheme), "none")
+    quantize_modules(model.layers, chosen)
+    holder = torch.nn.Module()  # the head with the scheme's head scheme, as in an export
+    holder.head = model.head
+    quantize_modules(holder, QuantScheme(*chosen.head_scheme, "none"))
+    model.head = holder.head
     path = directory / f"{scheme}.pte"
     x = torch.randn(1, 2, args.hidden)
     rows = torch.export.Dim("rows", min=1, max=max(args.widths))
@@ -87,6 +97,9 @@ def main() -> int:
     parser.add_argument("--kv", type=int, default=192)
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--widths", default="1,2,3,4,5,6,8")
+    parser.add_argument(
+        "--schemes", default="8da8w,8da8w-avx2", help="android schemes, comma-separated"
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
@@ -101,7 +114,7 @@ def main() -> int:
     from mtp_edge.machine import int8_path
     from mtp_edge.runtime.executorch_ops import load_kernels
 
-    schemes = ["8da8w", "8da8w-avx2"]
+    schemes = args.schemes.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         paths = {}
         for scheme in schemes:
@@ -134,7 +147,7 @@ def main() -> int:
     path = int8_path()
     header = "| kernel | " + " | ".join(f"T={t}" for t in args.widths) + " |"
     lines = [
-        "# A model's linear layers alone: XNNPACK's int8 GEMM against ours",
+        "# A model's linear layers alone: XNNPACK's GEMMs against ours",
         "",
         f"{args.layers} layers ({args.hidden} -> {args.intermediate}, k/v {args.kv}) and an LM "
         f"head of {args.vocab}; {args.threads} threads; the fastest of {args.rounds} rounds of "
@@ -144,7 +157,9 @@ def main() -> int:
         header,
         "|---" * (len(args.widths) + 1) + "|",
     ]
-    names = {"8da8w": "XNNPACK (8da8w)", "8da8w-avx2": "ours (8da8w-avx2)"}
+    from mtp_edge.platforms import OWN_KERNEL_SCHEMES
+
+    names = {s: f"{'ours' if s in OWN_KERNEL_SCHEMES else 'XNNPACK'} ({s})" for s in schemes}
     for scheme in schemes:
         one = best[scheme][args.widths[0]]
         cells = [f"{best[scheme][t]:.2f} ({best[scheme][t] / one:.2f})" for t in args.widths]

@@ -38,6 +38,7 @@ CATEGORIES = [
     ("linear int8 (QD8/QDU8 x QC8W)", "GEMMs with 8-bit dynamically quantized rows, int8 weights"),
     ("linear int4 (QD8 x QB4W/QC4W)", "the same with 4-bit weights"),
     ("linear int8 (mtp_edge::linear_i8)", "8da8w-avx2's layers: our int8 kernel, 6-row tile"),
+    ("linear int4 (mtp_edge::linear_i4)", "8da4w-mix-avx2's 4-bit layers: our kernel, 6-row tile"),
     ("linear fp32", "float GEMMs: the RoPE rotation and the norms' mean, as small products"),
     ("xnnpack element-wise", "norms, SwiGLU, residual adds, reshapes inside the delegate"),
     ("delegate glue", "inside delegate calls, not inside any XNNPACK operator"),
@@ -63,6 +64,8 @@ def category(name: str, delegated: bool) -> str | None:
         return None
     if "linear_i8" in name:
         return "linear int8 (mtp_edge::linear_i8)"
+    if "linear_i4" in name:
+        return "linear int4 (mtp_edge::linear_i4)"
     if "sdpa" in name:
         return "attention (mtp_edge::sdpa)"
     if "update_cache" in name:
