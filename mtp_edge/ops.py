@@ -1,4 +1,4 @@
-"""Our own ops: the attention op `mtp_edge::sdpa` and the int8 linear `mtp_edge::linear_i8`.
+"""Our own ops: the attention op `mtp_edge::sdpa` and the linears `mtp_edge::linear_i8` / `linear_i4`.
 
 `mtp_edge::sdpa` is causal SDPA over a static KV cache, computed one (row, head) at a time so
 that a row's result does not depend on how many rows share the call.
@@ -21,6 +21,11 @@ its kernel takes up to 6 rows per pass over the weights where XNNPACK's int8 GEM
 an int8 dot product takes 4, so a verification of up to 5 drafts reads the weights once. Its
 sums are exact integers: every CPU and every tile computes the same bits, and the eager
 reference here computes them too.
+
+`mtp_edge::linear_i4` is the same for 4-bit weights in groups of 32 (float16 scales), the
+4-bit layers of `8da4w-mix-avx2`: XNNPACK's groupwise 4-bit GEMM takes 3 rows a pass on AVX2,
+this kernel 6. A group's sum is an exact integer and the groups join in a fixed order, so its
+rows too are the same bits on every CPU and in every tile.
 """
 
 from __future__ import annotations
