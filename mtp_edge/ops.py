@@ -1,4 +1,4 @@
-"""Our own ops: the attention op `mtp_edge::sdpa` and the linears `mtp_edge::linear_i8` / `linear_i4`.
+"""Our own ops: the attention op `mtp_edge::sdpa` and the linears `linear_i8` and `linear_i4`.
 
 `mtp_edge::sdpa` is causal SDPA over a static KV cache, computed one (row, head) at a time so
 that a row's result does not depend on how many rows share the call.
