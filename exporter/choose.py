@@ -294,6 +294,7 @@ def export_auto(
                 quant=scheme,
                 group_size=default_group_size(scheme, options.platform),
                 draft_quant=options.draft_quant or scheme,
+                draft_group_size=None,  # decided anew for this candidate (resolve_options)
                 k=options.k or DEFAULT_K,  # the programs verify at any k (auto_candidates)
                 auto_schemes=None,
             )

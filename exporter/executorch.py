@@ -633,7 +633,8 @@ def load_hook(options, skeleton: Transformer, draft: bool = False) -> PartHook:
     import torchao.quantization  # noqa: F401  (its import, ~100 MB, before any stage's clock)
 
     linear = options.draft_quant if draft else options.quant
-    scheme = QuantScheme(linear, options.group_size, options.embedding_quant)
+    group = options.draft_group_size if draft else options.group_size
+    scheme = QuantScheme(linear, group, options.embedding_quant)
     check_scheme(scheme, skeleton)
 
     def hook(model: Transformer, name: str, module: nn.Module) -> None:
@@ -647,7 +648,7 @@ def check(job: ExportJob) -> None:
     o = job.options
     check_scheme(QuantScheme(o.quant, o.group_size, o.embedding_quant), job.target.model)
     if job.draft_model is not None:
-        draft_scheme = QuantScheme(o.draft_quant, o.group_size, o.embedding_quant)
+        draft_scheme = QuantScheme(o.draft_quant, o.draft_group_size, o.embedding_quant)
         check_scheme(draft_scheme, job.draft_model.model)
 
 
@@ -662,16 +663,16 @@ def export(job: ExportJob, directory: Path) -> tuple[dict[str, ModelFile], dict]
         "embedding": o.embedding_quant,
         "attention": o.attention_kernel,
     }
-    draft_quant = dict(quant, scheme=o.draft_quant)
-    draft_scheme = QuantScheme(o.draft_quant, o.group_size, o.embedding_quant)
+    draft_quant = dict(quant, scheme=o.draft_quant, group_size=o.draft_group_size)
+    draft_scheme = QuantScheme(o.draft_quant, o.draft_group_size, o.embedding_quant)
     tokenizer = job.target.tokenizer
 
-    def program(model: Transformer, path: Path, scheme: str, **extra) -> dict:
+    def program(model: Transformer, path: Path, scheme: str, group: int, **extra) -> dict:
         return export_program(
             model,
             path,
             quant=scheme,
-            group_size=o.group_size,
+            group_size=group,
             embedding_quant=o.embedding_quant,
             max_seq_len=job.max_seq_len,
             max_chunk=job.max_chunk,
@@ -692,11 +693,13 @@ def export(job: ExportJob, directory: Path) -> tuple[dict[str, ModelFile], dict]
         extra["verify_width"] = o.k + 1
     if in_program:  # the draft step is a method of the target's program
         extra.update(draft_head=head, draft_scheme=draft_scheme)
-    methods = program(job.target.model, directory / "target.pte", o.quant, **extra)
+    methods = program(job.target.model, directory / "target.pte", o.quant, o.group_size, **extra)
     models = {"target": ModelFile("target.pte", "", quant, methods)}
     settings: dict = {}
     if draft_model is not None:
-        methods = program(draft_model.model, directory / "drafter.pte", o.draft_quant)
+        methods = program(
+            draft_model.model, directory / "drafter.pte", o.draft_quant, o.draft_group_size
+        )
         models["drafter"] = ModelFile("drafter.pte", "", draft_quant, methods)
     if head is not None:
         if in_program:

@@ -504,25 +504,31 @@ def export(job: ExportJob, directory: Path) -> tuple[dict[str, ModelFile], dict]
     target's cache binds it at run time: module doc)."""
     o, head, draft_model, target = job.options, job.head, job.draft_model, job.target.model
     quant = {"scheme": o.quant, "group_size": o.group_size, "embedding": "none"}  # fp32 table
-    draft_quant = dict(quant, scheme=o.draft_quant)
+    draft_quant = dict(quant, scheme=o.draft_quant, group_size=o.draft_group_size)
 
-    def graph(model: Transformer, path: Path, scheme: str, return_hidden: bool = False) -> dict:
+    def graph(
+        model: Transformer, path: Path, scheme: str, group: int, return_hidden: bool = False
+    ) -> dict:
         return export_program(
             model,
             path,
             quant=scheme,
-            group_size=o.group_size,
+            group_size=group,
             max_seq_len=job.max_seq_len,
             max_chunk=job.max_chunk,
             return_hidden=return_hidden,
             progress=job.progress,
         )
 
-    methods = graph(target, directory / "target.onnx", o.quant, return_hidden=head is not None)
+    methods = graph(
+        target, directory / "target.onnx", o.quant, o.group_size, return_hidden=head is not None
+    )
     models = {"target": ModelFile("target.onnx", "", quant, methods)}
     settings: dict = {}
     if draft_model is not None:
-        methods = graph(draft_model.model, directory / "drafter.onnx", o.draft_quant)
+        methods = graph(
+            draft_model.model, directory / "drafter.onnx", o.draft_quant, o.draft_group_size
+        )
         models["drafter"] = ModelFile("drafter.onnx", "", draft_quant, methods)
     if head is not None:
         methods, settings = export_mtp_program(
@@ -530,7 +536,7 @@ def export(job: ExportJob, directory: Path) -> tuple[dict[str, ModelFile], dict]
             target.embed_tokens,
             directory / "drafter.onnx",
             o.draft_quant,
-            o.group_size,
+            o.draft_group_size,
             job.progress,
             target=target,  # a head that reads the target's cache binds it
             target_forward=models["target"].methods["forward"],

@@ -55,6 +55,11 @@ class ExportOptions:
     group_size: int | None = None
     embedding_quant: str = "8w"
     draft_quant: str | None = None  # None: as `quant`
+    # the drafter's group size, decided by resolve_options: `group_size` where the drafter's
+    # scheme groups its weights as the target's does (both in blocks, or both per channel),
+    # else the drafter scheme's own default (an 8-bit per-channel drafter beside a 4-bit target
+    # in groups, and the reverse)
+    draft_group_size: int | None = None
     max_seq_len: int = 2048
     max_chunk: int = 128  # most tokens per call: prefill chunk, and the verify width limit
     quality_tokens: int = 1024  # held-out tokens for the perplexity check (0 = skip)
@@ -163,10 +168,20 @@ def resolve_options(
     if group_size is None:
         group_size = default_group_size(quant, row.name)
     check_platform_scheme(row.name, quant, group_size)
-    if options.draft_quant is not None:
-        check_platform_scheme(row.name, options.draft_quant, group_size)
     draft_quant = options.draft_quant or quant
-    return replace(options, quant=quant, group_size=group_size, draft_quant=draft_quant)
+    draft_group = options.draft_group_size
+    if draft_group is None:
+        draft_default = default_group_size(draft_quant, row.name)
+        alike = (draft_default > 0) == (default_group_size(quant, row.name) > 0)
+        draft_group = group_size if alike else draft_default
+    check_platform_scheme(row.name, draft_quant, draft_group)
+    return replace(
+        options,
+        quant=quant,
+        group_size=group_size,
+        draft_quant=draft_quant,
+        draft_group_size=draft_group,
+    )
 
 
 def auto_candidates(options: ExportOptions) -> tuple[list[str], list[int]]:

@@ -440,3 +440,29 @@ def test_llama_cpp_decodes_the_default_gguf():
     result = llama_cpp_baseline(tool, default_model_path(), 2, 8, 16, repetitions=1)
     assert "error" not in result, result
     assert result["tokens_per_s"] > 0 and result["new_tokens"] == 8 and result["depth"] == 16
+
+
+def test_a_draft_model_in_8_bits_beside_a_4_bit_target_exports(chat_tiny_dir, tmp_path):
+    """--quant 8da4w (groups of 32) with --draft-quant 8da8w: the draft model gets its scheme's
+    per-channel weights (not the target's group size, which 8da8w refuses), and the manifest
+    records each model's own group size; the bundle runs losslessly."""
+    from tiny import save_chat_dir
+
+    draft = save_chat_dir(tmp_path / "draft", seed=3)
+    out = tmp_path / "bundle"
+    args = ["--model", str(chat_tiny_dir), "--out", str(out), "--max-seq-len", "128"]
+    args += ["--quality-tokens", "0", "--drafter", str(draft), "--quant", "8da4w"]
+    result = CliRunner().invoke(export, [*args, "--draft-quant", "8da8w"])
+    assert result.exit_code == 0, result.output
+    manifest = Manifest.load(out)
+    assert manifest.models["target"].quant["group_size"] == 32
+    assert manifest.models["drafter"].quant == dict(
+        manifest.models["target"].quant, scheme="8da8w", group_size=0
+    )
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "p", "category": "chat", "prompt": "hello there"}) + "\n")
+    report = tmp_path / "bench.json"
+    args = ["--bundle", str(out), "--prompts", str(prompts), "--max-new-tokens", "12"]
+    ran = CliRunner().invoke(bench, [*args, "--json", str(report)])
+    assert ran.exit_code == 0, ran.output  # exits non-zero where speculative output differs
+    assert json.loads(report.read_text())["summary"]["lossless"] is True

@@ -104,7 +104,8 @@ def test_options_are_decided_below_the_cli():
     android = resolve_options(ExportOptions(), lambda _: None)
     assert (android.quant, android.group_size, android.draft_quant) == ("8da8w", 0, "8da8w")
     given = ExportOptions(platform="onnx", quant="int8", draft_quant="int4", group_size=64)
-    assert resolve_options(given, said.append) == replace(given, k=4)  # k: DEFAULT_K
+    # k: DEFAULT_K; both schemes in blocks on onnx: the drafter's blocks are the target's
+    assert resolve_options(given, said.append) == replace(given, k=4, draft_group_size=64)
     for wrong, fragment in [
         (ExportOptions(platform="onnx", quant="8da8w"), "int4, int8, fp32"),
         (ExportOptions(platform="onnx", group_size=24), "power of two"),
@@ -113,6 +114,22 @@ def test_options_are_decided_below_the_cli():
     ]:
         with pytest.raises(UserError, match=fragment):
             resolve_options(wrong, lambda _: None)
+
+
+def test_a_drafter_scheme_that_groups_otherwise_gets_its_own_group_size():
+    """--group-size is the target's; a drafter whose scheme groups its weights otherwise (8-bit
+    per channel beside 4-bit in groups, and the reverse) gets its scheme's default, not an
+    error about a group size the user never gave, nor 4-bit weights per channel."""
+
+    def draft(**given):
+        resolved = resolve_options(ExportOptions(**given), lambda _: None)
+        return resolved.group_size, resolved.draft_group_size
+
+    assert draft(quant="8da4w", draft_quant="8da8w") == (32, 0)
+    assert draft(quant="8da8w", draft_quant="8da4w") == (0, 32)
+    assert draft(quant="8da4w", draft_quant="8da4w-mix", group_size=64) == (64, 64)
+    assert draft(quant="8da4w-mix-avx2", draft_quant="8da8w-avx2") == (32, 0)
+    assert draft(quant="8da8w") == (0, 0)
 
 
 def test_a_new_row_is_a_choice_scheme_and_backend(toy):
