@@ -92,7 +92,8 @@ def _schemes_help() -> str:
     "--draft-quant",
     type=TableChoice(every_scheme),
     default=None,
-    help="Drafter weights (default: as --quant).",
+    help="Drafter weights (default: as --quant); its group size is --group-size where both "
+    "schemes group weights alike, else its scheme's default (8da8w beside 8da4w: per channel).",
 )
 @click.option(
     "--ngram-sizes",
