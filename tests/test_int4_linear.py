@@ -10,50 +10,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import test_int8_linear
 import torch
 from tiny import run_in_process
 from torch import nn
 
 from mtp_edge import ops
 from mtp_edge.quantize.schemes import Int4Linear
-from mtp_edge.runtime import executorch_ops
 
 # (input width, channels, bias): whole and partial blocks of 16 channels, one group and many.
 SHAPES = [(64, 32, False), (96, 37, True), (32, 16, True), (576, 200, False)]
-ROWS = 13  # two full tiles of 6 rows and one row
-
-
-def layer_program(width: int, channels: int, bias: bool):
-    """(method, layer): one Int4Linear as an ExecuTorch program taking 1..ROWS rows."""
-    from executorch.exir import to_edge
-    from executorch.runtime import Runtime
-
-    torch.manual_seed(width * 100 + channels)
-    layer = Int4Linear(nn.Linear(width, channels, bias=bias))
-    rows = torch.export.Dim("rows", min=1, max=ROWS)
-    exported = torch.export.export(layer, (torch.randn(1, 4, width),), dynamic_shapes=({1: rows},))
-    executorch_ops.load_kernels()
-    program = Runtime.get().load_program(to_edge(exported).to_executorch().buffer)
-    return program, program.load_method("forward"), layer
 
 
 def check_shape(width: int, channels: int, bias: bool, outputs: dict | None = None) -> None:
-    _program, method, layer = layer_program(width, channels, bias)
-    generator = torch.Generator().manual_seed(width)
-    # Rows of different ranges and offsets: zero points away from the middle, a row of zeros.
-    x = torch.randn(1, ROWS, width, generator=generator) * torch.linspace(0.1, 8, ROWS)[:, None]
-    x[0, 2] += 3.0
-    x[0, 5] = 0.0
-    ones = [method.execute([x[:, i : i + 1].contiguous()])[0].clone() for i in range(ROWS)]
-    for t in range(1, ROWS + 1):
-        got = method.execute([x[:, :t].contiguous()])[0]
-        with torch.no_grad():
-            want = layer(x[:, :t])
-        assert torch.equal(got, want), (width, channels, t, float((got - want).abs().max()))
-        for i in range(t):
-            assert torch.equal(got[:, i : i + 1], ones[i]), (width, channels, t, i)
-    if outputs is not None:
-        outputs[f"{width}-{channels}-{bias}"] = got.clone()
+    test_int8_linear.check_shape(width, channels, bias, outputs, kind=Int4Linear)
 
 
 def test_packing_round_trips_and_pads_with_zero_channels():

@@ -23,13 +23,14 @@ SHAPES = [(64, 32, False), (70, 37, True), (33, 16, True), (576, 200, False)]
 ROWS = 13  # two full tiles of 6 rows and one row
 
 
-def layer_program(width: int, channels: int, bias: bool):
-    """(program, method, layer): one Int8Linear as an ExecuTorch program, 1..ROWS rows."""
+def layer_program(width: int, channels: int, bias: bool, kind: type = Int8Linear):
+    """(program, method, layer): one `kind` layer (our op's module: Int8Linear, Int4Linear) as
+    an ExecuTorch program, 1..ROWS rows."""
     from executorch.exir import to_edge
     from executorch.runtime import Runtime
 
     torch.manual_seed(width * 100 + channels)
-    layer = Int8Linear(nn.Linear(width, channels, bias=bias))
+    layer = kind(nn.Linear(width, channels, bias=bias))
     rows = torch.export.Dim("rows", min=1, max=ROWS)
     exported = torch.export.export(layer, (torch.randn(1, 4, width),), dynamic_shapes=({1: rows},))
     executorch_ops.load_kernels()
@@ -37,8 +38,11 @@ def layer_program(width: int, channels: int, bias: bool):
     return program, program.load_method("forward"), layer
 
 
-def check_shape(width: int, channels: int, bias: bool, outputs: dict | None = None) -> None:
-    _program, method, layer = layer_program(width, channels, bias)
+def check_shape(
+    width: int, channels: int, bias: bool, outputs: dict | None = None, kind: type = Int8Linear
+) -> None:
+    """Every width 1..ROWS bitwise the eager layer's, and each row bitwise its one-row call."""
+    _program, method, layer = layer_program(width, channels, bias, kind)
     generator = torch.Generator().manual_seed(width)
     # Rows of different ranges and offsets: zero points away from the middle, and a row of zeros.
     x = torch.randn(1, ROWS, width, generator=generator) * torch.linspace(0.1, 8, ROWS)[:, None]
