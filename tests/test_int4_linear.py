@@ -7,12 +7,9 @@ dequantized layer on the quantized activations."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import test_int8_linear
 import torch
-from tiny import run_in_process
 from torch import nn
 
 from mtp_edge import ops
@@ -71,30 +68,7 @@ def test_kernel_equals_the_reference_and_its_rows_are_exact(width, channels, bia
 
 
 def test_avx2_and_plain_versions_give_the_same_bits(tmp_path):
-    """The plain C++ version (other CPUs') named by MTP_EDGE_INT8_LINEAR in a fresh process (the
-    choice is made once per process), against this CPU's own: both properties, equal outputs."""
-    from safetensors.torch import load_file
-
-    if "avx2" not in Path("/proc/cpuinfo").read_text():
-        pytest.skip("this CPU runs the plain version only")
-    script = f"""
-import sys
-sys.path.insert(0, {str(Path(__file__).parent)!r})
-from safetensors.torch import save_file
-import test_int4_linear as t
-outputs = {{}}
-for shape in t.SHAPES:
-    t.check_shape(*shape, outputs=outputs)
-save_file(outputs, sys.argv[1])
-print("ok")
-"""
-    results = {}
-    for version in ("avx2", "plain"):
-        path = tmp_path / f"{version}.safetensors"
-        run_in_process(script, str(path), MTP_EDGE_INT8_LINEAR=version)
-        results[version] = load_file(path)
-    for key, value in results["avx2"].items():
-        assert torch.equal(value, results["plain"][key]), key
+    test_int8_linear.versions_agree("test_int4_linear", tmp_path)
 
 
 def test_a_width_that_is_not_a_multiple_of_the_group_is_refused():

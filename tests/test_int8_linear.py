@@ -95,9 +95,10 @@ def test_kernel_equals_the_reference_and_its_rows_are_exact():
         check_shape(*shape)
 
 
-def test_avx2_and_plain_versions_give_the_same_bits(tmp_path):
+def versions_agree(module: str, tmp_path: Path) -> None:
     """The plain C++ version (other CPUs') named by MTP_EDGE_INT8_LINEAR in a fresh process (the
-    choice is made once per process), against this CPU's own: both properties, equal outputs."""
+    choice is made once per process), against this CPU's own: `module`'s check_shape (both
+    properties) over its SHAPES in each, equal outputs."""
     from safetensors.torch import load_file
 
     if "avx2" not in Path("/proc/cpuinfo").read_text():
@@ -106,7 +107,7 @@ def test_avx2_and_plain_versions_give_the_same_bits(tmp_path):
 import sys
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 from safetensors.torch import save_file
-import test_int8_linear as t
+import {module} as t
 outputs = {{}}
 for shape in t.SHAPES:
     t.check_shape(*shape, outputs=outputs)
@@ -120,6 +121,10 @@ print("ok")
         results[version] = load_file(path)
     for key, value in results["avx2"].items():
         assert torch.equal(value, results["plain"][key]), key
+
+
+def test_avx2_and_plain_versions_give_the_same_bits(tmp_path):
+    versions_agree("test_int8_linear", tmp_path)
 
 
 def test_every_float_linear_is_replaced_once():
