@@ -56,12 +56,14 @@ def bench(
     command: str,
     progress: Callable[[str], None],
     peer: bool = True,
+    after_prompt: Callable[[dict], None] | None = None,
 ) -> list[dict]:
     """Each setup's report. One setup runs here; several run in a worker process each
     (devices/workers.py: runtimes in one process slow each other down), prompt by prompt in
     turn so that machine drift hits all alike. Interrupted after at least one prompt, it raises
     `Stopped` with the reports of the prompts done (no peer baselines: they take minutes).
-    `peer` False leaves the peer baselines out of the finished reports too."""
+    `peer` False leaves the peer baselines out of the finished reports too. `after_prompt`
+    is called with the first setup's row after every prompt (the llama.cpp peer's rounds)."""
     if len(setups) == 1:
         gen = assemble(setups[0])
         suite = Suite(gen.config.k, repeat)
@@ -73,6 +75,8 @@ def bench(
                     )
                     progress(f"[{i + 1}/{len(prompts)}] {progress_line(row)}")
                     bar.update(1)
+                    if after_prompt is not None:
+                        after_prompt(row)
         except (KeyboardInterrupt, Terminated) as cause:
             done = len(suite.rows)
             if done == 0:
@@ -89,10 +93,13 @@ def bench(
         try:
             with progress_bar(len(prompts) * len(runs), "prompts", unit="run") as bar:
                 for i, p in enumerate(prompts):
+                    rows = []
                     for run in runs:
-                        row = run.run_prompt(p)
-                        progress(f"[{i + 1}/{len(prompts)}] {run.label}: {progress_line(row)}")
+                        rows.append(run.run_prompt(p))
+                        progress(f"[{i + 1}/{len(prompts)}] {run.label}: {progress_line(rows[-1])}")
                         bar.update(1)
+                    if after_prompt is not None:
+                        after_prompt(rows[0])
         except (KeyboardInterrupt, Terminated) as cause:
             if len(runs) < len(setups):
                 raise

@@ -435,10 +435,16 @@ def to_markdown(report: dict) -> str:
     llama = report.get("peer_llama_cpp")
     if llama:
         if "tokens_per_s" in llama:
+            shape = (
+                f"each of {llama['prompts']} prompts' length and context timed right after "
+                f"ours decoded it (means {llama['new_tokens']} and {llama['depth']})"
+                if llama.get("interleaved")
+                else f"{llama['new_tokens']} tokens after {llama['depth']} of context"
+            )
             text = (
                 f"{llama['tokens_per_s']:.1f} tok/s (+-{llama['stddev']:.1f}; llama-bench, "
-                f"{llama['new_tokens']} tokens after {llama['depth']} of context, "
-                f"{llama['threads']} threads, build {llama['build']})"
+                f"{shape}, {llama['threads']} threads, build {llama['build']})"
+                + (f"; {llama['note']}" if "note" in llama else "")
             )
         else:
             text = llama.get("error") or llama.get("note", "")

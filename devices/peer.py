@@ -106,10 +106,10 @@ def llama_cpp_baseline(
     tool: Path, gguf: Path, threads: int, new_tokens: int, depth: int, repetitions: int = 3
 ) -> dict:
     """Plain decoding of `gguf` by llama.cpp: llama-bench's token generation of `new_tokens`
-    tokens after `depth` tokens of context (the suite's mean prompt length), `threads` threads.
+    tokens after `depth` tokens of context, `threads` threads, `repetitions` timed runs.
 
-    Returns {"tokens_per_s", "stddev", "depth", "new_tokens", "threads", "build", "command"} or
-    {"error": why}: the peer is optional and never stops the benchmark."""
+    Returns {"tokens_per_s", "stddev", "seconds", "tokens", "depth", "new_tokens", "threads",
+    "build", "command"} or {"error": why}: the peer is optional and never stops the benchmark."""
     import json
     import subprocess
 
@@ -128,11 +128,14 @@ def llama_cpp_baseline(
         rows = json.loads(done.stdout)
         row = next(r for r in rows if r.get("n_gen") == new_tokens)
         speed, spread = float(row["avg_ts"]), float(row.get("stddev_ts", 0.0))
+        samples = [float(ns) for ns in row.get("samples_ns") or [row["avg_ns"]] * repetitions]
     except (ValueError, StopIteration, KeyError, TypeError):
         return {"error": f"llama.cpp's {tool.name} printed no token-generation result"}
     return {
         "tokens_per_s": round(speed, 3),
         "stddev": round(spread, 3),
+        "seconds": sum(samples) / 1e9,
+        "tokens": new_tokens * len(samples),
         "depth": depth,
         "new_tokens": new_tokens,
         "threads": threads,
@@ -141,14 +144,16 @@ def llama_cpp_baseline(
     }
 
 
-def llama_cpp_peer(
-    bundle: str | None, directory: str | None, gguf: str | None, threads: int, report: dict
-) -> dict:
-    """The llama.cpp peer for a report: `gguf`, else the GGUF the bundle was exported from;
-    {"note": why} when it is skipped."""
+def llama_cpp_source(bundle: str | None, directory: str | None, gguf: str | None):
+    """What the llama.cpp peer decodes with: (llama-bench, the GGUF: `gguf`, else the one the
+    bundle was exported from), or {"note": why} when it is skipped. A --gguf that names no file
+    is a user error, raised before anything is measured."""
     from mtp_edge.errors import UserError
     from mtp_edge.manifest import Manifest
 
+    if gguf is not None and not Path(gguf).is_file():
+        raise UserError(f"--gguf {gguf} does not exist: give the GGUF file the bundle was "
+                        "exported from")  # fmt: skip
     tool = find_llama_bench(directory)
     if tool is None:
         return {"note": "llama.cpp not measured: no llama-bench on PATH (give --llama-cpp DIR)"}
@@ -162,11 +167,60 @@ def llama_cpp_peer(
             return {"note": f"llama.cpp not measured: the bundle was exported from "
                     f"{source['path']}, not a GGUF file: give --gguf"}  # fmt: skip
         gguf = source["path"]
-    path = Path(gguf)
-    if not path.is_file():
-        raise UserError(f"--gguf {gguf} does not exist: give the GGUF file the bundle was "
-                        "exported from")  # fmt: skip
-    rows = report.get("prompts", [])
-    depth = round(sum(r["prompt_tokens"] for r in rows) / len(rows)) if rows else 0
-    new_tokens = max((r["ar_tokens"] for r in rows), default=96)
-    return llama_cpp_baseline(tool, path, threads, new_tokens, depth)
+        if not Path(gguf).is_file():
+            return {"note": f"llama.cpp not measured: the bundle's source {gguf} is not there "
+                    "(moved or deleted): give --gguf"}  # fmt: skip
+    return tool, Path(gguf)
+
+
+class LlamaCppRounds:
+    """The llama.cpp peer timed prompt by prompt, right after our setups decoded the prompt:
+    llama-bench generates as many tokens as our plain decoding did, after as many tokens of
+    context as the prompt has. Where the host's speed drifts within a run (a neighbour on the
+    VM, the clock, another job) both sides of the comparison see the same drift; timed once at
+    the end, llama.cpp alone saw the host's state then (ratios moved by 0.2 between runs)."""
+
+    def __init__(self, tool: Path, gguf: Path, threads: int, repetitions: int = 1):
+        self.tool, self.gguf, self.threads, self.repetitions = tool, gguf, threads, repetitions
+        self.runs: list[dict] = []
+        self.error: str | None = None
+
+    def after(self, row: dict) -> dict | None:
+        """Time llama.cpp on the shape of the prompt whose first setup's row is `row`; the run,
+        or None once llama.cpp has failed (the first failure is reported, not retried)."""
+        if self.error is not None:
+            return None
+        new_tokens = max(row["ar_tokens"] - 1, 1)  # as our plain rate: after the first token
+        run = llama_cpp_baseline(
+            self.tool, self.gguf, self.threads, new_tokens, row["prompt_tokens"], self.repetitions
+        )
+        if "error" in run:
+            self.error = run["error"]
+            return None
+        self.runs.append(run)
+        return run
+
+    def result(self) -> dict:
+        """{"tokens_per_s" (all tokens over all seconds, as our plain rate), "stddev" (of the
+        prompts' rates), "prompts", "depth" and "new_tokens" (means), "threads", "build",
+        "interleaved", "command" (the first prompt's)} or {"error": why}."""
+        import statistics
+
+        if self.error is not None:
+            return {"error": self.error}
+        if not self.runs:
+            return {"error": "llama.cpp was not timed: no prompt was measured"}
+        rates = [r["tokens"] / r["seconds"] for r in self.runs if r["seconds"] > 0]
+        seconds = sum(r["seconds"] for r in self.runs)
+        n = len(self.runs)
+        return {
+            "tokens_per_s": round(sum(r["tokens"] for r in self.runs) / seconds, 3),
+            "stddev": round(statistics.stdev(rates), 3) if len(rates) > 1 else 0.0,
+            "prompts": n,
+            "depth": round(sum(r["depth"] for r in self.runs) / n),
+            "new_tokens": round(sum(r["new_tokens"] for r in self.runs) / n),
+            "threads": self.threads,
+            "build": self.runs[0]["build"],
+            "interleaved": True,
+            "command": self.runs[0]["command"],
+        }

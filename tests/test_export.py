@@ -132,6 +132,52 @@ def test_bench_refuses_a_llama_cpp_directory_without_llama_bench(bundle, tmp_pat
     assert error_line(result).startswith(want)
 
 
+def test_bench_refuses_a_gguf_that_is_not_there_before_measuring(bundle, tmp_path):
+    missing = tmp_path / "model.gguf"
+    result = CliRunner().invoke(bench, ["--bundle", str(bundle), "--gguf", str(missing)])
+    assert result.exit_code == 2
+    assert error_line(result) == (
+        f"error: --gguf {missing} does not exist: give the GGUF file the bundle was exported from"
+    )
+    assert "[1/" not in result.output  # refused before the first prompt
+
+
+def test_llama_cpp_is_timed_after_each_prompt(bundle, tmp_path):
+    """With a real llama-bench (on PATH, or a build named by MTP_EDGE_LLAMA_CPP; skipped
+    without one), mtp-bench times llama.cpp on each prompt's shape right after our setups
+    decoded it: as many tokens as our plain decoding after the first, after the prompt's
+    context; the rate is all tokens over all seconds, as ours."""
+    import os
+
+    from mtp_edge.checkpoints import default_model_path
+    from mtp_edge.devices.peer import find_llama_bench
+
+    tool = find_llama_bench(os.environ.get("MTP_EDGE_LLAMA_CPP"))
+    if tool is None:
+        pytest.skip("llama.cpp's llama-bench is not on PATH (set MTP_EDGE_LLAMA_CPP to a build)")
+    prompts = tmp_path / "p.jsonl"
+    rows = [
+        {"id": f"p{i}", "category": "chat", "prompt": f"{PROMPT} " * (i + 1), "max_new_tokens": n}
+        for i, n in enumerate([9, 17])
+    ]
+    prompts.write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "bench.json"
+    args = ["--bundle", str(bundle), "--prompts", str(prompts), "--no-chat-template"]
+    args += ["--llama-cpp", str(tool.parent), "--gguf", str(default_model_path())]
+    result = CliRunner().invoke(bench, [*args, "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    peer = report["peer_llama_cpp"]
+    assert "error" not in peer, peer
+    ours = report["prompts"]
+    assert peer["interleaved"] is True and peer["prompts"] == 2
+    assert peer["new_tokens"] == round(sum(r["ar_tokens"] - 1 for r in ours) / 2)
+    assert peer["depth"] == round(sum(r["prompt_tokens"] for r in ours) / 2)
+    assert peer["tokens_per_s"] > 0 and peer["threads"] == report["threads"]
+    assert result.output.count("  llama.cpp: ") == 2  # one round after each prompt
+    assert "each of 2 prompts' length and context timed right after ours" in result.output
+
+
 def test_tampered_bundle_is_refused(bundle, tmp_path):
     import shutil
 

@@ -106,12 +106,35 @@ def bench(
         say("[machine] measuring memory bandwidth and matmul throughput")
         machine = machine_description()  # before ExecuTorch takes the cores
     command = " ".join(["mtp-bench", *sys.argv[1:]])
-    if llama_cpp is not None:
-        from mtp_edge.devices.peer import find_llama_bench
+    rounds, llama_note = None, None
+    if llama_cpp is not None or first.bundle is not None or gguf is not None:
+        from mtp_edge.devices.peer import LlamaCppRounds, find_llama_bench, llama_cpp_source
 
         find_llama_bench(llama_cpp)  # a wrong directory fails now, not after the measurement
+        source = (
+            llama_cpp_source(first.bundle, llama_cpp, gguf)
+            if first.bundle is not None or gguf is not None
+            else None
+        )
+        if isinstance(source, dict):
+            llama_note = source
+        elif source is not None:
+            import torch
+
+            threads = first.threads or torch.get_num_threads()
+            rounds = LlamaCppRounds(*source, threads, repeat)
+            say(f"[peer] llama.cpp ({threads} threads) decodes each prompt's shape after ours")
+
+    def peer_round(row: dict) -> None:
+        run = rounds.after(row)
+        if run is not None:
+            say(f"  llama.cpp: {run['tokens'] / run['seconds']:.1f} tok/s")
+
     try:
-        reports = measure(setups, prompts, repeat, max_new_tokens, command, say)
+        reports = measure(
+            setups, prompts, repeat, max_new_tokens, command, say,
+            after_prompt=peer_round if rounds is not None else None,
+        )  # fmt: skip
     except Stopped as stop:  # Ctrl-C or SIGTERM after some prompts: keep what was measured
         runs = stop.reports
         write_json(json_out, runs[0] if len(runs) == 1 else {"command": command, "runs": runs})
@@ -119,13 +142,15 @@ def bench(
         done = stop.reports[0]["partial"]
         say(f"[partial] {done['prompts_done']} of {done['prompts']} prompts measured and written")
         raise stop.cause from None
-    if first.bundle is not None or gguf is not None:
-        from mtp_edge.devices.peer import llama_cpp_peer
-
-        say("[peer] llama.cpp, plain decoding of the same GGUF")
-        reports[0]["peer_llama_cpp"] = llama_cpp_peer(
-            first.bundle, llama_cpp, gguf, reports[0]["threads"], reports[0]
-        )
+    if rounds is not None:
+        peer = rounds.result()
+        if "error" not in peer and peer["threads"] != reports[0]["threads"]:
+            peer["note"] = (
+                f"llama.cpp ran {peer['threads']} threads, the first setup {reports[0]['threads']}"
+            )
+        reports[0]["peer_llama_cpp"] = peer
+    elif llama_note is not None:
+        reports[0]["peer_llama_cpp"] = llama_note
     markdown = "\n".join(to_markdown(r) for r in reports)
     body = reports[0] if len(reports) == 1 else {"command": command, "runs": reports}
     write_json(json_out, body)
