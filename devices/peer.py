@@ -203,7 +203,8 @@ class LlamaCppRounds:
     def result(self) -> dict:
         """{"tokens_per_s" (all tokens over all seconds, as our plain rate), "stddev" (of the
         prompts' rates), "prompts", "depth" and "new_tokens" (means), "threads", "build",
-        "interleaved", "command" (the first prompt's)} or {"error": why}."""
+        "interleaved", "tokens_per_s_by_prompt", "command" (the first prompt's)} or
+        {"error": why}."""
         import statistics
 
         if self.error is not None:
@@ -222,5 +223,7 @@ class LlamaCppRounds:
             "threads": self.threads,
             "build": self.runs[0]["build"],
             "interleaved": True,
+            # prompt by prompt, in the suite's order: beside our rows, a paired comparison
+            "tokens_per_s_by_prompt": [round(r, 3) for r in rates],
             "command": self.runs[0]["command"],
         }

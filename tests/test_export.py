@@ -174,6 +174,8 @@ def test_llama_cpp_is_timed_after_each_prompt(bundle, tmp_path):
     assert peer["new_tokens"] == round(sum(r["ar_tokens"] - 1 for r in ours) / 2)
     assert peer["depth"] == round(sum(r["prompt_tokens"] for r in ours) / 2)
     assert peer["tokens_per_s"] > 0 and peer["threads"] == report["threads"]
+    by_prompt = peer["tokens_per_s_by_prompt"]
+    assert len(by_prompt) == 2 and min(by_prompt) <= peer["tokens_per_s"] <= max(by_prompt)
     assert result.output.count("  llama.cpp: ") == 2  # one round after each prompt
     assert "each of 2 prompts' length and context timed right after ours" in result.output
 
