@@ -363,13 +363,17 @@ def predict(
     tau = acceptance["tau"]
     if tau is None or cost.drafter_kind == "none":
         return out
+    # A verification checks what its step drafted, and one token more: k where the drafter
+    # always proposes k, fewer on average where a confidence floor or a lookup stops it (then a
+    # call of k + 1 rows overstated the loop's verifications where rows cost: AVX2's kernels).
+    drafted = acceptance["drafted_per_step"]
+    width = 1 + min(drafted, k)
     verify = call_time(
-        *cost.target_call(k + 1, context),
+        *cost.target_call(width, context),
         bandwidth,
         compute,
         calibration.target_overhead_ms + calibration.spec_loop_ms,
     )
-    drafted = acceptance["drafted_per_step"]
     if cost.drafter_kind == "mtp":
         step = draft_proposal(cost, drafted, bandwidth, compute, calibration.draft_overhead_ms)
         draft_ms = step.ms
@@ -402,6 +406,7 @@ def predict(
     spec_tps = tau / step_ms * 1e3
     out["speculative"] = {
         "verify": _show(verify),
+        "verify_tokens": round(width, 3),
         "verify_over_decode": round(verify.ms / plain.ms, 3),
         "draft": _show(step) if step else None,
         "draft_ms_per_verify": round(draft_ms, 3),

@@ -178,6 +178,22 @@ def test_prediction_on_a_memory_bound_device():
     assert p["speedup"] > 1.5  # a 5-token verify costs little more than 1 token
 
 
+def test_a_verification_checks_what_its_step_drafted():
+    """Where a confidence floor leaves 1.5 drafted tokens a step on average, the verification
+    is a call of 2.5 tokens, not k + 1 = 5."""
+    cost = synthetic_cost()
+    acceptance = {"tau": 1.8, "drafted_per_step": 1.5, "context": 0, "source": "test"}
+    starved = roofline.Calibration(**{**CALIBRATION.__dict__, "compute_gops": 20.0})
+    p = roofline.predict(cost, device(50, 40), starved, acceptance)
+    b, f = cost.target_call(2.5, 0)
+    verify_ms = 1.0 + (b / 50e9 + f / 20e9) * 1e3
+    assert p["speculative"]["verify_tokens"] == 2.5
+    assert p["speculative"]["verify"]["ms"] == pytest.approx(verify_ms, abs=1e-3)
+    full = roofline.predict(cost, device(50, 40), starved, {**acceptance, "drafted_per_step": 4.0})
+    assert full["speculative"]["verify_tokens"] == 5
+    assert full["speculative"]["verify"]["ms"] > 1.5 * p["speculative"]["verify"]["ms"]
+
+
 def test_prediction_on_a_compute_starved_device():
     """With little compute the verify call is compute-bound and speculation stops paying."""
     cost = synthetic_cost()
