@@ -127,12 +127,21 @@ def make_plots(directory: Path, reports: list[dict]) -> dict[str, str]:
             ):
                 values = [rows[p].get(field, np.nan) if p in rows else np.nan for p in ids]
                 ax.plot(xs, values, marker, color=color, ms=size, mew=2, label=f"{what}, {run}")
+        llama = llama_by_prompt(reports[0]) if key == "tokens" else None
+        if llama is not None:
+            ax.plot(x, llama, "x", color="black", ms=6, mew=1.5, label="llama.cpp plain, same GGUF")
         ax.set_xticks(x, ids, rotation=90, fontsize=7)
         ax.set_ylabel(ylabel)
         ax.set_title(title)
         ax.legend(fontsize=8)
         files[key] = _save(fig, directory / name)
     return files
+
+
+def llama_by_prompt(report: dict) -> list[float] | None:
+    """llama.cpp's rate on each of the report's prompts, where it was timed beside them."""
+    rates = (report.get("peer_llama_cpp") or {}).get("tokens_per_s_by_prompt")
+    return rates if rates and len(rates) == len(report["prompts"]) else None
 
 
 def _save(fig, path: Path) -> str:
@@ -219,6 +228,18 @@ def markdown(reports: list[dict], command: str, machine: dict, plots: dict[str, 
                 "Peer baseline, ExecuTorch TextLLMRunner on the same target .pte (plain): "
                 + (f"{peer['tokens_per_s']:.1f} tok/s" if "error" not in peer else peer["error"]),
             ]
+        llama = r.get("peer_llama_cpp")
+        if llama:
+            if "tokens_per_s" in llama:
+                ours = r["summary"]["ar_tokens_per_s"]
+                text = (
+                    f"{llama['tokens_per_s']:.1f} tok/s; our plain decoding "
+                    f"{ours / llama['tokens_per_s']:.2f}x it"
+                    + (" (timed prompt by prompt beside ours)" if llama.get("interleaved") else "")
+                )
+            else:
+                text = llama.get("error") or llama.get("note", "")
+            lines += ["", "Peer baseline, llama.cpp on the same GGUF (plain): " + text]
         lines.append("")
     return "\n".join(lines)
 

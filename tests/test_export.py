@@ -164,7 +164,8 @@ def test_llama_cpp_is_timed_after_each_prompt(bundle, tmp_path):
     out = tmp_path / "bench.json"
     args = ["--bundle", str(bundle), "--prompts", str(prompts), "--no-chat-template"]
     args += ["--llama-cpp", str(tool.parent), "--gguf", str(default_model_path())]
-    result = CliRunner().invoke(bench, [*args, "--json", str(out)])
+    page = tmp_path / "report"
+    result = CliRunner().invoke(bench, [*args, "--json", str(out), "--report", str(page)])
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     peer = report["peer_llama_cpp"]
@@ -178,6 +179,11 @@ def test_llama_cpp_is_timed_after_each_prompt(bundle, tmp_path):
     assert len(by_prompt) == 2 and min(by_prompt) <= peer["tokens_per_s"] <= max(by_prompt)
     assert result.output.count("  llama.cpp: ") == 2  # one round after each prompt
     assert "each of 2 prompts' length and context timed right after ours" in result.output
+    ratio = report["summary"]["ar_tokens_per_s"] / peer["tokens_per_s"]
+    assert (
+        f"Peer baseline, llama.cpp on the same GGUF (plain): {peer['tokens_per_s']:.1f} tok/s; "
+        f"our plain decoding {ratio:.2f}x it (timed prompt by prompt beside ours)"
+    ) in (page / "report.md").read_text()
 
 
 def test_tampered_bundle_is_refused(bundle, tmp_path):
