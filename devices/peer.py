@@ -144,21 +144,33 @@ def llama_cpp_baseline(
     }
 
 
-def llama_cpp_source(bundle: str | None, directory: str | None, gguf: str | None):
+def llama_cpp_source(
+    bundle: str | None, directory: str | None, gguf: str | None, model: str | None = None
+):
     """What the llama.cpp peer decodes with: (llama-bench, the GGUF: `gguf`, else the one the
-    bundle was exported from), or {"note": why} when it is skipped. A --gguf that names no file
-    is a user error, raised before anything is measured."""
+    bundle was exported from, else `model` when it is a GGUF file or the default model), or
+    {"note": why} when it is skipped, or None where nothing names a GGUF (a model directory
+    without --gguf). A --gguf that names no file is a user error, raised before anything is
+    measured."""
     from mtp_edge.errors import UserError
     from mtp_edge.manifest import Manifest
 
     if gguf is not None and not Path(gguf).is_file():
         raise UserError(f"--gguf {gguf} does not exist: give the GGUF file the bundle was "
                         "exported from")  # fmt: skip
+    if gguf is None and bundle is None:
+        if model == "default":
+            from mtp_edge.checkpoints import default_model_path
+
+            gguf = str(default_model_path())
+        elif model is not None and Path(model).is_file() and model.endswith(".gguf"):
+            gguf = model
+        else:
+            return None
     tool = find_llama_bench(directory)
     if tool is None:
         return {"note": "llama.cpp not measured: no llama-bench on PATH (give --llama-cpp DIR)"}
     if gguf is None:
-        assert bundle is not None  # the caller gives one or the other
         source = Manifest.load(bundle, verify=False).source
         if source is None:
             return {"note": "llama.cpp not measured: the bundle does not record its source "

@@ -186,6 +186,33 @@ def test_llama_cpp_is_timed_after_each_prompt(bundle, tmp_path):
     ) in (page / "report.md").read_text()
 
 
+def test_llama_cpp_decodes_the_model_that_mtp_bench_decodes(model_dir, tmp_path):
+    """Without a bundle the peer decodes -m's GGUF (here the default model); a model directory
+    has none, and the report says to give --gguf. Needs a real llama-bench (skipped without)."""
+    import os
+
+    from mtp_edge.devices.peer import find_llama_bench
+
+    tool = find_llama_bench(os.environ.get("MTP_EDGE_LLAMA_CPP"))
+    if tool is None:
+        pytest.skip("llama.cpp's llama-bench is not on PATH (set MTP_EDGE_LLAMA_CPP to a build)")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "p", "category": "chat", "prompt": PROMPT}) + "\n")
+    args = ["--prompts", str(prompts), "-n", "6", "--no-chat-template"]
+    args += ["--llama-cpp", str(tool.parent)]
+    out = tmp_path / "default.json"
+    result = CliRunner().invoke(bench, [*args, "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    peer = json.loads(out.read_text())["peer_llama_cpp"]
+    assert peer["interleaved"] is True and peer["prompts"] == 1, peer
+    out = tmp_path / "dir.json"
+    result = CliRunner().invoke(bench, [*args, "-m", str(model_dir), "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["peer_llama_cpp"] == {
+        "note": f"llama.cpp not measured: {model_dir} is not a GGUF file: give --gguf"
+    }
+
+
 def test_tampered_bundle_is_refused(bundle, tmp_path):
     import shutil
 

@@ -61,13 +61,14 @@ from mtp_edge.files import check_output, write_atomic
     "llama_cpp",
     default=None,
     help="A llama.cpp build (a directory with llama-bench, or its bin/ or build/bin/): llama.cpp "
-    "decodes the bundle's GGUF as a peer baseline. Default: llama-bench on PATH, else skipped "
-    "with a note.",
+    "decodes the bundle's GGUF (or -m's) as a peer baseline, timed after each prompt. Default: "
+    "llama-bench on PATH for a bundle, else skipped with a note.",
 )
 @click.option(
     "--gguf",
     default=None,
-    help="The GGUF for the llama.cpp peer (default: the file the bundle was exported from).",
+    help="The GGUF for the llama.cpp peer (default: the file the bundle was exported from, or "
+    "-m's GGUF).",
 )
 def bench(
     prompts_path,
@@ -111,11 +112,10 @@ def bench(
         from mtp_edge.devices.peer import LlamaCppRounds, find_llama_bench, llama_cpp_source
 
         find_llama_bench(llama_cpp)  # a wrong directory fails now, not after the measurement
-        source = (
-            llama_cpp_source(first.bundle, llama_cpp, gguf)
-            if first.bundle is not None or gguf is not None
-            else None
-        )
+        source = llama_cpp_source(first.bundle, llama_cpp, gguf, first.model)
+        if source is None and llama_cpp is not None:
+            llama_note = {"note": f"llama.cpp not measured: {first.model} is not a GGUF file: "
+                          "give --gguf"}  # fmt: skip
         if isinstance(source, dict):
             llama_note = source
         elif source is not None:
