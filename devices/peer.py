@@ -223,11 +223,14 @@ class LlamaCppRounds:
             return {"error": self.error}
         if not self.runs:
             return {"error": "llama.cpp was not timed: no prompt was measured"}
-        rates = [r["tokens"] / r["seconds"] for r in self.runs if r["seconds"] > 0]
+        # one rate a prompt, so that the list lines up with the report's prompts
+        rates = [r["tokens"] / r["seconds"] if r["seconds"] > 0 else 0.0 for r in self.runs]
         seconds = sum(r["seconds"] for r in self.runs)
         n = len(self.runs)
         return {
-            "tokens_per_s": round(sum(r["tokens"] for r in self.runs) / seconds, 3),
+            "tokens_per_s": round(sum(r["tokens"] for r in self.runs) / seconds, 3)
+            if seconds > 0
+            else 0.0,
             "stddev": round(statistics.stdev(rates), 3) if len(rates) > 1 else 0.0,
             "prompts": n,
             "depth": round(sum(r["depth"] for r in self.runs) / n),
