@@ -432,29 +432,34 @@ def to_markdown(report: dict) -> str:
             + (f"{peer['tokens_per_s']:.1f} tok/s" if "error" not in peer else peer["error"])
             + (f" (measured once, with {peer['shared_with']})" if "shared_with" in peer else ""),
         ]
-    llama = report.get("peer_llama_cpp")
+    llama = llama_peer_line(report)
     if llama:
-        if "tokens_per_s" in llama:
-            shape = (
-                f"each of {llama['prompts']} prompts' length and context timed right after "
-                f"ours decoded it (means {llama['new_tokens']} and {llama['depth']})"
-                if llama.get("interleaved")
-                else f"{llama['new_tokens']} tokens after {llama['depth']} of context"
-            )
-            text = (
-                f"{llama['tokens_per_s']:.1f} tok/s (+-{llama['stddev']:.1f}; llama-bench, "
-                f"{shape}, {llama['threads']} threads, build {llama['build']})"
-                + (f"; {llama['note']}" if "note" in llama else "")
-            )
-        else:
-            text = llama.get("error") or llama.get("note", "")
-        lines += ["", "Peer baseline, llama.cpp on the same GGUF (plain): " + text]
+        lines += ["", llama]
     note = _int8_note(report)
     if note:
         lines += ["", note]
     if report.get("command"):
         lines += ["", f"Command: `{report['command']}`"]
     return "\n".join(lines) + "\n"
+
+
+def llama_peer_line(report: dict) -> str | None:
+    """The report's llama.cpp peer in a line (the terminal's table and `--report`'s page)."""
+    llama = report.get("peer_llama_cpp")
+    if not llama:
+        return None
+    if "tokens_per_s" in llama:
+        ratio = report["summary"]["ar_tokens_per_s"] / llama["tokens_per_s"]
+        text = (
+            f"{llama['tokens_per_s']:.1f} tok/s; our plain decoding {ratio:.2f}x it (timed prompt "
+            f"by prompt beside ours): +-{llama['stddev']:.1f}, llama-bench on each of "
+            f"{llama['prompts']} prompts' length and context timed right after ours decoded it "
+            f"(means {llama['new_tokens']} and {llama['depth']}), {llama['threads']} threads, "
+            f"build {llama['build']}" + (f"; {llama['note']}" if "note" in llama else "")
+        )
+    else:
+        text = llama.get("error") or llama.get("note", "")
+    return "Peer baseline, llama.cpp on the same GGUF (plain): " + text
 
 
 def _int8_note(report: dict) -> str | None:

@@ -12,6 +12,7 @@ import platform
 from pathlib import Path
 
 from mtp_edge.devices.catalog import host_device
+from mtp_edge.devices.harness import llama_peer_line
 from mtp_edge.files import atomic_directory
 
 
@@ -228,18 +229,9 @@ def markdown(reports: list[dict], command: str, machine: dict, plots: dict[str, 
                 "Peer baseline, ExecuTorch TextLLMRunner on the same target .pte (plain): "
                 + (f"{peer['tokens_per_s']:.1f} tok/s" if "error" not in peer else peer["error"]),
             ]
-        llama = r.get("peer_llama_cpp")
+        llama = llama_peer_line(r)
         if llama:
-            if "tokens_per_s" in llama:
-                ours = r["summary"]["ar_tokens_per_s"]
-                text = (
-                    f"{llama['tokens_per_s']:.1f} tok/s; our plain decoding "
-                    f"{ours / llama['tokens_per_s']:.2f}x it"
-                    + (" (timed prompt by prompt beside ours)" if llama.get("interleaved") else "")
-                )
-            else:
-                text = llama.get("error") or llama.get("note", "")
-            lines += ["", "Peer baseline, llama.cpp on the same GGUF (plain): " + text]
+            lines += ["", llama]
         lines.append("")
     return "\n".join(lines)
 
