@@ -26,6 +26,12 @@ reference here computes them too.
 4-bit layers of `8da4w-mix-avx2`: XNNPACK's groupwise 4-bit GEMM takes 3 rows a pass on AVX2,
 this kernel 6. A group's sum is an exact integer and the groups join in a fixed order, so its
 rows too are the same bits on every CPU and in every tile.
+
+`mtp_edge::rms_norm`, `rope` and `swiglu` are the element-wise work between those linears (the
+norm, the rotary embedding, silu(gate) x up), one op each: in XNNPACK they were ~5 delegate calls
+a layer, whose fixed cost (~9 us each on an x86 core) came to 4-9% of a forward. Programs whose
+linears all run in our kernels call these instead and need no XNNPACK at all. Each row is computed
+alone, so a row's bits do not depend on the other rows of the call.
 """
 
 from __future__ import annotations
@@ -212,8 +218,30 @@ def linear_i4(x, weight, weight_scale, weight_sum, bias=None, cells: int = 1 << 
     return out.reshape(*x.shape[:-1], n)
 
 
+# The element-wise glue between the linears (module doc).
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Eager reference of mtp_edge::rms_norm: weight x (x / sqrt(mean(x^2) + eps)) over the last
+    dimension, in float32."""
+    mean = x.float().pow(2).mean(-1, keepdim=True)
+    return weight * (x * torch.rsqrt(mean + eps))
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Eager reference of mtp_edge::rope: x [1, T, H, D] rotated by the rows cos, sin [T, D]
+    (row i for token i): x cos + rotate_half(x) sin, rotate_half(x) = (-x[D/2:], x[:D/2])."""
+    half = x.shape[-1] // 2
+    turned = torch.cat((-x[..., half:], x[..., :half]), -1)
+    return x * cos[None, :, None] + turned * sin[None, :, None]
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Eager reference of mtp_edge::swiglu: silu(gate) x up."""
+    return F.silu(gate) * up
+
+
 def define() -> None:
-    """Register torch.ops.mtp_edge.sdpa and .linear_i8 (and their .out) with torch; idempotent."""
+    """Register our ops (torch.ops.mtp_edge.sdpa, linear_i8, linear_i4, rms_norm, rope, swiglu,
+    and their .out) with torch; idempotent."""
     global _library
     if _library is not None:
         return
@@ -265,6 +293,25 @@ def define() -> None:
     def linear4_meta(x, weight, weight_scale, weight_sum, bias):
         return x.new_empty((*x.shape[:-1], weight_sum.shape[0]))
 
+    lib.define("rms_norm(Tensor input, Tensor weight, float eps) -> Tensor")
+    lib.define(
+        "rms_norm.out(Tensor input, Tensor weight, float eps, *, Tensor(a!) out) -> Tensor(a!)"
+    )
+    lib.define("rope(Tensor input, Tensor cos, Tensor sin) -> Tensor")
+    lib.define("rope.out(Tensor input, Tensor cos, Tensor sin, *, Tensor(a!) out) -> Tensor(a!)")
+    lib.define("swiglu(Tensor gate, Tensor up) -> Tensor")
+    lib.define("swiglu.out(Tensor gate, Tensor up, *, Tensor(a!) out) -> Tensor(a!)")
+    for name, reference in (("rms_norm", rms_norm), ("rope", rope), ("swiglu", swiglu)):
+
+        def out_of(*args, out, reference=reference):
+            result = reference(*args)
+            out.resize_(result.shape).copy_(result)
+            return out
+
+        lib.impl(name, reference, "CPU")
+        lib.impl(f"{name}.out", out_of, "CPU")
+        lib.impl(name, lambda first, *rest: torch.empty_like(first), "Meta")
+        lib.impl(f"{name}.out", lambda *args, out: out, "Meta")
     lib.impl("linear_i4", linear_i4, "CPU")
     lib.impl("linear_i4.out", linear4_out, "CPU")
     lib.impl("linear_i4", linear4_meta, "Meta")

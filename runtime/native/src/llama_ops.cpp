@@ -21,6 +21,7 @@
 #include <cstdlib>
 #include <cstdio>
 #include <cstring>
+#include <initializer_list>
 #include <memory>
 #include <vector>
 
@@ -714,6 +715,190 @@ bool attend_causal(KernelRuntimeContext& ctx, const char* op, const Tensor& q, c
   return true;
 }
 
+// The element-wise glue between the linears (mtp_edge/ops.py): mtp_edge::rms_norm, rope and
+// swiglu. A row's arithmetic is fixed by the row alone; rows go over the thread pool only when a
+// call has many (prefill), and which thread does a row does not change it.
+template <class F>
+void over_rows(int64_t rows, int64_t row_size, F&& body) {
+  constexpr int64_t kAlone = int64_t(1) << 15;  // floats a call does on the caller's thread
+  if (rows < 2 || rows * row_size <= kAlone) {
+    for (int64_t r = 0; r < rows; ++r) body(r);
+    return;
+  }
+  executorch::extension::threadpool::get_threadpool()->run(
+      [&](size_t r) { body(int64_t(r)); }, size_t(rows));
+}
+
+// out = weight x (x / sqrt(mean(x^2) + eps)): the squares summed in 16 lanes, then as sum16.
+template <class T>
+MTP_INLINE void norm_row(const float* x, const float* w, int64_t n, float eps, float* out) {
+  T acc = splat<T>(0.f);
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const T v = load16<T>(x + j);
+    acc += v * v;
+  }
+  float total = sum16(acc);
+  for (; j < n; ++j) total += x[j] * x[j];
+  const float inv = 1.f / std::sqrt(total / float(n) + eps);
+  for (j = 0; j < n; ++j) out[j] = w[j] * (x[j] * inv);
+}
+
+// silu(g) x u, with silu(g) = g / (1 + e^-g) from e = exp(-|g|) <= 1: g >= 0 takes 1 / (1 + e),
+// g < 0 takes e / (1 + e). A row's tail goes through the same vectors, padded with zeros.
+template <class V>
+MTP_INLINE V silu_register(V g) {
+  const V e = exp_register(g < 0.f ? g : -g);
+  const V one = V{} + 1.f;
+  return g * ((g < 0.f ? e : one) / (one + e));
+}
+
+template <class T>
+MTP_INLINE void swiglu_row(const float* g, const float* u, int64_t n, float* out) {
+  auto sixteen = [](const float* g16, const float* u16, float* o16) {
+    T a = load16<T>(g16);
+    const T b = load16<T>(u16);
+    for (int i = 0; i < T::kParts; ++i) a.p[i] = silu_register(a.p[i]) * b.p[i];
+    store16(o16, a);
+  };
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) sixteen(g + j, u + j, out + j);
+  if (j < n) {
+    float gt[kLanes] = {}, ut[kLanes] = {}, ot[kLanes];
+    std::memcpy(gt, g + j, sizeof(float) * (n - j));
+    std::memcpy(ut, u + j, sizeof(float) * (n - j));
+    sixteen(gt, ut, ot);
+    std::memcpy(out + j, ot, sizeof(float) * (n - j));
+  }
+}
+
+using NormFn = void (*)(const float*, const float*, int64_t, float, float*);
+using SwigluFn = void (*)(const float*, const float*, int64_t, float*);
+#ifdef MTP_X86_VERSIONS
+__attribute__((target("avx512f"))) void norm_avx512(const float* x, const float* w, int64_t n,
+                                                     float eps, float* out) {
+  norm_row<Vec<F16, 1>>(x, w, n, eps, out);
+}
+__attribute__((target("avx2,fma"))) void norm_avx2(const float* x, const float* w, int64_t n,
+                                                   float eps, float* out) {
+  norm_row<Vec<F8, 2>>(x, w, n, eps, out);
+}
+__attribute__((target("avx512f"))) void swiglu_avx512(const float* g, const float* u, int64_t n,
+                                                       float* out) {
+  swiglu_row<Vec<F16, 1>>(g, u, n, out);
+}
+__attribute__((target("avx2,fma"))) void swiglu_avx2(const float* g, const float* u, int64_t n,
+                                                     float* out) {
+  swiglu_row<Vec<F8, 2>>(g, u, n, out);
+}
+#endif
+void norm_baseline(const float* x, const float* w, int64_t n, float eps, float* out) {
+  norm_row<Vec<F4, 4>>(x, w, n, eps, out);
+}
+void swiglu_baseline(const float* g, const float* u, int64_t n, float* out) {
+  swiglu_row<Vec<F4, 4>>(g, u, n, out);
+}
+
+// The version attention runs (attention_version: the CPU's best, or MTP_EDGE_ATTENTION_ISA).
+template <class Fn>
+Fn by_version(Fn avx512, Fn avx2, Fn baseline) {
+  switch (attention_version()) {
+    case 2:
+      return avx512;
+    case 1:
+      return avx2;
+  }
+  return baseline;
+}
+
+bool float_tensors(KernelRuntimeContext& ctx, const char* op,
+                   std::initializer_list<const Tensor*> tensors) {
+  bool ok = true;
+  for (const Tensor* t : tensors) ok = ok && t->scalar_type() == ScalarType::Float;
+  char what[64];
+  std::snprintf(what, sizeof what, "%s: float32 only", op);
+  return check(ctx, ok, what);
+}
+
+// mtp_edge::rms_norm.out(Tensor input, Tensor weight, float eps, *, Tensor(a!) out): over the
+// last dimension.
+void mtp_rms_norm(KernelRuntimeContext& ctx, Span<EValue*> stack) {
+  const Tensor& x = stack[0]->toTensor();
+  const Tensor& w = stack[1]->toTensor();
+  const float eps = float(stack[2]->toDouble());
+  Tensor& out = stack[3]->toTensor();
+  if (!float_tensors(ctx, "mtp_edge::rms_norm", {&x, &w, &out}) ||
+      !check(ctx, x.dim() >= 1 && w.numel() == x.size(x.dim() - 1),
+             "mtp_edge::rms_norm: the weight is not the size of the last dimension") ||
+      !check(ctx, executorch::runtime::resize_tensor(out, x.sizes()) == Error::Ok,
+             "mtp_edge::rms_norm: cannot resize the output"))
+    return;
+  const int64_t n = w.numel(), rows = n ? x.numel() / n : 0;
+#ifdef MTP_X86_VERSIONS
+  const NormFn row = by_version<NormFn>(norm_avx512, norm_avx2, norm_baseline);
+#else
+  const NormFn row = norm_baseline;
+#endif
+  const float* xp = x.const_data_ptr<float>();
+  const float* wp = w.const_data_ptr<float>();
+  float* op_ = out.mutable_data_ptr<float>();
+  over_rows(rows, n, [&](int64_t r) { row(xp + r * n, wp, n, eps, op_ + r * n); });
+}
+
+// mtp_edge::rope.out(Tensor input, Tensor cos, Tensor sin, *, Tensor(a!) out): input
+// [1, T, H, D], cos and sin [T, D] (row i for token i): x cos + rotate_half(x) sin.
+void mtp_rope(KernelRuntimeContext& ctx, Span<EValue*> stack) {
+  const Tensor& x = stack[0]->toTensor();
+  const Tensor& c = stack[1]->toTensor();
+  const Tensor& s = stack[2]->toTensor();
+  Tensor& out = stack[3]->toTensor();
+  if (!float_tensors(ctx, "mtp_edge::rope", {&x, &c, &s, &out}) ||
+      !check(ctx, x.dim() == 4 && x.size(3) % 2 == 0, "mtp_edge::rope: input [1, T, H, D] expected") ||
+      !check(ctx, c.numel() == x.size(1) * x.size(3) && s.numel() == c.numel(),
+             "mtp_edge::rope: cos and sin are not [T, D]") ||
+      !check(ctx, executorch::runtime::resize_tensor(out, x.sizes()) == Error::Ok,
+             "mtp_edge::rope: cannot resize the output"))
+    return;
+  const int64_t T = x.size(1), H = x.size(2), D = x.size(3), half = D / 2;
+  const float* xp = x.const_data_ptr<float>();
+  const float* cp = c.const_data_ptr<float>();
+  const float* sp = s.const_data_ptr<float>();
+  float* op_ = out.mutable_data_ptr<float>();
+  over_rows(T, H * D, [&](int64_t t) {
+    const float* cr = cp + t * D;
+    const float* sr = sp + t * D;
+    for (int64_t h = 0; h < H; ++h) {
+      const float* xh = xp + (t * H + h) * D;
+      float* oh = op_ + (t * H + h) * D;
+      for (int64_t j = 0; j < half; ++j) oh[j] = xh[j] * cr[j] - xh[j + half] * sr[j];
+      for (int64_t j = half; j < D; ++j) oh[j] = xh[j] * cr[j] + xh[j - half] * sr[j];
+    }
+  });
+}
+
+// mtp_edge::swiglu.out(Tensor gate, Tensor up, *, Tensor(a!) out): silu(gate) x up.
+void mtp_swiglu(KernelRuntimeContext& ctx, Span<EValue*> stack) {
+  const Tensor& g = stack[0]->toTensor();
+  const Tensor& u = stack[1]->toTensor();
+  Tensor& out = stack[2]->toTensor();
+  if (!float_tensors(ctx, "mtp_edge::swiglu", {&g, &u, &out}) ||
+      !check(ctx, g.dim() >= 1 && g.numel() == u.numel() && g.dim() == u.dim(),
+             "mtp_edge::swiglu: gate and up differ in shape") ||
+      !check(ctx, executorch::runtime::resize_tensor(out, g.sizes()) == Error::Ok,
+             "mtp_edge::swiglu: cannot resize the output"))
+    return;
+  const int64_t n = g.size(g.dim() - 1), rows = n ? g.numel() / n : 0;
+#ifdef MTP_X86_VERSIONS
+  const SwigluFn row = by_version<SwigluFn>(swiglu_avx512, swiglu_avx2, swiglu_baseline);
+#else
+  const SwigluFn row = swiglu_baseline;
+#endif
+  const float* gp = g.const_data_ptr<float>();
+  const float* up = u.const_data_ptr<float>();
+  float* op_ = out.mutable_data_ptr<float>();
+  over_rows(rows, n, [&](int64_t r) { row(gp + r * n, up + r * n, n, op_ + r * n); });
+}
+
 // llama.custom_sdpa.out: see the schema at the top.
 void custom_sdpa(KernelRuntimeContext& ctx, Span<EValue*> stack) {
   if (!check(ctx, stack[4]->isNone(), "custom_sdpa: attn_mask is not supported") ||
@@ -760,8 +945,11 @@ void register_llama_ops() {
 void register_mtp_ops() {
   static const executorch::runtime::Kernel kernels[] = {
       executorch::runtime::Kernel("mtp_edge::sdpa.out", mtp_sdpa),
+      executorch::runtime::Kernel("mtp_edge::rms_norm.out", mtp_rms_norm),
+      executorch::runtime::Kernel("mtp_edge::rope.out", mtp_rope),
+      executorch::runtime::Kernel("mtp_edge::swiglu.out", mtp_swiglu),
   };
-  register_missing(kernels, 1);
+  register_missing(kernels, sizeof kernels / sizeof kernels[0]);
   register_int8_linear();
 }
 
