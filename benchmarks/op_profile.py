@@ -7,8 +7,9 @@ position --reps times (each call overwrites the same cache slots, as a rejected 
 Per call, the time is split into: XNNPACK operators by kind (8-bit dynamically quantized
 GEMMs, float GEMMs, element-wise), the time inside delegate calls that no XNNPACK operator
 accounts for (delegate glue: setting up inputs, the dynamic-shape reshape), our attention op
-(mtp_edge::sdpa), the cache writes (llama::update_cache), the embedding lookup, other portable
-operators, and the runtime's dispatch around each portable operator. Medians over the calls.
+(mtp_edge::sdpa), our glue ops (rms_norm, rope, swiglu), the cache writes
+(llama::update_cache), the embedding lookup, other portable operators, and the runtime's
+dispatch around each portable operator. Medians over the calls.
 
     python benchmarks/op_profile.py bundles/qwen05-android/target.pte --widths 1,2,5,8 \\
         --json benchmarks/results/verification/op_profile_qwen05.json \\
@@ -43,6 +44,7 @@ CATEGORIES = [
     ("xnnpack element-wise", "norms, SwiGLU, residual adds, reshapes inside the delegate"),
     ("delegate glue", "inside delegate calls, not inside any XNNPACK operator"),
     ("attention (mtp_edge::sdpa)", "our row-exact attention op, with its dispatch"),
+    ("glue (mtp_edge::rms_norm, rope, swiglu)", "our element-wise ops between our linears"),
     ("cache write (update_cache)", "K and V written into the static cache"),
     ("embedding", "the 8-bit embedding lookup"),
     ("other portable ops", "index, arange, select and the like outside the delegates"),
@@ -68,6 +70,8 @@ def category(name: str, delegated: bool) -> str | None:
         return "linear int4 (mtp_edge::linear_i4)"
     if "sdpa" in name:
         return "attention (mtp_edge::sdpa)"
+    if any(op in name for op in ("rms_norm", "rope", "swiglu")):
+        return "glue (mtp_edge::rms_norm, rope, swiglu)"
     if "update_cache" in name:
         return "cache write (update_cache)"
     if "embedding" in name:

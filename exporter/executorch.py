@@ -35,7 +35,11 @@ so that ExecuTorch's own runner (TextLLMRunner) can run it too:
 
 model.py is not changed for export: `exportable_copy` swaps, on a copy of the model, each
 attention and norm for an export version made of ExecuTorch's custom ops and of ops that XNNPACK
-takes whole, so that each layer lowers as one XNNPACK call around the two cache ops.
+takes whole, so that each layer lowers as one XNNPACK call around the two cache ops. In the
+schemes whose linears are our own kernels (8da8w-avx2, 8da4w-mix-avx2) the linears cut every
+layer into ~5 XNNPACK calls of a few element-wise ops each, and a call's fixed cost outweighed its
+work: there the norms, the rotary embedding and SwiGLU are our ops (mtp_edge::rms_norm, rope,
+swiglu), and a program with no product left for XNNPACK is lowered without it (`needs_xnnpack`).
 
 Any other MTP head is a program of its own, drafter.pte, one recurrent draft step per call:
 `forward(h [1, D] float32, token [1] int64) -> (draft_logits [1, Vd], next_h [1, D])`, static
@@ -78,8 +82,9 @@ from mtp_edge.errors import UserError
 from mtp_edge.exporter.platform import draft_vocabulary, head_settings
 from mtp_edge.logs import estimated_stage
 from mtp_edge.manifest import Manifest, ModelFile
-from mtp_edge.model import Attention, RMSNorm, Transformer, rope_frequencies
-from mtp_edge.mtp import MTPHead
+from mtp_edge.model import MLP, Attention, RMSNorm, Transformer, rope_frequencies
+from mtp_edge.mtp import MTPHead, SwiGLU
+from mtp_edge.platforms import OWN_KERNEL_SCHEMES
 from mtp_edge.quantize.schemes import (
     QuantScheme,
     check_scheme,
@@ -109,10 +114,12 @@ def sdpa(q, k_cache, v_cache, start, kernel: str):
 class CustomOpAttention(nn.Module):
     """Our Attention (same projections and norms) on ExecuTorch's cache-update and SDPA ops."""
 
-    def __init__(self, attention: Attention, max_seq_len: int, kernel: str = "mtp"):
+    def __init__(
+        self, attention: Attention, max_seq_len: int, kernel: str = "mtp", own_glue: bool = False
+    ):
         super().__init__()
         a = attention
-        self.kernel = kernel
+        self.kernel, self.own_glue = kernel, own_glue
         self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = a.q_proj, a.k_proj, a.v_proj, a.o_proj
         self.q_norm, self.k_norm = a.q_norm, a.k_norm
@@ -121,6 +128,8 @@ class CustomOpAttention(nn.Module):
         shape = (1, max_seq_len, a.num_kv_heads, a.head_dim)
         self.register_buffer("k_cache", torch.zeros(shape), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape), persistent=False)
+        if own_glue:
+            return
         # rotate_half as a matrix: XNNPACK cannot split a tensor of dynamic length, but it takes
         # a linear layer, and multiplying by 0 and +-1 is exact.
         half = a.head_dim // 2
@@ -137,9 +146,7 @@ class CustomOpAttention(nn.Module):
         v = self.v_proj(x).view(1, -1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos.view(1, -1, 1, self.head_dim), sin.view(1, -1, 1, self.head_dim)
-        q = q * cos + F.linear(q, self.rotate) * sin
-        k = k * cos + F.linear(k, self.rotate) * sin
+        q, k = self.rotary(q, k, cos, sin)
         start = positions[0].item()
         torch._check(start >= 0)
         torch._check(start + t <= self.max_seq_len)
@@ -155,6 +162,16 @@ class CustomOpAttention(nn.Module):
         else:  # our kernel computes each row alone: one call is row-exact
             out = sdpa(q, self.k_cache, self.v_cache, start, self.kernel)
         return self.o_proj(out.view(1, -1, self.num_heads * self.head_dim))
+
+    def rotary(self, q, k, cos, sin):
+        """q [1, T, H, hd] and k [1, T, KVH, hd] rotated by the rows of cos and sin (T x hd)."""
+        if self.own_glue:
+            cos, sin = cos.reshape(-1, self.head_dim), sin.reshape(-1, self.head_dim)
+            return torch.ops.mtp_edge.rope(q, cos, sin), torch.ops.mtp_edge.rope(k, cos, sin)
+        cos, sin = cos.view(1, -1, 1, self.head_dim), sin.view(1, -1, 1, self.head_dim)
+        q = q * cos + F.linear(q, self.rotate) * sin
+        k = k * cos + F.linear(k, self.rotate) * sin
+        return q, k
 
 
 class MatmulRMSNorm(nn.Module):
@@ -176,11 +193,43 @@ class MatmulRMSNorm(nn.Module):
         return self.weight * (x * torch.rsqrt(mean + self.eps))
 
 
-def with_export_norms(module: nn.Module) -> nn.Module:
+class OwnRMSNorm(nn.Module):
+    """RMSNorm as our op, mtp_edge::rms_norm: one call, outside any delegate."""
+
+    def __init__(self, norm: RMSNorm):
+        super().__init__()
+        self.weight, self.eps = norm.weight, norm.eps
+
+    def forward(self, x):
+        return torch.ops.mtp_edge.rms_norm(x, self.weight, self.eps)
+
+
+class OwnSwiGLU(nn.Module):
+    """down(silu(gate(x)) x up(x)) with silu(.) x . as our op, mtp_edge::swiglu."""
+
+    def __init__(self, mlp: nn.Module):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+
+    def forward(self, x):
+        return self.down_proj(torch.ops.mtp_edge.swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+def own_glue(scheme: QuantScheme) -> bool:
+    """Whether the programs of `scheme` do the element-wise work between linears in our ops:
+    where every layer's linears are our kernels (module doc)."""
+    return scheme.linear in OWN_KERNEL_SCHEMES
+
+
+def with_export_norms(module: nn.Module, own: bool = False) -> nn.Module:
+    """Every RMSNorm in `module` as its export version; with `own`, the norms and the SwiGLU
+    MLPs as our ops."""
     for parent in list(module.modules()):
         for name, child in parent.named_children():
             if isinstance(child, RMSNorm):
-                setattr(parent, name, MatmulRMSNorm(child))
+                setattr(parent, name, OwnRMSNorm(child) if own else MatmulRMSNorm(child))
+            elif own and isinstance(child, MLP | SwiGLU):
+                setattr(parent, name, OwnSwiGLU(child))
     return module
 
 
@@ -196,9 +245,10 @@ def exportable_copy(
         model.float()
     model.setup_cache(max_seq_len)  # rotary tables for max_seq_len positions
     quantize_model(model, scheme)
+    own = own_glue(scheme)
     for layer in model.layers:
-        layer.self_attn = CustomOpAttention(layer.self_attn, max_seq_len, kernel)
-    return with_export_norms(model)
+        layer.self_attn = CustomOpAttention(layer.self_attn, max_seq_len, kernel, own)
+    return with_export_norms(model, own)
 
 
 class DraftMethod(nn.Module):
@@ -222,21 +272,20 @@ class DraftMethod(nn.Module):
         sin = self.model.rope_sin[input_pos].view(1, 1, dim)
 
         def attend(q, k, v):  # q [1, H, hd], k/v [1, KVH, hd]
-            q = q * cos + F.linear(q, attention.rotate) * sin
-            k = k * cos + F.linear(k, attention.rotate) * sin
-            torch.ops.llama.update_cache(k.view(1, 1, kv_heads, dim), attention.k_cache, start)
+            q, k = attention.rotary(q.view(1, 1, heads, dim), k.view(1, 1, kv_heads, dim), cos, sin)
+            torch.ops.llama.update_cache(k, attention.k_cache, start)
             torch.ops.llama.update_cache(v.view(1, 1, kv_heads, dim), attention.v_cache, start)
-            q = q.view(1, 1, heads, dim)
             out = sdpa(q, attention.k_cache, attention.v_cache, start, attention.kernel)
             return out.view(1, heads, dim)
 
         return self.head.step(h, self.model.embed_tokens(token), attend)
 
 
-def draft_head_copy(head: MTPHead, scheme: QuantScheme) -> MTPHead:
+def draft_head_copy(head: MTPHead, scheme: QuantScheme, own: bool = False) -> MTPHead:
+    """A quantized copy of `head` for export; `own`: its glue in our ops, as the target's."""
     head = copy.deepcopy(head).float().eval()
     quantize_modules(head, QuantScheme(scheme.linear, scheme.group_size, "none"))
-    return with_export_norms(head)
+    return with_export_norms(head, own)
 
 
 def metadata_methods(
@@ -270,6 +319,23 @@ def estimate_s(stage: str, model: Transformer, methods: int = 1) -> float:
     return methods * (fixed + per_layer * model.config.num_layers)
 
 
+# Products XNNPACK takes (aten ops after export; quantized linears are aten.linear on dequantized
+# weights there). Our linears and glue ops are not among them.
+_PRODUCTS = {"linear", "mm", "addmm", "bmm", "matmul", "convolution"}
+
+
+def needs_xnnpack(programs) -> bool:
+    """Whether any of the exported programs (one, or a dict by method name) has a product for
+    XNNPACK. Without one, a delegate would get only element-wise ops and reshapes, a call of
+    fixed cost (~9 us on an x86 core) for a few microseconds of work each, between our ops."""
+    for program in programs.values() if isinstance(programs, dict) else [programs]:
+        for node in program.graph.nodes:
+            name = str(node.target).split(".")
+            if node.op == "call_function" and name[0] == "aten" and name[1] in _PRODUCTS:
+                return True
+    return False
+
+
 def lower(programs, constants: dict | None = None, share_mutable_buffers: bool = False):
     """Lower exported programs (one, or a dict by method name) for XNNPACK: the ExecuTorch
     program, to be written with `write_program` (its `.buffer` joins the .pte in memory)."""
@@ -279,7 +345,7 @@ def lower(programs, constants: dict | None = None, share_mutable_buffers: bool =
         # XnnpackDynamicallyQuantizedPartitioner first, which puts every linear layer in a
         # delegate of its own; then each layer costs ~10 XNNPACK calls instead of two, and
         # lowering takes minutes longer.
-        partitioner=[XnnpackPartitioner()],
+        partitioner=[XnnpackPartitioner()] if needs_xnnpack(programs) else [],
         compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True),
         constant_methods=constants,
     )
@@ -382,14 +448,15 @@ def export_program(
         if draft_head is not None:
             say(f"[export] draft step ({draft_scheme.label()}), reading the last layer's cache")
             inner = exportable.model if isinstance(exportable, WithHidden) else exportable
-            step = DraftMethod(inner, draft_head_copy(draft_head, draft_scheme))
+            step = DraftMethod(inner, draft_head_copy(draft_head, draft_scheme, own_glue(scheme)))
             d = model.config.hidden_size
             draft_example = (torch.zeros(1, d), torch.zeros(1, dtype=torch.long), example[1])
             programs["draft"] = torch.export.export(step, draft_example, strict=True)
-        say("[lower] XNNPACK")
+        backend = "XNNPACK" if needs_xnnpack(programs) else "our kernels, no XNNPACK"
+        say(f"[lower] {backend}")
         # verify (and draft) write the cache forward reads: one allocation for all
         lowering = estimate_s("lower", model, len(programs))
-        with estimated_stage("lowering to XNNPACK", lowering, "finishing: lowering, serializing"):
+        with estimated_stage(f"lowering ({backend})", lowering, "finishing: lowering, serializing"):
             program = lower(programs, constants, share_mutable_buffers=True)
     written = write_program(program, path)
     del program

@@ -296,5 +296,3 @@ def forecast_memory(
             f"[memory] warning: this export may need more memory than is available "
             f"(~{peak:.1f} GB against {available:.1f} GB): close other programs{smaller}"
         )
-
-

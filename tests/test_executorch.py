@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -316,6 +317,28 @@ def test_quantized_speculative_output_equals_its_plain_output(name, k):
     spec = generate(program, PROMPT, NgramDrafter(), config)
     assert spec.stats.drafted_tokens > 0
     assert spec.token_ids == plain.token_ids
+
+
+def program_plan(path) -> tuple[set[str], int]:
+    """(operator names, delegate count) of a .pte's forward method."""
+    from executorch.exir._serialize._program import deserialize_pte_binary
+
+    program = deserialize_pte_binary(Path(path).read_bytes())
+    program = getattr(program, "program", program)
+    plan = next(plan for plan in program.execution_plan if plan.name == "forward")
+    return {operator.name for operator in plan.operators}, len(plan.delegates)
+
+
+def test_programs_of_our_linears_need_no_xnnpack():
+    """Where every linear is our kernel, the norms, RoPE and SwiGLU are our ops and the program
+    has no XNNPACK delegate (a call of fixed cost for a few element-wise ops, ~5 a layer);
+    XNNPACK's schemes keep theirs and the stock glue."""
+    glue = {"mtp_edge::rms_norm", "mtp_edge::rope", "mtp_edge::swiglu"}
+    for name in ("8da8w-avx2-tied", "8da4w-mix-avx2-tied"):
+        operators, delegates = program_plan(exported(name)[0])
+        assert glue <= operators and delegates == 0, (name, operators)
+    operators, delegates = program_plan(exported("8da8w-cw")[0])
+    assert not glue & operators and delegates > 0
 
 
 def test_verify_after_rejection_equals_fresh_run():

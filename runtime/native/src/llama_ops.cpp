@@ -12,6 +12,7 @@
 #include <executorch/runtime/kernel/kernel_includes.h>
 #include <executorch/runtime/kernel/operator_registry.h>
 
+#include <executorch/runtime/core/event_tracer_hooks.h>
 #include <executorch/runtime/core/function_ref.h>
 
 #include <algorithm>
@@ -823,6 +824,8 @@ bool float_tensors(KernelRuntimeContext& ctx, const char* op,
 // mtp_edge::rms_norm.out(Tensor input, Tensor weight, float eps, *, Tensor(a!) out): over the
 // last dimension.
 void mtp_rms_norm(KernelRuntimeContext& ctx, Span<EValue*> stack) {
+  executorch::runtime::internal::EventTracerProfileOpScope scope(ctx.internal_event_tracer(),
+                                                                 "mtp_edge::rms_norm.out");
   const Tensor& x = stack[0]->toTensor();
   const Tensor& w = stack[1]->toTensor();
   const float eps = float(stack[2]->toDouble());
@@ -848,6 +851,8 @@ void mtp_rms_norm(KernelRuntimeContext& ctx, Span<EValue*> stack) {
 // mtp_edge::rope.out(Tensor input, Tensor cos, Tensor sin, *, Tensor(a!) out): input
 // [1, T, H, D], cos and sin [T, D] (row i for token i): x cos + rotate_half(x) sin.
 void mtp_rope(KernelRuntimeContext& ctx, Span<EValue*> stack) {
+  executorch::runtime::internal::EventTracerProfileOpScope scope(ctx.internal_event_tracer(),
+                                                                 "mtp_edge::rope.out");
   const Tensor& x = stack[0]->toTensor();
   const Tensor& c = stack[1]->toTensor();
   const Tensor& s = stack[2]->toTensor();
@@ -878,6 +883,8 @@ void mtp_rope(KernelRuntimeContext& ctx, Span<EValue*> stack) {
 
 // mtp_edge::swiglu.out(Tensor gate, Tensor up, *, Tensor(a!) out): silu(gate) x up.
 void mtp_swiglu(KernelRuntimeContext& ctx, Span<EValue*> stack) {
+  executorch::runtime::internal::EventTracerProfileOpScope scope(ctx.internal_event_tracer(),
+                                                                 "mtp_edge::swiglu.out");
   const Tensor& g = stack[0]->toTensor();
   const Tensor& u = stack[1]->toTensor();
   Tensor& out = stack[2]->toTensor();
