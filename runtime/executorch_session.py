@@ -191,8 +191,6 @@ class ExecuTorchStep:
         return logits.clone(), g.clone()
 
 
-
-
 # The backend's entry points (runtime/backends.py): `bundle` is an opened bundle
 # (runtime/bundle.py), `target()` gives its target session, opened once.
 

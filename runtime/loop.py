@@ -23,7 +23,13 @@ import torch
 from mtp_edge.errors import ContextFull, UserError
 from mtp_edge.runtime.drafters import Draft, Drafter
 from mtp_edge.runtime.fallback import Fallback, session_costs
-from mtp_edge.runtime.sampling import Sampler, SamplingParams, accept_greedy, accept_sampling
+from mtp_edge.runtime.sampling import (
+    Sampler,
+    SamplingParams,
+    accept_greedy,
+    accept_sampling,
+    top2_gaps,
+)
 from mtp_edge.runtime.session import Session, prefill
 
 
@@ -183,7 +189,7 @@ def decode(
 
     def emit(new_tokens: list[int], logits: torch.Tensor, pos: int) -> Step:
         """Keep tokens one by one, exactly as plain decoding would, up to a stop."""
-        top2 = torch.topk(logits.float(), 2, dim=-1).values
+        gaps_of = top2_gaps(logits)
         kept, gaps, stop = [], [], None
         for i, token in enumerate(new_tokens):
             if token in config.eos_ids:
@@ -191,7 +197,7 @@ def decode(
                 break
             generated.append(token)
             kept.append(token)
-            gaps.append(float(top2[i, 0] - top2[i, 1]))
+            gaps.append(gaps_of[i])
             if config.stop_strings:
                 tail = detokenize(generated[-64:])
                 if any(s in tail for s in config.stop_strings):

@@ -22,6 +22,7 @@ from mtp_edge.errors import UserError
 from mtp_edge.model import Transformer
 from mtp_edge.mtp import MTPHead, apply_rope
 from mtp_edge.runtime.drafters import Draft
+from mtp_edge.runtime.sampling import row_maxima
 from mtp_edge.runtime.session import Session
 
 StepFn = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
@@ -148,7 +149,7 @@ class MtpDrafter:
             position += len(feed)
             logits = logits[0]
             if sampler.greedy:
-                best = int(torch.argmax(logits))
+                best = row_maxima(logits)[1][0]
                 if self.min_confidence > 0:
                     confidence = torch.softmax(logits.to(torch.float64), -1)[best]
                     if confidence < self.min_confidence:

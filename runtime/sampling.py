@@ -12,10 +12,38 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from mtp_edge.errors import UserError
 from mtp_edge.limits import MAX_SEED
+
+
+def _rows(logits: torch.Tensor) -> np.ndarray:
+    """logits [..., V] as float32 NumPy rows [R, V] (no copy for float32 CPU logits)."""
+    return logits.detach().float().reshape(-1, logits.shape[-1]).numpy()
+
+
+def row_maxima(logits: torch.Tensor) -> tuple[list[float], list[int]]:
+    """Each row's largest logit and its index, the first of equal maxima (a NaN counts as the
+    largest, so that check_logits sees it). NumPy's argmax takes ~10 us for a row of a 152K
+    vocabulary where torch's max with indices takes ~130 (2 cores): 1% of a 1.5B model's token,
+    3% of the default model's 5-row verification."""
+    rows = _rows(logits)
+    best = rows.argmax(-1)
+    return rows[np.arange(len(best)), best].tolist(), best.tolist()
+
+
+def top2_gaps(logits: torch.Tensor) -> list[float]:
+    """Per row, the largest logit minus the second largest (0 when two are equal): how near a
+    row was to picking another token. Two passes of NumPy's max, not torch's topk (~260 us a
+    152K row)."""
+    gaps = []
+    for row in _rows(logits):
+        best = int(row.argmax())
+        second = max(row[:best].max(initial=-np.inf), row[best + 1 :].max(initial=-np.inf))
+        gaps.append(float(row[best] - second))
+    return gaps
 
 
 def check_logits(maxima: list[float], start: int | None) -> None:
@@ -112,10 +140,10 @@ class Sampler:
     def pick(self, logits: torch.Tensor, position: int = 0) -> int:
         """One token from the target's row of logits at `position`: argmax when greedy, else a
         sample."""
-        best, token = torch.max(logits, dim=-1)  # the first of equal maxima, as argmax
-        check_logits([float(best)], position)
+        maxima, tokens = row_maxima(logits)
+        check_logits(maxima, position)
         if self.greedy:
-            return int(token)
+            return tokens[0]
         return self.sample(self._probs(logits))
 
 
@@ -125,12 +153,11 @@ def accept_greedy(target_logits: torch.Tensor, draft: list[int], start: int = 0)
     target_logits[i] is the target's prediction after draft[:i], at position start + i;
     returns (accepted, next token).
     """
-    values, indices = torch.max(target_logits, dim=-1)  # the first of equal maxima, as argmax
-    best = indices.tolist()
+    values, best = row_maxima(target_logits)
     n = 0
     while n < len(draft) and draft[n] == best[n]:
         n += 1
-    check_logits(values[: n + 1].tolist(), start)  # the rows read
+    check_logits(values[: n + 1], start)  # the rows read
     return n, best[n]
 
 
