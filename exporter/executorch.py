@@ -311,7 +311,9 @@ def metadata_methods(
 # Bars of silent stages: (fixed, per layer) s a method, measured here (2-core VM, 8da8w, cache 2048;
 # random llamas of 2/8/12 layers, 0.07/7.9/47M params: lowering 15/42/65 s a method, export 1-8 s).
 # Layers predict it (4.2 + 5.0 s a layer); parameters do not (3.5 s/M up to 8 layers, then 0.6).
-RATES = {"export": (1.0, 0.5), "lower": (4.2, 5.0)}
+# Without XNNPACK (our kernels' schemes, 2026-12-07): 28-34 s for 24-30 layers whatever the
+# methods (a 0.5B, a 1.5B shape, the default model with its draft method).
+RATES = {"export": (1.0, 0.5), "lower": (4.2, 5.0), "lower-own": (4.0, 1.0)}
 
 
 def estimate_s(stage: str, model: Transformer, methods: int = 1) -> float:
@@ -452,10 +454,13 @@ def export_program(
             d = model.config.hidden_size
             draft_example = (torch.zeros(1, d), torch.zeros(1, dtype=torch.long), example[1])
             programs["draft"] = torch.export.export(step, draft_example, strict=True)
-        backend = "XNNPACK" if needs_xnnpack(programs) else "our kernels, no XNNPACK"
+        xnnpack = needs_xnnpack(programs)
+        backend = "XNNPACK" if xnnpack else "our kernels, no XNNPACK"
         say(f"[lower] {backend}")
         # verify (and draft) write the cache forward reads: one allocation for all
-        lowering = estimate_s("lower", model, len(programs))
+        lowering = (
+            estimate_s("lower", model, len(programs)) if xnnpack else estimate_s("lower-own", model)
+        )
         with estimated_stage(f"lowering ({backend})", lowering, "finishing: lowering, serializing"):
             program = lower(programs, constants, share_mutable_buffers=True)
     written = write_program(program, path)

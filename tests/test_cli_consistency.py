@@ -392,7 +392,7 @@ def test_export_stages_show_bars(ngram_bundle_8da4w):
     for stage in ("loading target: 100%", "verify vs steps: 100%"):
         assert stage in stderr, stderr
     # an estimated stage ends full, or, past its estimate, with the time it took
-    ends = ("lowering to XNNPACK: 100%", "lowering to XNNPACK: done in")
+    ends = ("lowering (XNNPACK): 100%", "lowering (XNNPACK): done in")
     assert any(end in stderr for end in ends), stderr
 
 
