@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from collections import Counter
 
 import pytest
@@ -131,3 +132,23 @@ def test_adapting_mtp_drafts_keep_the_target_distribution(models):
             adapter.refresh()
     assert adapter.buffer.added > samples  # drafted and verified all along
     assert chi_square_pvalue(counts, dist, samples) > 1e-3
+
+
+def test_numpy_maxima_and_gaps_are_torchs():
+    """row_maxima and top2_gaps (NumPy, the loop's hot path) give torch's max and topk: the
+    first of equal maxima, a gap of 0 on a tie, and a NaN row's NaN for check_logits."""
+    from mtp_edge.runtime.sampling import row_maxima, top2_gaps
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 1000)
+    logits[1, 3] = logits[1, 7] = 50.0  # a tie: index 3, gap 0
+    logits[2, 999] = 60.0  # the last index
+    values, indices = row_maxima(logits)
+    want_values, want_indices = torch.max(logits, dim=-1)
+    assert indices == want_indices.tolist() and values == want_values.tolist()
+    top = torch.topk(logits, 2, dim=-1).values
+    assert top2_gaps(logits) == [float(a - b) for a, b in top]
+    assert top2_gaps(logits)[1] == 0.0
+    nan = torch.tensor([[1.0, float("nan"), 2.0]])
+    assert math.isnan(row_maxima(nan)[0][0])
+    assert row_maxima(logits[0]) == ([values[0]], [indices[0]])  # one row, 1-D
