@@ -1,4 +1,4 @@
-"""Our own ops: the attention op `mtp_edge::sdpa` and the linears `linear_i8` and `linear_i4`.
+"""Our own ops: the attention `mtp_edge::sdpa`, the linears `linear_i8`, `linear_i4`, `linear_i6`.
 
 `mtp_edge::sdpa` is causal SDPA over a static KV cache, computed one (row, head) at a time so
 that a row's result does not depend on how many rows share the call.
@@ -25,7 +25,8 @@ reference here computes them too.
 `mtp_edge::linear_i4` is the same for 4-bit weights in groups of 32 (float16 scales), the
 4-bit layers of `8da4w-mix-avx2`: XNNPACK's groupwise 4-bit GEMM takes 3 rows a pass on AVX2,
 this kernel 6. A group's sum is an exact integer and the groups join in a fixed order, so its
-rows too are the same bits on every CPU and in every tile.
+rows too are the same bits on every CPU and in every tile. `mtp_edge::linear_i6` is the same with
+6-bit values, for an LM head (as llama.cpp's Q4_K_M keeps its output tensor in Q6_K).
 
 `mtp_edge::rms_norm`, `rope` and `swiglu` are the element-wise work between those linears (the
 norm, the rotary embedding, silu(gate) x up), one op each: in XNNPACK they were ~5 delegate calls
@@ -136,16 +137,7 @@ def quantize_weight4(weight: torch.Tensor, rows: int = 8192) -> tuple[torch.Tens
     scales [N, K / GROUP4]: each group's largest magnitude maps to 7.5 (torchao's symmetric
     4-bit rule), the scale rounded to float16 before the values are rounded with it. `rows`
     channels at a time."""
-    values, scales = [], []
-    tiny = torch.finfo(torch.float16).tiny
-    for start in range(0, weight.shape[0], rows):
-        block = weight[start : start + rows].detach().float()
-        groups = block.view(block.shape[0], -1, GROUP4)
-        scale = (groups.abs().amax(-1) / 7.5).clamp(min=tiny).half()
-        q = torch.round(groups / scale.float()[..., None]).clamp(-8, 7).to(torch.int8)
-        values.append(q.view(block.shape))
-        scales.append(scale)
-    return torch.cat(values), torch.cat(scales)
+    return _quantize_grouped(weight, 7.5, -8, 7, rows)
 
 
 def pack_weight4(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,17 +188,23 @@ def linear_i4(x, weight, weight_scale, weight_sum, bias=None, cells: int = 1 << 
     out = (acc - zero x weight_sum) x row scale + bias, one rounding a step. `cells` bounds
     rows x channels x groups of float64 held at once."""
     k, n = x.shape[-1], weight_sum.numel()
+    values, scales = unpack_weight4(weight, weight_scale, n, k)
+    return _grouped_linear(x, values, scales, weight_sum, bias, cells)
+
+
+def _grouped_linear(x, values, scales, weight_sum, bias, cells: int):
+    """linear_i4's and linear_i6's arithmetic on unpacked values [N, K] and scales [N, K / 32]."""
+    k, n = x.shape[-1], weight_sum.numel()
     groups = k // GROUP4
     q, scale, zero = quantize_rows(x.reshape(-1, k).float())
     rows = q.shape[0]
     qg = q.double().view(rows, groups, GROUP4).transpose(0, 1)  # [G, R, 32]
-    values, scales = unpack_weight4(weight, weight_scale, n, k)
     step = max(1, cells // max(1, rows * groups))
     pieces = []
     for c0 in range(0, n, step):
         c1 = min(n, c0 + step)
         w = values[c0:c1].double().view(c1 - c0, groups, GROUP4).permute(1, 2, 0)  # [G, 32, n]
-        sums = torch.bmm(qg, w).float()  # exact: |S| <= 32 x 8 x 128
+        sums = torch.bmm(qg, w).float()  # exact: |S| <= 32 x 32 x 128 < 2^24
         s = scales[c0:c1].float()
         acc = torch.zeros(rows, c1 - c0)
         for g in range(groups):
@@ -216,6 +214,77 @@ def linear_i4(x, weight, weight_scale, weight_sum, bias=None, cells: int = 1 << 
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], n)
+
+
+# 6-bit linear layers (mtp_edge::linear_i6): weights in [-32, 31] with a float16 scale per group
+# of GROUP4 input columns, activations as linear_i8's; for an LM head, the layer whose 4-bit
+# rounding costs the most (llama.cpp's Q4_K_M keeps its output tensor in 6 bits, Q6_K).
+
+
+def quantize_weight6(weight: torch.Tensor, rows: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_weight4 with 6-bit values: each group's largest magnitude maps to 31.5, values
+    in [-32, 31]."""
+    return _quantize_grouped(weight, 31.5, -32, 31, rows)
+
+
+def _quantize_grouped(weight, top: float, low: int, high: int, rows: int):
+    values, scales = [], []
+    tiny = torch.finfo(torch.float16).tiny
+    for start in range(0, weight.shape[0], rows):
+        block = weight[start : start + rows].detach().float()
+        groups = block.view(block.shape[0], -1, GROUP4)
+        scale = (groups.abs().amax(-1) / top).clamp(min=tiny).half()
+        q = torch.round(groups / scale.float()[..., None]).clamp(low, high).to(torch.int8)
+        values.append(q.view(block.shape))
+        scales.append(scale)
+    return torch.cat(values), torch.cat(scales)
+
+
+def pack_weight6(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 values in [-32, 31] [N, K] and float16 scales [N, K / GROUP4] in the kernel's layout
+    (int8_linear.cpp): stored as value + 32, blocks of 16 channels (N padded with zero
+    channels), per group 384 bytes: first the low 4 bits as pack_weight4 lays them out (256
+    bytes), then the top 2 bits, 16 bytes per 4 columns: byte 4 l + i (l < 4) holds in bits 0-1,
+    2-3, 4-5, 6-7 column 4 j + i of channels l, 8 + l, 4 + l, 12 + l. Scales as pack_weight4's."""
+    n, k = q.shape
+    rows, groups = -(-n // BLOCK) * BLOCK, k // GROUP4
+    u = torch.full((rows, k), 32, dtype=torch.uint8)
+    u[:n] = (q.to(torch.int16) + 32).to(torch.uint8)
+    low = (u & 15).view(rows // BLOCK, 2, 8, groups, GROUP4 // 4, 4).permute(0, 3, 4, 2, 5, 1)
+    low = (low[..., 0] | (low[..., 1] << 4)).reshape(rows // BLOCK, groups, 256)
+    # [block, half, m, l, group, quad, i] -> [block, group, quad, l, i, m, half]
+    top = (u >> 4).view(rows // BLOCK, 2, 2, 4, groups, GROUP4 // 4, 4).permute(0, 4, 5, 3, 6, 2, 1)
+    top = top.reshape(rows // BLOCK, groups, GROUP4 // 4, 16, 4)
+    top = top[..., 0] | (top[..., 1] << 2) | (top[..., 2] << 4) | (top[..., 3] << 6)
+    packed = torch.cat([low, top.reshape(rows // BLOCK, groups, 128)], -1)
+    s = torch.zeros(rows, groups, dtype=torch.float16)
+    s[:n] = scale
+    s = s.view(rows // BLOCK, BLOCK, groups).transpose(1, 2)
+    return packed.contiguous().view(-1), s.contiguous().view(-1)
+
+
+def unpack_weight6(packed: torch.Tensor, scales: torch.Tensor, n: int, k: int):
+    """pack_weight6's inverse: (values int8 [n, k] in [-32, 31], float16 scales [n, k / 32])."""
+    rows, groups = -(-n // BLOCK) * BLOCK, k // GROUP4
+    both = packed.view(rows // BLOCK, groups, 384)
+    low = both[..., :256].reshape(rows // BLOCK, groups, GROUP4 // 4, 8, 4, 1)
+    low = torch.cat([low & 15, low >> 4], -1)  # [block, group, quad, l, i, half]
+    low = low.permute(0, 5, 3, 1, 2, 4).reshape(rows, k)
+    top = both[..., 256:].reshape(rows // BLOCK, groups, GROUP4 // 4, 4, 4, 1)
+    top = torch.cat([(top >> s) & 3 for s in (0, 2, 4, 6)], -1)  # [..., l, i, m * 2 + half]
+    top = top.view(rows // BLOCK, groups, GROUP4 // 4, 4, 4, 2, 2)
+    top = top.permute(0, 6, 5, 3, 1, 2, 4).reshape(rows, k)  # [block, half, m, l, group, quad, i]
+    q = (low | (top << 4))[:n].to(torch.int8) - 32
+    s = scales.view(rows // BLOCK, groups, BLOCK).transpose(1, 2).reshape(rows, groups)[:n]
+    return q, s
+
+
+def linear_i6(x, weight, weight_scale, weight_sum, bias=None, cells: int = 1 << 25):
+    """Eager reference of mtp_edge::linear_i6: linear_i4's arithmetic on 6-bit values
+    (weight_sum: weight4_sum of the values and scales)."""
+    k, n = x.shape[-1], weight_sum.numel()
+    values, scales = unpack_weight6(weight, weight_scale, n, k)
+    return _grouped_linear(x, values, scales, weight_sum, bias, cells)
 
 
 # The element-wise glue between the linears (module doc).
@@ -240,8 +309,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def define() -> None:
-    """Register our ops (torch.ops.mtp_edge.sdpa, linear_i8, linear_i4, rms_norm, rope, swiglu,
-    and their .out) with torch; idempotent."""
+    """Register our ops (torch.ops.mtp_edge.sdpa, linear_i8, linear_i4, linear_i6, rms_norm,
+    rope, swiglu, and their .out) with torch; idempotent."""
     global _library
     if _library is not None:
         return
@@ -293,6 +362,20 @@ def define() -> None:
     def linear4_meta(x, weight, weight_scale, weight_sum, bias):
         return x.new_empty((*x.shape[:-1], weight_sum.shape[0]))
 
+    lib.define(
+        "linear_i6(Tensor input, Tensor weight, Tensor weight_scale, Tensor weight_sum, "
+        "Tensor? bias) -> Tensor"
+    )
+    lib.define(
+        "linear_i6.out(Tensor input, Tensor weight, Tensor weight_scale, Tensor weight_sum, "
+        "Tensor? bias, *, Tensor(a!) out) -> Tensor(a!)"
+    )
+
+    def linear6_out(x, weight, weight_scale, weight_sum, bias, *, out):
+        result = linear_i6(x, weight, weight_scale, weight_sum, bias)
+        out.resize_(result.shape).copy_(result)
+        return out
+
     lib.define("rms_norm(Tensor input, Tensor weight, float eps) -> Tensor")
     lib.define(
         "rms_norm.out(Tensor input, Tensor weight, float eps, *, Tensor(a!) out) -> Tensor(a!)"
@@ -316,6 +399,10 @@ def define() -> None:
     lib.impl("linear_i4.out", linear4_out, "CPU")
     lib.impl("linear_i4", linear4_meta, "Meta")
     lib.impl("linear_i4.out", lambda x, w, s, t, b, *, out: out, "Meta")
+    lib.impl("linear_i6", linear_i6, "CPU")
+    lib.impl("linear_i6.out", linear6_out, "CPU")
+    lib.impl("linear_i6", linear4_meta, "Meta")
+    lib.impl("linear_i6.out", lambda x, w, s, t, b, *, out: out, "Meta")
     lib.impl("linear_i8", linear_i8, "CPU")
     lib.impl("linear_i8.out", linear_out, "CPU")
     lib.impl("linear_i8", linear_meta, "Meta")

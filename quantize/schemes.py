@@ -279,6 +279,8 @@ class Int4Linear(nn.Module):
     scale per group of 32 input columns, packed for our kernel, called as mtp_edge::linear_i4
     (mtp_edge/ops.py)."""
 
+    bits = 4
+
     def __init__(self, linear: nn.Linear):
         super().__init__()
         from mtp_edge import ops
@@ -286,12 +288,17 @@ class Int4Linear(nn.Module):
         ops.define()
         if linear.in_features % ops.GROUP4:
             raise ValueError(
-                f"a 4-bit layer's input width must be a multiple of {ops.GROUP4}, "
+                f"a {self.bits}-bit layer's input width must be a multiple of {ops.GROUP4}, "
                 f"got {linear.in_features}"
             )
-        q, scale = ops.quantize_weight4(linear.weight)
+        quantize, pack = (
+            (ops.quantize_weight4, ops.pack_weight4)
+            if self.bits == 4
+            else (ops.quantize_weight6, ops.pack_weight6)
+        )
+        q, scale = quantize(linear.weight)
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight, weight_scale = ops.pack_weight4(q, scale)
+        weight, weight_scale = pack(q, scale)
         self.register_buffer("weight", weight)
         self.register_buffer("weight_scale", weight_scale)
         self.register_buffer("weight_sum", ops.weight4_sum(q, scale))
@@ -300,6 +307,19 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mtp_edge.linear_i4(
+            x, self.weight, self.weight_scale, self.weight_sum, self.bias
+        )
+
+
+class Int6Linear(Int4Linear):
+    """A 6-bit linear layer (the LM head of `--head-quant 8da6w-avx2`): values in [-32, 31] with
+    a float16 scale per group of 32 input columns, called as mtp_edge::linear_i6
+    (mtp_edge/ops.py): 0.81 of the int8 head's bytes, as llama.cpp's Q6_K output tensor."""
+
+    bits = 6
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mtp_edge.linear_i6(
             x, self.weight, self.weight_scale, self.weight_sum, self.bias
         )
 
@@ -328,7 +348,7 @@ def own_mixed_linears(module: nn.Module) -> nn.Module:
 
 def is_quantized(module: nn.Module) -> bool:
     """Whether torchao already replaced this layer's weight (quantizing twice is an error)."""
-    if isinstance(module, (Int8Linear, Int4Linear)):
+    if isinstance(module, (Int8Linear, Int4Linear)):  # Int6Linear is an Int4Linear
         return True
     weight = getattr(module, "weight", None)
     return weight is not None and type(weight) not in (torch.Tensor, nn.Parameter)

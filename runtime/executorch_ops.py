@@ -1,5 +1,5 @@
-"""The compiled kernels of our ops (`mtp_edge::sdpa`, `mtp_edge::linear_i8`, `linear_i4`,
-defined in mtp_edge/ops.py) for the Python runtime.
+"""The compiled kernels of our ops (`mtp_edge::sdpa`, the linears `linear_i8`, `linear_i4`,
+`linear_i6`, the glue, defined in mtp_edge/ops.py) for the Python runtime.
 
 `load_kernels()` compiles runtime/native/src/{llama_ops,int8_linear,python_ops}.cpp against the
 installed ExecuTorch wheel once (seconds with g++; cached by content in the user's cache

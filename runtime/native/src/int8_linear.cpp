@@ -459,6 +459,99 @@ __attribute__((target("avx2,f16c"))) void tile4_avx2(const Tile4& t) {
 }
 #endif
 
+// ---- mtp_edge::linear_i6: 6-bit weights, linear_i4's groups, scales and arithmetic ----
+//
+// Values in [-32, 31], stored as value + 32 (ops.py pack_weight6): per block per group 384
+// bytes, the low 4 bits as linear_i4's 256, then the top 2 bits, 16 bytes per 4 columns, byte
+// 4 l + i holding in bits 0-1, 2-3, 4-5, 6-7 column 4 j + i of channels l, 8 + l, 4 + l, 12 + l
+// (so one 16-byte load, seen twice, gives the two halves of the 32 low bytes their top bits).
+// A group's sum is exact as linear_i4's (|S| <= 32 x 32 x 128), so the rows are the same bits
+// on every CPU and tile. For an LM head: llama.cpp's Q4_K_M keeps its output tensor in 6 bits.
+
+constexpr int kGroup6Bytes = kGroup4 * kCols * 3 / 4;
+
+template <int R>
+void tile6_plain(const Tile4& t) {
+  float acc[R * kCols] = {};
+  for (int64_t g = 0; g < t.groups; ++g) {
+    const uint8_t* wg = t.w + g * kGroup6Bytes;
+    for (int r = 0; r < R; ++r) {
+      const int8_t* q = t.q + r * t.K + g * kGroup4;
+      for (int c = 0; c < kCols; ++c) {
+        const int l = c % 8, half = c / 8;
+        int32_t sum = 0;
+        for (int k = 0; k < kGroup4; ++k) {
+          const int j = k / 4, i = k % 4;
+          const uint8_t byte = wg[j * 32 + l * 4 + i];
+          const int low = half == 0 ? byte & 15 : byte >> 4;
+          const uint8_t tops = wg[256 + j * 16 + (l % 4) * 4 + i];
+          const int top = (tops >> (2 * (2 * (l / 4) + half))) & 3;
+          sum += (int32_t(low | (top << 4)) - 32) * q[k];
+        }
+        acc[r * kCols + c] += float(sum) * half_to_float(t.scales[g * kCols + c]);
+      }
+    }
+  }
+  finish4(acc, R, t);
+}
+
+#ifdef MTP_INT8_AVX2
+// R rows x 16 channels, as tile4_avx2 but the int16 products widen to int32 every two steps of
+// 4 columns (a step's pair sums reach 2 x 63 x 128 = 16128, two steps 32256 < 32768).
+template <int R>
+__attribute__((target("avx2,f16c"))) void tile6_avx2(const Tile4& t) {
+  alignas(32) float acc[R * kCols] = {};
+  const __m256i nibble = _mm256_set1_epi8(15), top_bits = _mm256_set1_epi8(0x30);
+  const __m256i lanes = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < t.groups; ++g) {
+    const uint8_t* wg = t.w + g * kGroup6Bytes;
+    for (int ahead = 0; ahead < kGroup6Bytes; ahead += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(wg + kPrefetchAhead + ahead), _MM_HINT_T0);
+    __m256i lo32[R], hi32[R];
+    for (int r = 0; r < R; ++r) lo32[r] = hi32[r] = _mm256_setzero_si256();
+    const int8_t* qg = t.q + g * kGroup4;
+    for (int j = 0; j < kGroup4 / 4; j += 2) {
+      __m256i lo[2], hi[2];
+      for (int s = 0; s < 2; ++s) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + 32 * (j + s)));
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wg + 256 + 16 * (j + s)));
+        // Bytes 0-15 take bits 0-3 of h, bytes 16-31 bits 4-7; then each field to bits 4-5.
+        const __m256i x = _mm256_srlv_epi32(_mm256_broadcastsi128_si256(h), lanes);
+        lo[s] = _mm256_or_si256(_mm256_and_si256(v, nibble),
+                                _mm256_and_si256(_mm256_slli_epi16(x, 4), top_bits));
+        hi[s] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), nibble),
+                                _mm256_and_si256(_mm256_slli_epi16(x, 2), top_bits));
+      }
+      for (int r = 0; r < R; ++r) {
+        int32_t w0, w1;
+        std::memcpy(&w0, qg + r * t.K + 4 * j, 4);
+        std::memcpy(&w1, qg + r * t.K + 4 * j + 4, 4);
+        const __m256i x0 = _mm256_set1_epi32(w0), x1 = _mm256_set1_epi32(w1);
+        const __m256i a = _mm256_add_epi16(_mm256_maddubs_epi16(lo[0], x0),
+                                           _mm256_maddubs_epi16(lo[1], x1));
+        const __m256i b = _mm256_add_epi16(_mm256_maddubs_epi16(hi[0], x0),
+                                           _mm256_maddubs_epi16(hi[1], x1));
+        lo32[r] = _mm256_add_epi32(lo32[r], _mm256_madd_epi16(a, ones));
+        hi32[r] = _mm256_add_epi32(hi32[r], _mm256_madd_epi16(b, ones));
+      }
+    }
+    const __m128i* sp = reinterpret_cast<const __m128i*>(t.scales + g * kCols);
+    const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128(sp));
+    const __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128(sp + 1));
+    for (int r = 0; r < R; ++r) {
+      const __m256i offset = _mm256_set1_epi32(32 * t.asum[r * t.groups + g]);
+      const __m256 lo_sum = _mm256_cvtepi32_ps(_mm256_sub_epi32(lo32[r], offset));
+      const __m256 hi_sum = _mm256_cvtepi32_ps(_mm256_sub_epi32(hi32[r], offset));
+      float* row = acc + r * kCols;
+      _mm256_store_ps(row, _mm256_add_ps(_mm256_load_ps(row), _mm256_mul_ps(lo_sum, s0)));
+      _mm256_store_ps(row + 8, _mm256_add_ps(_mm256_load_ps(row + 8), _mm256_mul_ps(hi_sum, s1)));
+    }
+  }
+  finish4(acc, R, t);
+}
+#endif
+
 using Tile4Fn = void (*)(const Tile4&);
 
 bool use_avx2();
@@ -472,6 +565,18 @@ Tile4Fn tile4(int rows) {
 #endif
   static const Tile4Fn plain[] = {nullptr,        tile4_plain<1>, tile4_plain<2>, tile4_plain<3>,
                                   tile4_plain<4>, tile4_plain<5>, tile4_plain<6>};
+  return plain[rows];
+}
+
+Tile4Fn tile6(int rows) {
+#ifdef MTP_INT8_AVX2
+  static const Tile4Fn avx2[] = {nullptr,       tile6_avx2<1>, tile6_avx2<2>, tile6_avx2<3>,
+                                 tile6_avx2<4>, tile6_avx2<5>, tile6_avx2<6>};
+  static const bool f16c = bool(__builtin_cpu_supports("f16c"));
+  if (use_avx2() && f16c) return avx2[rows];
+#endif
+  static const Tile4Fn plain[] = {nullptr,        tile6_plain<1>, tile6_plain<2>, tile6_plain<3>,
+                                  tile6_plain<4>, tile6_plain<5>, tile6_plain<6>};
   return plain[rows];
 }
 
@@ -596,16 +701,15 @@ void linear_i8(KernelRuntimeContext& ctx, Span<EValue*> stack) {
   executorch::extension::threadpool::get_threadpool()->run(task, size_t(tasks));
 }
 
-void linear_i4(KernelRuntimeContext& ctx, Span<EValue*> stack) {
-  executorch::runtime::internal::EventTracerProfileOpScope scope(ctx.internal_event_tracer(),
-                                                                 "mtp_edge::linear_i4.out");
+// linear_i4 and linear_i6: `bits` 4 or 6, the same checks, rows and tasks.
+void grouped_linear(KernelRuntimeContext& ctx, Span<EValue*> stack, int bits) {
   const Tensor& input = stack[0]->toTensor();
   const Tensor& weight = stack[1]->toTensor();
   const Tensor& wscale = stack[2]->toTensor();
   const Tensor& wsum = stack[3]->toTensor();
   const bool has_bias = !stack[4]->isNone();
   Tensor& out = stack[5]->toTensor();
-  const char* name = "mtp_edge::linear_i4";
+  const char* name = bits == 4 ? "mtp_edge::linear_i4" : "mtp_edge::linear_i6";
   auto ok = [&](bool good, const char* what) {
     if (!good) {
       ET_LOG(Error, "%s: %s", name, what);
@@ -621,7 +725,8 @@ void linear_i4(KernelRuntimeContext& ctx, Span<EValue*> stack) {
   const int64_t K = input.size(input.dim() - 1), N = wsum.numel();
   const int64_t blocks = (N + kCols - 1) / kCols, groups = K / kGroup4;
   if (!ok(K % kGroup4 == 0, "input width must be a multiple of 32") ||
-      !ok(weight.numel() == blocks * kCols * K / 2 && wscale.numel() == blocks * kCols * groups,
+      !ok(weight.numel() == blocks * kCols * K * bits / 8 &&
+              wscale.numel() == blocks * kCols * groups,
           "weight size does not match the input width and the channels") ||
       !ok(!has_bias || (stack[4]->toTensor().numel() == N &&
                         stack[4]->toTensor().scalar_type() == ScalarType::Float),
@@ -676,9 +781,9 @@ void linear_i4(KernelRuntimeContext& ctx, Span<EValue*> stack) {
         const int rows = int(std::min<int64_t>(kRowsMax, T - t0));
         const Finish f{y + t0 * N + c0, N, std::min<int64_t>(kCols, N - c0), xs + t0, zp + t0,
                        nullptr, nullptr, bias != nullptr ? bias + c0 : nullptr};
-        const Tile4 tile{w + b * kCols * K / 2, ws + b * groups * kCols, q + t0 * K,
+        const Tile4 tile{w + b * kCols * K * bits / 8, ws + b * groups * kCols, q + t0 * K,
                          asum + t0 * groups, K, groups, f, zterm + c0};
-        tile4(rows)(tile);
+        (bits == 4 ? tile4 : tile6)(rows)(tile);
       }
     }
   };
@@ -689,16 +794,29 @@ void linear_i4(KernelRuntimeContext& ctx, Span<EValue*> stack) {
   executorch::extension::threadpool::get_threadpool()->run(task, size_t(tasks));
 }
 
+void linear_i4(KernelRuntimeContext& ctx, Span<EValue*> stack) {
+  executorch::runtime::internal::EventTracerProfileOpScope scope(ctx.internal_event_tracer(),
+                                                                 "mtp_edge::linear_i4.out");
+  grouped_linear(ctx, stack, 4);
+}
+
+void linear_i6(KernelRuntimeContext& ctx, Span<EValue*> stack) {
+  executorch::runtime::internal::EventTracerProfileOpScope scope(ctx.internal_event_tracer(),
+                                                                 "mtp_edge::linear_i6.out");
+  grouped_linear(ctx, stack, 6);
+}
+
 }  // namespace
 
 void register_int8_linear() {
   static const executorch::runtime::Kernel kernels[] = {
       executorch::runtime::Kernel("mtp_edge::linear_i8.out", linear_i8),
-      executorch::runtime::Kernel("mtp_edge::linear_i4.out", linear_i4)};
+      executorch::runtime::Kernel("mtp_edge::linear_i4.out", linear_i4),
+      executorch::runtime::Kernel("mtp_edge::linear_i6.out", linear_i6)};
   const auto registered = executorch::runtime::get_registered_kernels();
   for (const auto& other : registered)
     if (std::strcmp(other.name_, kernels[0].name_) == 0) return;
-  (void)executorch::runtime::register_kernels({kernels, 2});
+  (void)executorch::runtime::register_kernels({kernels, 3});
 }
 
 }  // namespace mtp
