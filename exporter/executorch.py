@@ -704,9 +704,7 @@ def load_hook(options, skeleton: Transformer, draft: bool = False) -> PartHook:
     scheme as the loader reads it (checkpoints.load_model), after checking the scheme fits."""
     import torchao.quantization  # noqa: F401  (its import, ~100 MB, before any stage's clock)
 
-    linear = options.draft_quant if draft else options.quant
-    group = options.draft_group_size if draft else options.group_size
-    scheme = QuantScheme(linear, group, options.embedding_quant)
+    scheme = draft_scheme_of(options) if draft else target_scheme_of(options)
     check_scheme(scheme, skeleton)
 
     def hook(model: Transformer, name: str, module: nn.Module) -> None:
@@ -715,13 +713,27 @@ def load_hook(options, skeleton: Transformer, draft: bool = False) -> PartHook:
     return hook
 
 
+def target_scheme_of(options) -> QuantScheme:
+    """The target's QuantScheme from the export's options (its own LM head scheme, if any)."""
+    from mtp_edge.quantize.schemes import default_group_size
+
+    o = options
+    head_group = None if o.head_quant is None else default_group_size(o.head_quant)
+    return QuantScheme(
+        o.quant, o.group_size, o.embedding_quant, head=o.head_quant, head_group_size=head_group
+    )
+
+
+def draft_scheme_of(options) -> QuantScheme:
+    """The draft model's QuantScheme (--head-quant is the target's alone)."""
+    return QuantScheme(options.draft_quant, options.draft_group_size, options.embedding_quant)
+
+
 def check(job: ExportJob) -> None:
     """The weight schemes, before anything is exported."""
-    o = job.options
-    check_scheme(QuantScheme(o.quant, o.group_size, o.embedding_quant), job.target.model)
+    check_scheme(target_scheme_of(job.options), job.target.model)
     if job.draft_model is not None:
-        draft_scheme = QuantScheme(o.draft_quant, o.draft_group_size, o.embedding_quant)
-        check_scheme(draft_scheme, job.draft_model.model)
+        check_scheme(draft_scheme_of(job.options), job.draft_model.model)
 
 
 def export(job: ExportJob, directory: Path) -> tuple[dict[str, ModelFile], dict]:
@@ -736,7 +748,11 @@ def export(job: ExportJob, directory: Path) -> tuple[dict[str, ModelFile], dict]
         "attention": o.attention_kernel,
     }
     draft_quant = dict(quant, scheme=o.draft_quant, group_size=o.draft_group_size)
-    draft_scheme = QuantScheme(o.draft_quant, o.draft_group_size, o.embedding_quant)
+    target_scheme = target_scheme_of(o)
+    if o.head_quant is not None:
+        quant["head"] = o.head_quant
+        quant["head_group_size"] = target_scheme.head_group_size
+    draft_scheme = draft_scheme_of(o)
     tokenizer = job.target.tokenizer
 
     def program(model: Transformer, path: Path, scheme: str, group: int, **extra) -> dict:
@@ -765,6 +781,8 @@ def export(job: ExportJob, directory: Path) -> tuple[dict[str, ModelFile], dict]
         extra["verify_width"] = o.k + 1
     if in_program:  # the draft step is a method of the target's program
         extra.update(draft_head=head, draft_scheme=draft_scheme)
+    if o.head_quant is not None:
+        extra.update(head_quant=o.head_quant, head_group_size=target_scheme.head_group_size)
     methods = program(job.target.model, directory / "target.pte", o.quant, o.group_size, **extra)
     models = {"target": ModelFile("target.pte", "", quant, methods)}
     settings: dict = {}

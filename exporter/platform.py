@@ -54,6 +54,9 @@ class ExportOptions:
     auto_schemes: tuple[str, ...] | None = None
     group_size: int | None = None
     embedding_quant: str = "8w"
+    # android: the target's LM head in a scheme of its own (None: the scheme's own head), e.g.
+    # "8da6w-avx2", 6-bit weights as llama.cpp's Q4_K_M keeps its output tensor
+    head_quant: str | None = None
     draft_quant: str | None = None  # None: as `quant`
     # the drafter's group size, decided by resolve_options: `group_size` where the drafter's
     # scheme groups its weights as the target's does (both in blocks, or both per channel),
@@ -147,6 +150,8 @@ def resolve_options(
     check_lookup(options.lookup)
     if not 0 <= options.draft_confidence < 1:
         raise UserError(f"--draft-confidence must be in [0, 1), got {options.draft_confidence}")
+    if options.head_quant is not None:
+        check_head_quant(row, options)
     if options.quant == "auto":
         schemes, ks = auto_candidates(options)
         if len(schemes) > 1 or len(ks) > 1:
@@ -182,6 +187,27 @@ def resolve_options(
         draft_quant=draft_quant,
         draft_group_size=draft_group,
     )
+
+
+def check_head_quant(row, options: ExportOptions) -> None:
+    """--head-quant: android's, a scheme an LM head takes there, with a scheme chosen."""
+    from mtp_edge.quantize.schemes import HEAD_SCHEMES
+
+    if row.name != "android":
+        raise UserError(
+            f"--head-quant is for --target android (ExecuTorch programs), not {row.name}: "
+            "drop --head-quant"
+        )
+    if options.quant == "auto":
+        raise UserError(
+            "--head-quant cannot be combined with --quant auto, which measures whole schemes: "
+            "choose the scheme with --quant, or drop --head-quant"
+        )
+    if options.head_quant not in HEAD_SCHEMES:
+        raise UserError(
+            f"--head-quant {options.head_quant} is not a head scheme: choose one of "
+            + ", ".join(HEAD_SCHEMES)
+        )
 
 
 def auto_candidates(options: ExportOptions) -> tuple[list[str], list[int]]:

@@ -33,6 +33,11 @@ from mtp_edge.model import Transformer
 from mtp_edge.platforms import MIXED_4BIT, OWN_INT8, OWN_MIXED_4BIT, PLATFORMS
 
 LINEAR_SCHEMES = ("8da4w", MIXED_4BIT, "8da8w", OWN_INT8, OWN_MIXED_4BIT, "fp32")
+# An LM head's own scheme beside those: 6-bit weights in groups of 32 (float16 scales), 8-bit
+# activations, in our kernel (`Int6Linear`, mtp_edge::linear_i6), as llama.cpp's Q4_K_M keeps
+# its output tensor in Q6_K: 0.81 of an 8-bit head's bytes.
+OWN_6BIT_HEAD = "8da6w-avx2"
+HEAD_SCHEMES = ("8da8w", OWN_INT8, OWN_6BIT_HEAD, "8da4w", "fp32")  # mtp-export --head-quant
 # 8da4w-mix's layers in 8da8w per channel (every other linear of a layer is 8da4w); the same in
 # 8da4w-mix-avx2, in our kernels.
 MIXED_EIGHT_BIT = ("k_proj", "v_proj")
@@ -53,11 +58,11 @@ _REFUSED = {
 
 
 def default_group_size(linear: str, platform: str = "android") -> int:
-    """What a scheme uses when the user gives no group size: 32 for 4-bit weights and for a
+    """What a scheme uses when the user gives no group size: 32 for 4- and 6-bit weights and for a
     platform's blockwise schemes (mtp_edge/platforms.py), else 0 = one scale per output
     channel."""
-    four_bit = linear in ("8da4w", MIXED_4BIT, OWN_MIXED_4BIT, "int4")
-    return 32 if four_bit or linear in PLATFORMS[platform].blockwise else 0
+    grouped = linear in ("8da4w", MIXED_4BIT, OWN_MIXED_4BIT, "int4", OWN_6BIT_HEAD)
+    return 32 if grouped or linear in PLATFORMS[platform].blockwise else 0
 
 
 def check_platform_scheme(platform: str, name: str, group: int) -> None:
@@ -125,7 +130,14 @@ def check_scheme(scheme: QuantScheme, model: Transformer) -> None:
     }
     _check_linear("--quant", scheme.linear, scheme.group_size, linear_inputs)
     head, head_group = scheme.head_scheme
-    _check_linear("LM head scheme", head, head_group, {"LM head": c.hidden_size})
+    if head == OWN_6BIT_HEAD:
+        from mtp_edge.ops import GROUP4
+
+        if head_group != GROUP4:
+            raise UserError(f"--head-quant {head} takes group size {GROUP4} (its kernel's group)")
+        _check_group("--head-quant", head_group, {"LM head": c.hidden_size})
+    else:
+        _check_linear("--head-quant", head, head_group, {"LM head": c.hidden_size})
     if scheme.embedding not in EMBEDDING_SCHEMES:
         raise UserError(
             f"unknown embedding quantization '{scheme.embedding}': "
@@ -196,6 +208,8 @@ def quantize_part(model: Transformer, name: str, module: nn.Module, scheme: Quan
     elif name == "lm_head":
         if head == OWN_INT8 and not is_quantized(module):
             model.lm_head = Int8Linear(module)
+        elif head == OWN_6BIT_HEAD and not is_quantized(module):
+            model.lm_head = Int6Linear(module)
         elif head != "fp32" and not is_quantized(module):
             _quantize_by_rows(module, _linear_config(head, head_group))
     elif scheme.linear == OWN_INT8:

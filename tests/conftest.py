@@ -141,13 +141,15 @@ def mtp_bundle_of(tmp_path_factory, chat_tiny_dir):
 @pytest.fixture(scope="session")
 def own_int8_bundle(tmp_path_factory, chat_tiny_dir) -> Path:
     """An android bundle of chat_tiny_dir in 8da8w-avx2 (every linear layer, the heads' too, on
-    our int8 kernel, mtp_edge::linear_i8) with random MLP heads, 256 positions and the
-    exporter's default drafting policy."""
+    our int8 kernel, mtp_edge::linear_i8) but the target's LM head in 6 bits (--head-quant
+    8da6w-avx2, mtp_edge::linear_i6), with random MLP heads, 256 positions and the exporter's
+    default drafting policy."""
 
     def build(root: Path) -> None:
         heads = save_random_heads(chat_tiny_dir, _mkdir(root) / "heads.safetensors", "none")
         args = ["--model", str(chat_tiny_dir), "--out", str(root / "bundle")]
         args += ["--max-seq-len", "256", "--quality-tokens", "0", "--quant", "8da8w-avx2"]
+        args += ["--head-quant", "8da6w-avx2"]
         export_cli(*args, "--drafter", "mtp", "--heads", str(heads))
 
     return built_once(tmp_path_factory, "own-int8", build) / "bundle"

@@ -129,7 +129,7 @@ def plain_ids(report: dict) -> list[list[int]]:
     [
         ("mtp_bundle", ("bundle", "ngram", "mtp+ngram", "none")),
         ("draft_lm_bundle", ("bundle", "draft-lm+ngram")),
-        # our int8 kernel's plain C++ version (ARM) against its AVX2 one (x86)
+        # our int8 and 6-bit kernels' plain C++ versions (ARM) against their AVX2 ones (x86)
         ("own_int8_bundle", ("bundle", "mtp+ngram")),
     ],
 )

@@ -194,7 +194,7 @@ def test_choices_are_checked_and_listed(command, args, fragment):
 
 
 def test_choices_match_the_schemes():
-    from mtp_edge.cli.export import EMBEDDING_SCHEMES
+    from mtp_edge.cli.export import EMBEDDING_SCHEMES, HEAD_SCHEMES
     from mtp_edge.platforms import PLATFORMS
     from mtp_edge.quantize import schemes
 
@@ -203,6 +203,7 @@ def test_choices_match_the_schemes():
     # every platform's schemes, and "auto": each of the platform's timed here, the fastest kept
     assert set(choices["quant"]) == every | {"auto"}
     assert EMBEDDING_SCHEMES == schemes.EMBEDDING_SCHEMES
+    assert HEAD_SCHEMES == schemes.HEAD_SCHEMES
 
 
 @pytest.mark.parametrize(

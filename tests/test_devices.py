@@ -298,6 +298,8 @@ def test_predict_drafts_on_each_device_as_its_runtime_would(bundle_8bit, tmp_pat
 def test_own_int8_bundle_is_predicted_on_the_host_only(own_int8_bundle, tmp_path):
     """An 8da8w-avx2 bundle runs our own int8 kernel, whose speed the catalog's dot-product
     figures do not describe: a catalog device is a one-line refusal, `all` is the host alone."""
+    quant = json.loads((own_int8_bundle / "manifest.json").read_text())["models"]["target"]
+    assert quant["quant"]["head"] == "8da6w-avx2"  # the manifest says what --head-quant chose
     args = ["--bundle", str(own_int8_bundle), "--device", "pixel-9"]
     line = error_line(CliRunner().invoke(predict, args))
     assert "8da8w-avx2" in line and "--device host" in line

@@ -31,7 +31,9 @@ SCHEMES = {
     "8da8w-cw": ("8da8w", 0, "8w", False),
     "8da8w-avx2-tied": ("8da8w-avx2", 0, "8w", True),  # our int8 kernel, the tied head's too
     "8da4w-mix-avx2-tied": ("8da4w-mix-avx2", 32, "8w", True),  # our 4-bit and int8 kernels
+    "8da4w-mix-avx2-head6-tied": ("8da4w-mix-avx2", 32, "8w", True),  # and a 6-bit head
 }
+HEADS = {"8da4w-mix-avx2-head6-tied": ("8da6w-avx2", 32)}  # (scheme, group) of an LM head
 VERIFY_WIDTH = 5  # the verify method (ExecuTorch kernel programs) checks k + 1 = 5 tokens
 PROMPT = [5, 9, 13, 7, 5, 9, 13, 21, 30, 5, 9, 13, 7, 5, 9, 13, 21, 30, 5, 9]  # repeats: ngram hits
 
@@ -80,6 +82,7 @@ def exported(name: str, kernel: str = "mtp"):
     beside it as JSON), the others wait for it under a file lock and read it."""
     assert _PROGRAMS, "call programs_in(tmp_path_factory) before exported()"
     linear, group, embedding, tied = SCHEMES[name]
+    head, head_group = HEADS.get(name, (None, None))
     path = _PROGRAMS[0] / f"{name}-{kernel}.pte"
     metadata = path.with_suffix(".json")
     with file_lock(path.with_suffix(".lock")):
@@ -90,6 +93,8 @@ def exported(name: str, kernel: str = "mtp"):
                 quant=linear,
                 group_size=group,
                 embedding_quant=embedding,
+                head_quant=head,
+                head_group_size=head_group,
                 max_seq_len=MAX_SEQ_LEN,
                 max_chunk=CHUNK,
                 bos_id=BOS,
@@ -114,7 +119,9 @@ def session(name: str, kernel: str = "mtp") -> ExecuTorchSession:
 @pytest.mark.parametrize("name", list(SCHEMES))
 def test_each_scheme_runs_what_the_quantized_model_computes(name):
     linear, group, embedding, tied = SCHEMES[name]
-    reference = exportable_copy(model(tied), QuantScheme(linear, group, embedding), MAX_SEQ_LEN)
+    head, head_group = HEADS.get(name, (None, None))
+    scheme = QuantScheme(linear, group, embedding, head=head, head_group_size=head_group)
+    reference = exportable_copy(model(tied), scheme, MAX_SEQ_LEN)
     program = session(name)
     for tokens, start in ((PROMPT[:CHUNK], 0), (PROMPT[CHUNK:], CHUNK), ([8], len(PROMPT))):
         logits = program.forward(tokens, start).logits
@@ -145,7 +152,7 @@ def test_the_mixed_scheme_keeps_k_v_and_the_head_in_8_bits():
 def test_the_mixed_scheme_in_our_kernels_keeps_k_v_and_the_head_in_8_bits():
     """8da4w-mix-avx2: the same split as 8da4w-mix, in our kernels: Int8Linear for k, v and the
     tied head, Int4Linear (groups of 32) for every other linear."""
-    from mtp_edge.quantize.schemes import Int4Linear, Int8Linear, quantize_model
+    from mtp_edge.quantize.schemes import Int4Linear, Int6Linear, Int8Linear, quantize_model
 
     quantized = quantize_model(model(tied=True, layers=2), QuantScheme("8da4w-mix-avx2", 32, "8w"))
     kinds = {
@@ -157,6 +164,16 @@ def test_the_mixed_scheme_in_our_kernels_keeps_k_v_and_the_head_in_8_bits():
     for name, kind in kinds.items():
         eight = name == "lm_head" or name.endswith(("k_proj", "v_proj"))
         assert kind is (Int8Linear if eight else Int4Linear), name
+    # --head-quant 8da6w-avx2: the head alone changes
+    six = QuantScheme("8da4w-mix-avx2", 32, "8w", head="8da6w-avx2", head_group_size=32)
+    quantized = quantize_model(model(tied=True, layers=2), six)
+    assert type(quantized.lm_head) is Int6Linear
+    assert six.label() == "8da4w-mix-avx2-g32 head 8da6w-avx2-g32 emb 8w-cw"
+    assert all(
+        type(module) is kinds[name]
+        for name, module in quantized.named_modules()
+        if name in kinds and name != "lm_head"
+    )
 
 
 def test_fp32_export_matches_eager_tokens_and_logits():
@@ -307,6 +324,7 @@ def test_our_kernel_computes_the_eager_attention():
         "8da8w-cw",
         "8da8w-avx2-tied",
         "8da4w-mix-avx2-tied",
+        "8da4w-mix-avx2-head6-tied",
     ],
 )
 @pytest.mark.parametrize("k", [2, 4, 7])
@@ -334,9 +352,13 @@ def test_programs_of_our_linears_need_no_xnnpack():
     has no XNNPACK delegate (a call of fixed cost for a few element-wise ops, ~5 a layer);
     XNNPACK's schemes keep theirs and the stock glue."""
     glue = {"mtp_edge::rms_norm", "mtp_edge::rope", "mtp_edge::swiglu"}
-    for name in ("8da8w-avx2-tied", "8da4w-mix-avx2-tied"):
+    for name in ("8da8w-avx2-tied", "8da4w-mix-avx2-tied", "8da4w-mix-avx2-head6-tied"):
         operators, delegates = program_plan(exported(name)[0])
         assert glue <= operators and delegates == 0, (name, operators)
+    # the 6-bit head is our op, and the only one
+    operators, _ = program_plan(exported("8da4w-mix-avx2-head6-tied")[0])
+    assert "mtp_edge::linear_i6" in operators
+    assert "mtp_edge::linear_i6" not in program_plan(exported("8da4w-mix-avx2-tied")[0])[0]
     operators, delegates = program_plan(exported("8da8w-cw")[0])
     assert not glue & operators and delegates > 0
 
@@ -393,14 +415,36 @@ def test_metadata_methods():
     ],
 )
 def test_bad_scheme_is_a_user_error(tmp_path, quant, group, embedding, message):
+    bad_scheme(tmp_path, message, quant=quant, group_size=group, embedding_quant=embedding)
+
+
+@pytest.mark.parametrize(
+    "head, group, message",
+    [
+        ("8da6w-avx2", 64, "--head-quant 8da6w-avx2 takes group size 32"),
+        ("8da8w", 32, "--group-size 0"),
+        ("int3", 0, "unknown quantization scheme 'int3'"),
+    ],
+)
+def test_bad_head_scheme_is_a_user_error(tmp_path, head, group, message):
+    bad_scheme(
+        tmp_path,
+        message,
+        quant="8da4w-mix-avx2",
+        group_size=32,
+        embedding_quant="8w",
+        head_quant=head,
+        head_group_size=group,
+    )
+
+
+def bad_scheme(tmp_path, message: str, **scheme) -> None:
     path = tmp_path / "x.pte"
     with pytest.raises(UserError, match=message):
         export_program(
             model(),
             path,
-            quant=quant,
-            group_size=group,
-            embedding_quant=embedding,
+            **scheme,
             max_seq_len=MAX_SEQ_LEN,
             max_chunk=CHUNK,
             bos_id=BOS,

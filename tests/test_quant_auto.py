@@ -162,6 +162,18 @@ def test_auto_candidates_and_refusals(monkeypatch):
             resolve_options(wrong, lambda _: None)
 
 
+def test_head_quant_is_androids_and_not_with_auto():
+    six = ExportOptions(quant="8da4w-mix-avx2", head_quant="8da6w-avx2")
+    assert resolve_options(six, lambda _: None).head_quant == "8da6w-avx2"
+    for wrong, fragment in [
+        (replace(six, platform="onnx", quant="8da4w"), "--head-quant is for --target android"),
+        (replace(six, quant="auto"), "--head-quant cannot be combined with --quant auto"),
+        (replace(six, head_quant="int4"), "--head-quant int4 is not a head scheme: choose one"),
+    ]:
+        with pytest.raises(UserError, match=fragment):
+            resolve_options(wrong, lambda _: None)
+
+
 def test_one_scheme_and_a_given_k_is_no_search(monkeypatch):
     solo = Platform(
         name="solo",

@@ -10,6 +10,8 @@ from mtp_edge.cli.common import OneLineErrors, say
 from mtp_edge.platforms import PLATFORMS, every_scheme
 
 EMBEDDING_SCHEMES = ("8w", "4w", "none")  # quantize.schemes.EMBEDDING_SCHEMES (imports torch)
+# quantize.schemes.HEAD_SCHEMES, likewise
+HEAD_SCHEMES = ("8da8w", "8da8w-avx2", "8da6w-avx2", "8da4w", "fp32")
 
 
 class TableChoice(click.Choice):
@@ -87,6 +89,15 @@ def _schemes_help() -> str:
     default="8w",
     show_default=True,
     help="Embedding table weights (android only).",
+)
+@click.option(
+    "--head-quant",
+    type=click.Choice(HEAD_SCHEMES),
+    default=None,
+    help="android: the target's LM head in a scheme of its own (default: the --quant scheme's "
+    "head, 8-bit in the mixed schemes); 8da6w-avx2: 6-bit weights in groups of 32 in "
+    "mtp-edge's own kernel, as llama.cpp's Q4_K_M keeps its output tensor (0.81 of an 8-bit "
+    "head's bytes).",
 )
 @click.option(
     "--draft-quant",
