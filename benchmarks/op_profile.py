@@ -40,6 +40,7 @@ CATEGORIES = [
     ("linear int4 (QD8 x QB4W/QC4W)", "the same with 4-bit weights"),
     ("linear int8 (mtp_edge::linear_i8)", "8da8w-avx2's layers: our int8 kernel, 6-row tile"),
     ("linear int4 (mtp_edge::linear_i4)", "8da4w-mix-avx2's 4-bit layers: our kernel, 6-row tile"),
+    ("linear int6 (mtp_edge::linear_i6)", "a 6-bit LM head (8da4w-mix-avx2's): our kernel, 6 rows"),
     ("linear fp32", "float GEMMs: the RoPE rotation and the norms' mean, as small products"),
     ("xnnpack element-wise", "norms, SwiGLU, residual adds, reshapes inside the delegate"),
     ("delegate glue", "inside delegate calls, not inside any XNNPACK operator"),
@@ -68,6 +69,8 @@ def category(name: str, delegated: bool) -> str | None:
         return "linear int8 (mtp_edge::linear_i8)"
     if "linear_i4" in name:
         return "linear int4 (mtp_edge::linear_i4)"
+    if "linear_i6" in name:
+        return "linear int6 (mtp_edge::linear_i6)"
     if "sdpa" in name:
         return "attention (mtp_edge::sdpa)"
     if any(op in name for op in ("rms_norm", "rope", "swiglu")):

@@ -7,7 +7,9 @@ CPU without an int8 dot product; `8da4w-mix` is 8da4w with each layer's k and v 
 the LM head in 8da8w per channel (the tensors whose 4-bit rounding costs the most perplexity:
 Qwen2.5-Coder-0.5B x1.00 against 8da4w's x1.05; benchmarks/README.md, "4-bit layers, 8-bit k, v
 and head"); `8da4w-mix-avx2` is 8da4w-mix in our own kernels (`Int4Linear`, mtp_edge::linear_i4,
-for its 4-bit layers in groups of 32; `Int8Linear` for k, v and the head), 6 rows per pass where
+for its 4-bit layers in groups of 32; `Int8Linear` for k and v) with the LM head in 6 bits
+(`Int6Linear`, mtp_edge::linear_i6, as llama.cpp's Q4_K_M keeps its output tensor in Q6_K:
+`--head-quant 8da8w-avx2` keeps it in 8), 6 rows per pass where
 XNNPACK's groupwise 4-bit GEMM takes 3 on AVX2. The embedding table gets weight-only `8w` /
 `4w`, or `none`.
 These are the forms ExecuTorch 1.5's XNNPACK partitioner lowers to its integer GEMMs, and
@@ -95,7 +97,7 @@ class QuantScheme:
             if self.linear == MIXED_4BIT:
                 return "8da8w", 0
             if self.linear == OWN_MIXED_4BIT:
-                return OWN_INT8, 0
+                return OWN_6BIT_HEAD, 32
             return self.linear, self.group_size
         group = self.group_size if self.head_group_size is None else self.head_group_size
         return self.head, group

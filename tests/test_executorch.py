@@ -31,9 +31,9 @@ SCHEMES = {
     "8da8w-cw": ("8da8w", 0, "8w", False),
     "8da8w-avx2-tied": ("8da8w-avx2", 0, "8w", True),  # our int8 kernel, the tied head's too
     "8da4w-mix-avx2-tied": ("8da4w-mix-avx2", 32, "8w", True),  # our 4-bit and int8 kernels
-    "8da4w-mix-avx2-head6-tied": ("8da4w-mix-avx2", 32, "8w", True),  # and a 6-bit head
+    "8da4w-mix-avx2-head8-tied": ("8da4w-mix-avx2", 32, "8w", True),  # and an 8-bit head
 }
-HEADS = {"8da4w-mix-avx2-head6-tied": ("8da6w-avx2", 32)}  # (scheme, group) of an LM head
+HEADS = {"8da4w-mix-avx2-head8-tied": ("8da8w-avx2", 0)}  # (scheme, group) of an LM head
 VERIFY_WIDTH = 5  # the verify method (ExecuTorch kernel programs) checks k + 1 = 5 tokens
 PROMPT = [5, 9, 13, 7, 5, 9, 13, 21, 30, 5, 9, 13, 7, 5, 9, 13, 21, 30, 5, 9]  # repeats: ngram hits
 
@@ -149,12 +149,14 @@ def test_the_mixed_scheme_keeps_k_v_and_the_head_in_8_bits():
         assert (dtype, block) == ((torch.int8, 128) if eight else (torch.int4, 32)), name
 
 
-def test_the_mixed_scheme_in_our_kernels_keeps_k_v_and_the_head_in_8_bits():
-    """8da4w-mix-avx2: the same split as 8da4w-mix, in our kernels: Int8Linear for k, v and the
-    tied head, Int4Linear (groups of 32) for every other linear."""
+def test_the_mixed_scheme_in_our_kernels_keeps_k_v_in_8_bits_and_the_head_in_6():
+    """8da4w-mix-avx2: 8da4w-mix's split in our kernels, Int8Linear for k and v, Int4Linear
+    (groups of 32) for every other linear, and the tied head in 6 bits (Int6Linear), as Q4_K_M
+    keeps its output tensor; --head-quant 8da8w-avx2 gives it 8 bits and changes nothing else."""
     from mtp_edge.quantize.schemes import Int4Linear, Int6Linear, Int8Linear, quantize_model
 
-    quantized = quantize_model(model(tied=True, layers=2), QuantScheme("8da4w-mix-avx2", 32, "8w"))
+    scheme = QuantScheme("8da4w-mix-avx2", 32, "8w")
+    quantized = quantize_model(model(tied=True, layers=2), scheme)
     kinds = {
         name: type(module)
         for name, module in quantized.named_modules()
@@ -162,13 +164,12 @@ def test_the_mixed_scheme_in_our_kernels_keeps_k_v_and_the_head_in_8_bits():
     }
     assert len(kinds) == 2 * 7 + 1
     for name, kind in kinds.items():
-        eight = name == "lm_head" or name.endswith(("k_proj", "v_proj"))
-        assert kind is (Int8Linear if eight else Int4Linear), name
-    # --head-quant 8da6w-avx2: the head alone changes
-    six = QuantScheme("8da4w-mix-avx2", 32, "8w", head="8da6w-avx2", head_group_size=32)
-    quantized = quantize_model(model(tied=True, layers=2), six)
-    assert type(quantized.lm_head) is Int6Linear
-    assert six.label() == "8da4w-mix-avx2-g32 head 8da6w-avx2-g32 emb 8w-cw"
+        want = Int8Linear if name.endswith(("k_proj", "v_proj")) else Int4Linear
+        assert kind is (Int6Linear if name == "lm_head" else want), name
+    assert scheme.label() == "8da4w-mix-avx2-g32 head 8da6w-avx2-g32 emb 8w-cw"
+    eight = QuantScheme("8da4w-mix-avx2", 32, "8w", head="8da8w-avx2", head_group_size=0)
+    quantized = quantize_model(model(tied=True, layers=2), eight)
+    assert type(quantized.lm_head) is Int8Linear
     assert all(
         type(module) is kinds[name]
         for name, module in quantized.named_modules()
@@ -324,7 +325,7 @@ def test_our_kernel_computes_the_eager_attention():
         "8da8w-cw",
         "8da8w-avx2-tied",
         "8da4w-mix-avx2-tied",
-        "8da4w-mix-avx2-head6-tied",
+        "8da4w-mix-avx2-head8-tied",
     ],
 )
 @pytest.mark.parametrize("k", [2, 4, 7])
@@ -352,13 +353,13 @@ def test_programs_of_our_linears_need_no_xnnpack():
     has no XNNPACK delegate (a call of fixed cost for a few element-wise ops, ~5 a layer);
     XNNPACK's schemes keep theirs and the stock glue."""
     glue = {"mtp_edge::rms_norm", "mtp_edge::rope", "mtp_edge::swiglu"}
-    for name in ("8da8w-avx2-tied", "8da4w-mix-avx2-tied", "8da4w-mix-avx2-head6-tied"):
+    for name in ("8da8w-avx2-tied", "8da4w-mix-avx2-tied", "8da4w-mix-avx2-head8-tied"):
         operators, delegates = program_plan(exported(name)[0])
         assert glue <= operators and delegates == 0, (name, operators)
-    # the 6-bit head is our op, and the only one
-    operators, _ = program_plan(exported("8da4w-mix-avx2-head6-tied")[0])
-    assert "mtp_edge::linear_i6" in operators
-    assert "mtp_edge::linear_i6" not in program_plan(exported("8da4w-mix-avx2-tied")[0])[0]
+    # 8da4w-mix-avx2's 6-bit head is our op; --head-quant 8da8w-avx2 leaves none of it
+    assert "mtp_edge::linear_i6" in program_plan(exported("8da4w-mix-avx2-tied")[0])[0]
+    operators = program_plan(exported("8da4w-mix-avx2-head8-tied")[0])[0]
+    assert "mtp_edge::linear_i6" not in operators and "mtp_edge::linear_i8" in operators
     operators, delegates = program_plan(exported("8da8w-cw")[0])
     assert not glue & operators and delegates > 0
 
