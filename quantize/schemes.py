@@ -384,9 +384,19 @@ def quantize_modules(module: nn.Module, scheme: QuantScheme) -> nn.Module:
         own_int8_linears(module)
     elif scheme.linear == OWN_MIXED_4BIT:
         own_mixed_linears(module)
+    elif scheme.linear == OWN_6BIT_HEAD:  # a head's scheme, given to the head's holder
+        _replace_linears(module, Int6Linear)
     elif scheme.linear != "fp32":
         _quantize_linears(module, scheme)
     return module
+
+
+def _replace_linears(module: nn.Module, kind: type) -> None:
+    for name, child in module.named_children():
+        if isinstance(child, nn.Linear) and not is_quantized(child):
+            setattr(module, name, kind(child))
+        else:
+            _replace_linears(child, kind)
 
 
 def _embedding_config(scheme: QuantScheme):

@@ -103,3 +103,13 @@ def test_avx2_and_plain_versions_give_the_same_bits(tmp_path):
 def test_a_width_that_is_not_a_multiple_of_the_group_is_refused():
     with pytest.raises(ValueError, match="multiple of 32"):
         Int6Linear(nn.Linear(40, 16))
+
+
+def test_a_heads_holder_gets_the_6_bit_layer():
+    """quantize_modules with the head's scheme (as benchmarks/int8_linears.py gives a head)."""
+    from mtp_edge.quantize.schemes import QuantScheme, quantize_modules
+
+    holder = nn.Module()
+    holder.head = nn.Linear(64, 40, bias=False)
+    quantize_modules(holder, QuantScheme(*QuantScheme("8da4w-mix-avx2", 32).head_scheme, "none"))
+    assert type(holder.head) is Int6Linear
