@@ -36,7 +36,7 @@ from mtp_edge.devices.cost import BundleCost, bundle_cost
 from mtp_edge.errors import UserError
 from mtp_edge.machine import INT8_PATHS, int8_path
 from mtp_edge.manifest import Manifest
-from mtp_edge.platforms import OWN_KERNEL_SCHEMES
+from mtp_edge.platforms import OWN_KERNEL_HEADS, OWN_KERNEL_SCHEMES
 from mtp_edge.runtime.assemble import k_for_int8_path, target_scheme
 
 # CPU read streams on phone SoCs reach about this fraction of the LPDDR peak (assumption; the
@@ -589,7 +589,16 @@ def predict_bundle(bundle, device_names, from_bench, command: str, progress) -> 
     cost = bundle_cost(bundle)
     manifest = Manifest.load(bundle, verify=False)
     scheme = target_scheme(manifest)
-    if scheme in OWN_KERNEL_SCHEMES and any(not d.measured for d in chosen):
+    head = (
+        ((manifest.models["target"].quant or {}).get("head"))
+        if "target" in manifest.models
+        else None
+    )
+    if head in OWN_KERNEL_HEADS:  # an XNNPACK scheme with its LM head in our kernel
+        scheme = f"{scheme}, its LM head in {head}"
+    if (scheme in OWN_KERNEL_SCHEMES or head in OWN_KERNEL_HEADS) and any(
+        not d.measured for d in chosen
+    ):
         # The catalog's int8 rates are of the CPUs' dot-product instructions, which XNNPACK's
         # kernels use; these schemes' kernels have AVX2 versions (VPMADDWD, VPMADDUBSW) and plain
         # C++ loops

@@ -87,6 +87,11 @@ MIXED_4BIT = "8da4w-mix"
 OWN_MIXED_4BIT = "8da4w-mix-avx2"
 # Schemes whose every linear layer runs a kernel of ours (6 rows per pass, ops.LINEAR_I8_ROWS).
 OWN_KERNEL_SCHEMES = (OWN_INT8, OWN_MIXED_4BIT)
+# An LM head's own scheme (mtp-export --head-quant; 8da4w-mix-avx2's head): 6-bit weights in
+# groups of 32, in our kernel mtp_edge::linear_i6 (quantize/schemes.py).
+OWN_6BIT_HEAD = "8da6w-avx2"
+# LM head schemes whose kernel is ours, beside any scheme's layers.
+OWN_KERNEL_HEADS = (OWN_6BIT_HEAD, OWN_INT8)
 
 
 def register(platform: Platform) -> Platform:

@@ -32,13 +32,13 @@ from torch import nn
 
 from mtp_edge.errors import UserError
 from mtp_edge.model import Transformer
-from mtp_edge.platforms import MIXED_4BIT, OWN_INT8, OWN_MIXED_4BIT, PLATFORMS
+from mtp_edge.platforms import MIXED_4BIT, OWN_6BIT_HEAD, OWN_INT8, OWN_MIXED_4BIT, PLATFORMS
 
 LINEAR_SCHEMES = ("8da4w", MIXED_4BIT, "8da8w", OWN_INT8, OWN_MIXED_4BIT, "fp32")
-# An LM head's own scheme beside those: 6-bit weights in groups of 32 (float16 scales), 8-bit
-# activations, in our kernel (`Int6Linear`, mtp_edge::linear_i6), as llama.cpp's Q4_K_M keeps
-# its output tensor in Q6_K: 0.81 of an 8-bit head's bytes.
-OWN_6BIT_HEAD = "8da6w-avx2"
+# What mtp-export --head-quant offers an LM head: linear schemes, and OWN_6BIT_HEAD (6-bit
+# weights in groups of 32, float16 scales, 8-bit activations, in our kernel: `Int6Linear`,
+# mtp_edge::linear_i6, as llama.cpp's Q4_K_M keeps its output tensor in Q6_K; 0.81 of an
+# 8-bit head's bytes).
 HEAD_SCHEMES = ("8da8w", OWN_INT8, OWN_6BIT_HEAD, "8da4w", "fp32")  # mtp-export --head-quant
 # 8da4w-mix's layers in 8da8w per channel (every other linear of a layer is 8da4w); the same in
 # 8da4w-mix-avx2, in our kernels.

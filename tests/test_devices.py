@@ -322,6 +322,21 @@ def test_held_out_tau_at_a_smaller_k_adds_up_its_positions():
     assert "k = 3" in roofline.acceptance_from(None, manifest, 3)["source"]
 
 
+def test_an_lm_head_in_our_kernel_is_predicted_on_the_host_only(bundle, copy_bundle):
+    """An XNNPACK scheme whose head is ours (--head-quant 8da6w-avx2): the catalog's figures
+    do not describe that kernel either (the manifest edited to say so)."""
+    edited = copy_bundle(bundle, "head6")
+    path = edited / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["models"]["target"]["quant"]["head"] = "8da6w-avx2"
+    path.write_text(json.dumps(manifest))
+    line = error_line(CliRunner().invoke(predict, ["--bundle", str(edited), "--device", "pixel-9"]))
+    assert "its LM head in 8da6w-avx2" in line and "--device host" in line
+    assert (
+        CliRunner().invoke(predict, ["--bundle", str(bundle), "--device", "pixel-9"]).exit_code == 0
+    )
+
+
 def test_predict_refuses_a_file_that_is_not_a_bench_report(bundle, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
