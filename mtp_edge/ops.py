@@ -328,53 +328,25 @@ def define() -> None:
         out.resize_(q.shape).copy_(attention(q, k_cache, v_cache, int(start_pos)))
         return out
 
-    lib.define(
-        "linear_i8(Tensor input, Tensor weight, Tensor weight_scale, Tensor weight_sum, "
-        "Tensor? bias) -> Tensor"
-    )
-    lib.define(
-        "linear_i8.out(Tensor input, Tensor weight, Tensor weight_scale, Tensor weight_sum, "
-        "Tensor? bias, *, Tensor(a!) out) -> Tensor(a!)"
-    )
+    # The linears: the same signature; the output's width is weight_sum's (one per channel).
+    arguments = "Tensor input, Tensor weight, Tensor weight_scale, Tensor weight_sum, Tensor? bias"
+    for name, reference in (
+        ("linear_i8", linear_i8),
+        ("linear_i4", linear_i4),
+        ("linear_i6", linear_i6),
+    ):
 
-    def linear_out(x, weight, weight_scale, weight_sum, bias, *, out):
-        result = linear_i8(x, weight, weight_scale, weight_sum, bias)
-        out.resize_(result.shape).copy_(result)
-        return out
+        def linear_out(x, weight, weight_scale, weight_sum, bias, *, out, reference=reference):
+            result = reference(x, weight, weight_scale, weight_sum, bias)
+            out.resize_(result.shape).copy_(result)
+            return out
 
-    def linear_meta(x, weight, weight_scale, weight_sum, bias):
-        return x.new_empty((*x.shape[:-1], weight_scale.shape[0]))
-
-    lib.define(
-        "linear_i4(Tensor input, Tensor weight, Tensor weight_scale, Tensor weight_sum, "
-        "Tensor? bias) -> Tensor"
-    )
-    lib.define(
-        "linear_i4.out(Tensor input, Tensor weight, Tensor weight_scale, Tensor weight_sum, "
-        "Tensor? bias, *, Tensor(a!) out) -> Tensor(a!)"
-    )
-
-    def linear4_out(x, weight, weight_scale, weight_sum, bias, *, out):
-        result = linear_i4(x, weight, weight_scale, weight_sum, bias)
-        out.resize_(result.shape).copy_(result)
-        return out
-
-    def linear4_meta(x, weight, weight_scale, weight_sum, bias):
-        return x.new_empty((*x.shape[:-1], weight_sum.shape[0]))
-
-    lib.define(
-        "linear_i6(Tensor input, Tensor weight, Tensor weight_scale, Tensor weight_sum, "
-        "Tensor? bias) -> Tensor"
-    )
-    lib.define(
-        "linear_i6.out(Tensor input, Tensor weight, Tensor weight_scale, Tensor weight_sum, "
-        "Tensor? bias, *, Tensor(a!) out) -> Tensor(a!)"
-    )
-
-    def linear6_out(x, weight, weight_scale, weight_sum, bias, *, out):
-        result = linear_i6(x, weight, weight_scale, weight_sum, bias)
-        out.resize_(result.shape).copy_(result)
-        return out
+        lib.define(f"{name}({arguments}) -> Tensor")
+        lib.define(f"{name}.out({arguments}, *, Tensor(a!) out) -> Tensor(a!)")
+        lib.impl(name, reference, "CPU")
+        lib.impl(f"{name}.out", linear_out, "CPU")
+        lib.impl(name, lambda x, w, s, t, b: x.new_empty((*x.shape[:-1], t.shape[0])), "Meta")
+        lib.impl(f"{name}.out", lambda x, w, s, t, b, *, out: out, "Meta")
 
     lib.define("rms_norm(Tensor input, Tensor weight, float eps) -> Tensor")
     lib.define(
@@ -395,18 +367,6 @@ def define() -> None:
         lib.impl(f"{name}.out", out_of, "CPU")
         lib.impl(name, lambda first, *rest: torch.empty_like(first), "Meta")
         lib.impl(f"{name}.out", lambda *args, out: out, "Meta")
-    lib.impl("linear_i4", linear_i4, "CPU")
-    lib.impl("linear_i4.out", linear4_out, "CPU")
-    lib.impl("linear_i4", linear4_meta, "Meta")
-    lib.impl("linear_i4.out", lambda x, w, s, t, b, *, out: out, "Meta")
-    lib.impl("linear_i6", linear_i6, "CPU")
-    lib.impl("linear_i6.out", linear6_out, "CPU")
-    lib.impl("linear_i6", linear4_meta, "Meta")
-    lib.impl("linear_i6.out", lambda x, w, s, t, b, *, out: out, "Meta")
-    lib.impl("linear_i8", linear_i8, "CPU")
-    lib.impl("linear_i8.out", linear_out, "CPU")
-    lib.impl("linear_i8", linear_meta, "Meta")
-    lib.impl("linear_i8.out", lambda x, w, s, t, b, *, out: out, "Meta")
     lib.impl("sdpa", functional, "CPU")
     lib.impl("sdpa.out", out_variant, "CPU")
     lib.impl("sdpa", lambda q, k, v, s: torch.empty_like(q), "Meta")
