@@ -250,33 +250,30 @@ def pack_weight6(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, to
     rows, groups = -(-n // BLOCK) * BLOCK, k // GROUP4
     u = torch.full((rows, k), 32, dtype=torch.uint8)
     u[:n] = (q.to(torch.int16) + 32).to(torch.uint8)
-    low = (u & 15).view(rows // BLOCK, 2, 8, groups, GROUP4 // 4, 4).permute(0, 3, 4, 2, 5, 1)
-    low = (low[..., 0] | (low[..., 1] << 4)).reshape(rows // BLOCK, groups, 256)
+    padded = torch.zeros(rows, groups, dtype=torch.float16)
+    padded[:n] = scale
+    # The low 4 bits and the scales: pack_weight4's layout of (u & 15) - 8, every row given.
+    low, scales = pack_weight4((u & 15).to(torch.int8) - 8, padded)
     # [block, half, m, l, group, quad, i] -> [block, group, quad, l, i, m, half]
     top = (u >> 4).view(rows // BLOCK, 2, 2, 4, groups, GROUP4 // 4, 4).permute(0, 4, 5, 3, 6, 2, 1)
     top = top.reshape(rows // BLOCK, groups, GROUP4 // 4, 16, 4)
     top = top[..., 0] | (top[..., 1] << 2) | (top[..., 2] << 4) | (top[..., 3] << 6)
+    low = low.view(rows // BLOCK, groups, 256)
     packed = torch.cat([low, top.reshape(rows // BLOCK, groups, 128)], -1)
-    s = torch.zeros(rows, groups, dtype=torch.float16)
-    s[:n] = scale
-    s = s.view(rows // BLOCK, BLOCK, groups).transpose(1, 2)
-    return packed.contiguous().view(-1), s.contiguous().view(-1)
+    return packed.contiguous().view(-1), scales
 
 
 def unpack_weight6(packed: torch.Tensor, scales: torch.Tensor, n: int, k: int):
     """pack_weight6's inverse: (values int8 [n, k] in [-32, 31], float16 scales [n, k / 32])."""
     rows, groups = -(-n // BLOCK) * BLOCK, k // GROUP4
     both = packed.view(rows // BLOCK, groups, 384)
-    low = both[..., :256].reshape(rows // BLOCK, groups, GROUP4 // 4, 8, 4, 1)
-    low = torch.cat([low & 15, low >> 4], -1)  # [block, group, quad, l, i, half]
-    low = low.permute(0, 5, 3, 1, 2, 4).reshape(rows, k)
+    low, scale = unpack_weight4(both[..., :256].contiguous().view(-1), scales, rows, k)
     top = both[..., 256:].reshape(rows // BLOCK, groups, GROUP4 // 4, 4, 4, 1)
     top = torch.cat([(top >> s) & 3 for s in (0, 2, 4, 6)], -1)  # [..., l, i, m * 2 + half]
     top = top.view(rows // BLOCK, groups, GROUP4 // 4, 4, 4, 2, 2)
     top = top.permute(0, 6, 5, 3, 1, 2, 4).reshape(rows, k)  # [block, half, m, l, group, quad, i]
-    q = (low | (top << 4))[:n].to(torch.int8) - 32
-    s = scales.view(rows // BLOCK, groups, BLOCK).transpose(1, 2).reshape(rows, groups)[:n]
-    return q, s
+    q = ((low + 8).to(torch.int16) | (top.to(torch.int16) << 4))[:n].to(torch.int8) - 32
+    return q, scale[:n]
 
 
 def linear_i6(x, weight, weight_scale, weight_sum, bias=None, cells: int = 1 << 25):
